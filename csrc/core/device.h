@@ -1,0 +1,60 @@
+// Where session state lives: memory allocation, copies and fills on one device,
+// ordered on a stream. The engine only talks to this interface, so CPU and CUDA
+// share every other line of the core.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace aoti_sessions {
+
+enum class DeviceKind { kCpu, kCuda };
+
+// A parsed device string: "cpu", "cuda", "cuda:N".
+struct DeviceSpec {
+  DeviceKind kind = DeviceKind::kCpu;
+  int index = 0;  // -1 for "cuda" without an index until resolved
+
+  // Throws kInvalidArgument for anything else than the forms above.
+  static DeviceSpec Parse(const std::string& device);
+  std::string ToString() const;
+};
+
+// Stream handle of the device runtime (cudaStream_t on CUDA; unused on CPU).
+using StreamHandle = void*;
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  const DeviceSpec& spec() const { return spec_; }
+  // The shim's device-type code for tensors on this device.
+  virtual int32_t torch_device_type() const = 0;
+
+  // Allocates `bytes` (aligned to at least 256 bytes). Throws kDevice on failure
+  // with the runtime's message; nothing stays allocated.
+  virtual void* Allocate(size_t bytes) = 0;
+  // Frees `ptr` once the work queued on `stream` so far has finished, without
+  // blocking the host.
+  virtual void Free(void* ptr, StreamHandle stream) = 0;
+  // Queues `dst[0:bytes] = 0` on `stream`.
+  virtual void Zero(void* dst, size_t bytes, StreamHandle stream) = 0;
+  // Queues a copy on `stream`; either side may be host or device memory.
+  virtual void Copy(void* dst, const void* src, size_t bytes, StreamHandle stream) = 0;
+  // Blocks the host until `stream` has finished its queued work.
+  virtual void Synchronize(StreamHandle stream) = 0;
+  // Whether `bytes` of device memory at `src` are all zero (synchronous; load time only).
+  bool IsZero(const void* src, size_t bytes, StreamHandle stream);
+
+ protected:
+  explicit Device(DeviceSpec spec) : spec_(spec) {}
+  DeviceSpec spec_;
+};
+
+// Opens the device. CUDA devices need a build with CUDA support; a build
+// without it throws kInvalidArgument saying so.
+std::unique_ptr<Device> OpenDevice(const DeviceSpec& spec);
+
+}  // namespace aoti_sessions

@@ -1,0 +1,98 @@
+// torch's `aoti_torch_*` C shim, resolved at run time from the libtorch_cpu
+// already loaded in the process, plus the small tensor vocabulary the core uses
+// on top of it: an owning handle and a tensor layout.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "aoti_abi.h"
+
+namespace aoti_sessions {
+
+// Function table of the shim. Every entry is required; Shim() throws a kPackage
+// Error naming the first missing symbol.
+struct TorchShim {
+  AOTITorchError (*delete_tensor_object)(AtenTensorHandle);
+  AOTITorchError (*create_tensor_from_blob)(void*, int64_t, const int64_t*, const int64_t*,
+                                            int64_t, int32_t, int32_t, int32_t,
+                                            AtenTensorHandle*);
+  AOTITorchError (*get_data_ptr)(AtenTensorHandle, void**);
+  AOTITorchError (*get_dim)(AtenTensorHandle, int64_t*);
+  AOTITorchError (*get_sizes)(AtenTensorHandle, int64_t**);
+  AOTITorchError (*get_strides)(AtenTensorHandle, int64_t**);
+  AOTITorchError (*get_storage_offset)(AtenTensorHandle, int64_t*);
+  AOTITorchError (*get_dtype)(AtenTensorHandle, int32_t*);
+  AOTITorchError (*get_device_type)(AtenTensorHandle, int32_t*);
+  AOTITorchError (*get_device_index)(AtenTensorHandle, int32_t*);
+  size_t (*dtype_element_size)(int32_t);
+  int32_t device_type_cpu;
+  int32_t device_type_cuda;
+};
+
+// The process's shim, resolved once (thread-safe). Looks in an already loaded
+// libtorch_cpu.so first (Python: `import torch` loads it), then the global scope.
+const TorchShim& Shim();
+
+// torch's name of a dtype code ("float32", "int64", ...), or "dtype(<code>)".
+std::string DtypeName(int32_t dtype);
+// Code of a dtype name as torch prints it, without "torch."; -1 if unknown.
+int32_t DtypeFromName(const std::string& name);
+
+// Sizes, strides and dtype of a tensor: what must agree for two tensors to be
+// interchangeable as a container constant.
+struct TensorLayout {
+  int32_t dtype = 0;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+
+  int64_t numel() const;
+  // Bytes of the smallest storage the layout addresses (0 for empty tensors).
+  size_t span_bytes() const;
+  // True when the layout covers its span exactly once (contiguous up to a
+  // permutation of dimensions), so its bytes can be copied as one block.
+  bool dense() const;
+  bool operator==(const TensorLayout& o) const {
+    return dtype == o.dtype && sizes == o.sizes && strides == o.strides;
+  }
+  bool operator!=(const TensorLayout& o) const { return !(*this == o); }
+  // e.g. "float32[2, 4, 128, 16] strides [8192, 2048, 16, 1]".
+  std::string ToString() const;
+};
+
+// Reads a tensor's layout through the shim; throws on a failing shim call.
+TensorLayout ReadLayout(AtenTensorHandle tensor);
+void* DataPtr(AtenTensorHandle tensor);
+int32_t DeviceType(AtenTensorHandle tensor);
+int32_t DeviceIndex(AtenTensorHandle tensor);
+
+// Unique owner of an AtenTensorHandle: deletes it through the shim.
+class OwnedTensor {
+ public:
+  OwnedTensor() = default;
+  explicit OwnedTensor(AtenTensorHandle handle) : handle_(handle) {}
+  OwnedTensor(const OwnedTensor&) = delete;
+  OwnedTensor& operator=(const OwnedTensor&) = delete;
+  OwnedTensor(OwnedTensor&& other) noexcept : handle_(other.release()) {}
+  OwnedTensor& operator=(OwnedTensor&& other) noexcept;
+  ~OwnedTensor() { reset(); }
+
+  AtenTensorHandle get() const { return handle_; }
+  AtenTensorHandle release() {
+    AtenTensorHandle h = handle_;
+    handle_ = nullptr;
+    return h;
+  }
+  void reset();
+  explicit operator bool() const { return handle_ != nullptr; }
+
+  // A tensor aliasing `data` (not owning it) with the given layout and device.
+  static OwnedTensor FromBlob(void* data, const TensorLayout& layout, int32_t device_type,
+                              int32_t device_index);
+
+ private:
+  AtenTensorHandle handle_ = nullptr;
+};
+
+}  // namespace aoti_sessions
