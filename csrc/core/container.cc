@@ -121,7 +121,10 @@ ModelLibrary::~ModelLibrary() {
 std::string ModelLibrary::LastError() const {
   const char* message = nullptr;
   if (last_error != nullptr && last_error(&message) == 0 && message != nullptr && *message) {
-    return message;
+    // c10 errors carry a C++ backtrace after the message; the message is enough.
+    std::string text = message;
+    size_t trace = text.find("\nException raised from");
+    return trace == std::string::npos ? text : text.substr(0, trace);
   }
   return "the model runtime printed the reason to stderr";
 }

@@ -13,16 +13,23 @@ model expects a contiguous input, else the exact strides it was compiled for.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, TextIO
 
 import torch
 
-from ._package import METADATA_KEY
+from ._package import METADATA_KEY, cache_dir
 
-__all__ = ["compile", "mutated_buffers", "input_specs"]
+__all__ = ["compile", "compile_cached", "mutated_buffers", "input_specs"]
 
 
 def mutated_buffers(ep: torch.export.ExportedProgram) -> list[str]:
@@ -83,3 +90,66 @@ def compile(
     out = torch._inductor.aoti_compile_and_package(ep, package_path=os.fspath(path),
                                                    inductor_configs=configs)
     return str(out)
+
+
+@contextmanager
+def _progress(message: str, stream: TextIO) -> Iterator[None]:
+    """Shows `message` with the elapsed seconds until the block ends."""
+    start = time.monotonic()
+    done = threading.Event()
+    interactive = stream.isatty()
+
+    def tick() -> None:
+        while not done.wait(1.0 if interactive else 15.0):
+            elapsed = time.monotonic() - start
+            stream.write(f"\r{message} {elapsed:.0f}s" if interactive else f"{message} {elapsed:.0f}s\n")
+            stream.flush()
+
+    stream.write(f"{message} 0s" if interactive else f"{message} ...\n")
+    stream.flush()
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        prefix = "\r" if interactive else ""
+        stream.write(f"{prefix}{message} done in {time.monotonic() - start:.0f}s\n")
+        stream.flush()
+
+
+Built = tuple[torch.nn.Module, tuple[Any, ...], Mapping[str, Any] | None]
+
+
+def compile_cached(
+    build: Callable[[], Built],
+    key: Sequence[str],
+    *,
+    name: str = "model",
+    dynamic_shapes: Any = None,
+    inductor_configs: Mapping[str, Any] | None = None,
+    progress: TextIO | None = sys.stderr,
+) -> Path:
+    """:func:`compile` the module ``build()`` returns, once: the package is cached
+    under ``cache_dir()/models``, keyed by ``key`` (say the model's source and
+    config), the torch version and the inductor configs. ``build`` runs only on
+    a cache miss."""
+    digest = hashlib.sha256()
+    for part in (torch.__version__, *key, repr(sorted((inductor_configs or {}).items())), repr(dynamic_shapes)):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    target = cache_dir() / "models" / f"{name}-{digest.hexdigest()[:24]}.pt2"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target under its own name (the package's top folder is
+    # named after the file), then move it in place atomically.
+    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+        tmp = os.path.join(staging, target.name)
+        with _progress(f"compiling {name} (cached afterwards)", progress) if progress else nullcontext():
+            module, args, kwargs = build()
+            with torch.no_grad():
+                compile(module, args, kwargs, tmp, dynamic_shapes, inductor_configs=inductor_configs)
+        os.replace(tmp, target)
+    return target

@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 
 from . import _core
 from ._package import MethodFiles, open_model
-from .errors import PackageError
+from .errors import PackageError, SessionClosedError
 
 __all__ = ["Engine", "Session"]
 
@@ -39,6 +39,7 @@ def _torch_leaks_bind_handles() -> bool:
 
 @dataclass(frozen=True)
 class _Method:
+    name: str
     index: int
     in_spec: pytree.TreeSpec | None
     out_spec: pytree.TreeSpec | None
@@ -174,7 +175,7 @@ class Engine:
         contiguous = None
         if source.inputs is not None:
             contiguous = tuple(len(s.strides) == 0 for s in source.inputs)
-        return _Method(index, in_spec, out_spec, flat_call, contiguous)
+        return _Method(name, index, in_spec, out_spec, flat_call, contiguous)
 
     # -- properties ------------------------------------------------------
     @property
@@ -274,7 +275,7 @@ class Session:
             raise TypeError(
                 f"this engine has {len(methods)} methods ({', '.join(methods)}); use session.run(name, ...)"
             )
-        return self._run(next(iter(methods.values())), "", args, kwargs)
+        return self._run(next(iter(methods.values())), args, kwargs)
 
     def run(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on this session's state, returning what the model returns."""
@@ -283,13 +284,14 @@ class Session:
             raise ValueError(
                 f"unknown method {method!r}; this engine has: {', '.join(self._engine._methods)}"
             )
-        return self._run(spec, method, args, kwargs)
+        return self._run(spec, args, kwargs)
 
-    def _run(self, method: _Method, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run(self, method: _Method, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = method.name
         if method.flat_call and not kwargs:
             flat = list(args)
         else:
-            flat = self._flatten(method, name, args, kwargs)
+            flat = self._flatten(method, args, kwargs)
         contiguous = method.contiguous
         for i, x in enumerate(flat):
             if not isinstance(x, torch.Tensor):
@@ -302,7 +304,8 @@ class Session:
         return pytree.tree_unflatten(outputs, method.out_spec)
 
     @staticmethod
-    def _flatten(method: _Method, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    def _flatten(method: _Method, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        name = method.name
         if method.in_spec is None:
             if kwargs:
                 raise TypeError(f"method '{name}' takes no keyword inputs")
@@ -326,6 +329,7 @@ class Session:
 
     def state(self) -> dict[str, torch.Tensor]:
         """A copy of every mutable buffer, by FQN, on the engine's device."""
+        self._check_open()
         out = {}
         stream = self._engine._stream()
         for i, b in enumerate(self._engine._buffers):
@@ -341,6 +345,7 @@ class Session:
         Every buffer must be given with its dtype and shape; nothing is written
         unless all of them are valid.
         """
+        self._check_open()
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping of FQN to Tensor, got {type(state).__name__}")
         buffers = self._engine._buffers
@@ -364,6 +369,11 @@ class Session:
                 t = staged
             sources.append(t)
         self._core.write_buffers(_to_handles(sources), self._engine._stream())
+
+    def _check_open(self) -> None:
+        # The core checks again under the session's lock; this only orders errors.
+        if self._core.closed:
+            raise SessionClosedError(f"session {self.id} is closed")
 
     def close(self) -> None:
         """Release the state. Waits for a run of this session in flight; idempotent."""

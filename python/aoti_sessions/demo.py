@@ -4,54 +4,20 @@ several sessions decoded step by step in turn, each checked against a solo run.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import os
 import statistics
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
 from . import models
-from ._compile import compile as compile_package
+from ._compile import compile_cached
 from ._engine import Engine, Session
-from ._package import cache_dir
 
-__all__ = ["compiled_decoder", "run_demo", "greedy_decode"]
-
-
-@contextmanager
-def _progress(message: str, stream: TextIO) -> Iterator[None]:
-    """Shows `message` with the elapsed seconds until the block ends."""
-    start = time.monotonic()
-    done = threading.Event()
-    interactive = stream.isatty()
-
-    def tick() -> None:
-        while not done.wait(1.0 if interactive else 15.0):
-            elapsed = time.monotonic() - start
-            stream.write(f"\r{message} {elapsed:.0f}s" if interactive else f"{message} {elapsed:.0f}s\n")
-            stream.flush()
-
-    stream.write(f"{message} ...\n" if not interactive else f"{message} 0s")
-    stream.flush()
-    thread = threading.Thread(target=tick, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-        prefix = "\r" if interactive else ""
-        stream.write(f"{prefix}{message} done in {time.monotonic() - start:.0f}s\n")
-        stream.flush()
+__all__ = ["compiled_decoder", "run_demo", "GreedyDecoding"]
 
 
 def compiled_decoder(
@@ -62,55 +28,61 @@ def compiled_decoder(
     inductor_configs: dict[str, Any] | None = None,
     progress: TextIO | None = sys.stderr,
 ) -> Path:
-    """The decoder for `cfg` compiled with `steps` tokens per call, from the cache
-    (keyed by torch version, model source, config and device) or compiled now."""
-    key = hashlib.sha256()
-    for part in (torch.__version__, inspect.getsource(models), repr(cfg), torch.device(device).type,
-                 str(steps), repr(sorted((inductor_configs or {}).items()))):
-        key.update(part.encode())
-    target = cache_dir() / "models" / f"decoder-{key.hexdigest()[:24]}.pt2"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    model = models.TinyDecoder(cfg).to(device).eval()
-    args = tuple(a.to(device) for a in model.example_inputs(steps))
-    fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=target.parent)
-    os.close(fd)
-    label = f"compiling the {cfg.layers}-layer decoder for {torch.device(device).type} (T={steps}, cached afterwards)"
-    try:
-        with torch.no_grad(), (_progress(label, progress) if progress else _nullcontext()):
-            compile_package(model, args, path=tmp, inductor_configs=inductor_configs)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    """The decoder for `cfg`, compiled for `device` with `steps` tokens per call;
+    cached by torch version, model source, config and device."""
+    dev = torch.device(device)
+
+    def build() -> tuple[torch.nn.Module, tuple[Any, ...], None]:
+        model = models.TinyDecoder(cfg).to(dev).eval()
+        return model, tuple(a.to(dev) for a in model.example_inputs(steps)), None
+
+    return compile_cached(
+        build,
+        (inspect.getsource(models), repr(cfg), dev.type, str(steps)),
+        name=f"decoder-{cfg.layers}l-{dev.type}-t{steps}",
+        inductor_configs=inductor_configs,
+        progress=progress,
+    )
 
 
-@contextmanager
-def _nullcontext() -> Iterator[None]:
-    yield
+class GreedyDecoding:
+    """One session decoding greedily, a token per call: `prompt` fed one token at
+    a time, then `steps` generated tokens. `method` names the engine method to
+    call (None: the engine's only one)."""
 
+    def __init__(self, session: Session, prompt: list[int], steps: int, method: str | None = None) -> None:
+        self.session = session
+        self.prompt = prompt
+        self.method = method
+        self.total = len(prompt) + steps - 1
+        self.position = 0
+        self.token = prompt[0]
+        self.generated: list[int] = []
+        self.seconds: list[float] = []  # wall time of every call
 
-def greedy_decode(session: Session, prompt: list[int], steps: int, device: torch.device,
-                  method: str | None = None) -> tuple[list[int], list[float]]:
-    """Feeds `prompt` one token at a time, then `steps` greedy tokens. Returns the
-    generated tokens and the seconds of every call."""
-    tokens: list[int] = []
-    times: list[float] = []
-    token = prompt[0]
-    for pos in range(len(prompt) + steps - 1):
-        if pos < len(prompt):
-            token = prompt[pos]
-        x = torch.tensor([[token]], device=device)
+    @property
+    def done(self) -> bool:
+        return self.position >= self.total
+
+    def step(self) -> None:
+        pos = self.position
+        if pos < len(self.prompt):
+            self.token = self.prompt[pos]
+        device = self.session.engine.device
+        x = torch.tensor([[self.token]], device=device)
         p = torch.tensor([pos], device=device)
         start = time.perf_counter()
-        logits = session.run(method, x, p) if method else session(x, p)
-        token = int(logits[0, -1].argmax())
-        times.append(time.perf_counter() - start)
-        if pos >= len(prompt) - 1:
-            tokens.append(token)
-    return tokens, times
+        logits = self.session.run(self.method, x, p) if self.method else self.session(x, p)
+        self.token = int(logits[0, -1].argmax())
+        self.seconds.append(time.perf_counter() - start)
+        if pos >= len(self.prompt) - 1:
+            self.generated.append(self.token)
+        self.position += 1
+
+    def run(self) -> list[int]:
+        while not self.done:
+            self.step()
+        return self.generated
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -132,21 +104,11 @@ def run_demo(device: str = "cpu", sessions: int = 4, steps: int = 32, out: TextI
 
     # Interleaved: every call switches to another session (sessions > 1).
     live = [engine.new_session() for _ in range(sessions)]
-    generated: list[list[int]] = [[] for _ in range(sessions)]
-    switching: list[float] = []
-    token = [p[0] for p in prompts]
+    interleaved = [GreedyDecoding(s, p, steps) for s, p in zip(live, prompts)]
     before = engine.stats()
-    for pos in range(len(prompts[0]) + steps - 1):
-        for i, s in enumerate(live):
-            if pos < len(prompts[i]):
-                token[i] = prompts[i][pos]
-            x = torch.tensor([[token[i]]], device=dev)
-            p = torch.tensor([pos], device=dev)
-            start = time.perf_counter()
-            token[i] = int(s(x, p)[0, -1].argmax())
-            switching.append(time.perf_counter() - start)
-            if pos >= len(prompts[i]) - 1:
-                generated[i].append(token[i])
+    while not interleaved[0].done:
+        for decoding in interleaved:
+            decoding.step()
     after = engine.stats()
     binds = after["binds"] - before["binds"]
     bind_seconds = (after["bind_seconds"] - before["bind_seconds"]) / max(binds, 1)
@@ -157,11 +119,13 @@ def run_demo(device: str = "cpu", sessions: int = 4, steps: int = 32, out: TextI
     # finds its session already bound.
     same: list[float] = []
     results = []
-    for i in range(sessions):
+    for i, prompt in enumerate(prompts):
         with engine.new_session() as s:
-            solo, times = greedy_decode(s, prompts[i], steps, dev)
-        same.extend(times[1:])
-        results.append(solo == generated[i])
+            solo = GreedyDecoding(s, prompt, steps)
+            solo.run()
+        same.extend(solo.seconds[1:])
+        results.append(solo.generated == interleaved[i].generated)
+    switching = [t for d in interleaved for t in d.seconds]
 
     ok = all(results)
     rows = [
@@ -174,7 +138,8 @@ def run_demo(device: str = "cpu", sessions: int = 4, steps: int = 32, out: TextI
         ("bind (switch cost)", f"{bind_seconds * 1e6:.2f} us ({binds} binds)"),
     ]
     for i, good in enumerate(results):
-        rows.append((f"session {i} vs solo", f"{'PASS' if good else 'FAIL'}  {generated[i][:8]}..."))
+        tokens = interleaved[i].generated
+        rows.append((f"session {i} vs solo", f"{'PASS' if good else 'FAIL'}  {tokens[:8]}..."))
     rows.append(("isolation", "PASS" if ok else "FAIL"))
     width = max(len(k) for k, _ in rows)
     out.write("\naoti-sessions demo\n")

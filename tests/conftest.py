@@ -1,0 +1,87 @@
+"""Shared fixtures: the test models, compiled once per run and cached.
+
+Packages live in the aoti_sessions cache (``$AOTI_SESSIONS_CACHE``, by default
+``build/test-cache`` in the repository), keyed by torch version and model
+source, so a second run compiles nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("AOTI_SESSIONS_CACHE", str(ROOT / "build" / "test-cache"))
+
+import torch  # noqa: E402
+
+import aoti_sessions as ais  # noqa: E402
+import modeldefs  # noqa: E402
+from aoti_sessions._compile import compile_cached  # noqa: E402
+from aoti_sessions.demo import compiled_decoder  # noqa: E402
+from aoti_sessions.models import SMALL, TinyDecoder  # noqa: E402
+
+# Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
+FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
+PREFILL = 8  # tokens per prefill call
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _compiled(cls: type, device: str = "cpu") -> Path:
+    def build():
+        args, kwargs = cls.example() if cls is modeldefs.KwargsModel else (cls.example(), None)
+        dev = torch.device(device)
+        module = cls().to(dev)
+        args = tuple(a.to(dev) for a in args)
+        kwargs = {k: v.to(dev) for k, v in kwargs.items()} if kwargs else None
+        return module, args, kwargs
+
+    return compile_cached(build, (inspect.getsource(modeldefs), cls.__name__, device),
+                          name=f"{cls.__name__.lower()}-{device}", inductor_configs=FAST)
+
+
+@pytest.fixture(scope="session")
+def counter_pkg() -> Path:
+    return _compiled(modeldefs.Counter)
+
+
+@pytest.fixture(scope="session")
+def counter_tall_pkg() -> Path:
+    return _compiled(modeldefs.CounterTall)
+
+
+@pytest.fixture(scope="session")
+def kwargs_pkg() -> Path:
+    return _compiled(modeldefs.KwargsModel)
+
+
+@pytest.fixture(scope="session")
+def decoder_pkg() -> Path:
+    """The demo's decoder (T=1), the very package ``aoti-sessions demo`` uses."""
+    return compiled_decoder(SMALL, "cpu")
+
+
+@pytest.fixture(scope="session")
+def prefill_pkg() -> Path:
+    return compiled_decoder(SMALL, "cpu", PREFILL, inductor_configs=FAST)
+
+
+@pytest.fixture
+def counter_engine(counter_pkg: Path):
+    with ais.Engine(counter_pkg) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def decoder_engine(decoder_pkg: Path):
+    with ais.Engine(decoder_pkg) as engine:
+        yield engine
+
+
+@pytest.fixture
+def eager_decoder() -> TinyDecoder:
+    return TinyDecoder(SMALL).eval()

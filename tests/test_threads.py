@@ -1,0 +1,120 @@
+"""Sessions used and closed from many threads."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import aoti_sessions as ais
+import modeldefs
+from aoti_sessions.demo import GreedyDecoding
+
+PROMPTS = [[1, 2, 3], [90, 80, 70], [5, 5, 5], [200, 100, 50]]
+
+
+def test_four_threads_equal_serial(decoder_engine: ais.Engine) -> None:
+    def decode(prompt: list[int]) -> tuple[list[int], dict[str, torch.Tensor]]:
+        with decoder_engine.new_session() as s:
+            d = GreedyDecoding(s, prompt, 16)
+            d.run()
+            return d.generated, s.state()
+
+    serial = [decode(p) for p in PROMPTS]
+    for _ in range(2):
+        with ThreadPoolExecutor(4) as pool:
+            threaded = list(pool.map(decode, PROMPTS))
+        for (tokens, state), (want_tokens, want_state) in zip(threaded, serial):
+            assert tokens == want_tokens
+            assert all(torch.equal(state[k], v) for k, v in want_state.items())
+
+
+def test_state_operations_race_with_runs(counter_engine: ais.Engine) -> None:
+    """Forks, resets and state reads of one session while others run."""
+    x, slot = torch.ones(1, 8), torch.tensor([1])
+    runners = [counter_engine.new_session() for _ in range(3)]
+    target = counter_engine.new_session()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run(s: ais.Session) -> None:
+        try:
+            for _ in range(300):
+                s(x, slot)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def churn() -> None:
+        try:
+            while not stop.is_set():
+                target.reset()
+                f = target.fork()
+                assert int(f.state()["hits"].sum()) == 0
+                f.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in runners] + [threading.Thread(target=churn)]
+    for t in threads:
+        t.start()
+    for t in threads[:-1]:
+        t.join()
+    stop.set()
+    threads[-1].join()
+    assert not errors, errors
+    for s in runners:
+        assert int(s.state()["hits"][1]) == 300
+        s.close()
+    target.close()
+
+
+def test_close_while_another_thread_runs(counter_engine: ais.Engine) -> None:
+    x, slot = modeldefs.Counter.example()
+    for _ in range(20):
+        s = counter_engine.new_session()
+        started = threading.Event()
+        outcome: list[str] = []
+
+        def loop() -> None:
+            try:
+                while True:
+                    s(x, slot)
+                    started.set()
+            except ais.SessionClosedError:
+                outcome.append("closed")
+            except BaseException as e:  # noqa: BLE001
+                outcome.append(repr(e))
+
+        t = threading.Thread(target=loop)
+        t.start()
+        started.wait()
+        s.close()  # waits for the run in flight, then frees the state
+        t.join()
+        assert outcome == ["closed"]
+    # The engine serves new sessions afterwards.
+    with counter_engine.new_session() as fresh:
+        fresh(x, slot)
+        assert int(fresh.state()["hits"].sum()) == 1
+
+
+def test_engine_close_while_threads_run(counter_pkg) -> None:
+    eng = ais.Engine(counter_pkg)
+    sessions = [eng.new_session() for _ in range(4)]
+    x, slot = modeldefs.Counter.example()
+    results: list[str] = []
+
+    def loop(s: ais.Session) -> None:
+        try:
+            while True:
+                s(x, slot)
+        except ais.SessionClosedError:
+            results.append("closed")
+
+    threads = [threading.Thread(target=loop, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    eng.close()
+    for t in threads:
+        t.join()
+    assert results == ["closed"] * 4
