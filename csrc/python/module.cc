@@ -5,6 +5,7 @@
 // aoti_sessions.errors. The documented API is python/aoti_sessions.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <pybind11/typing.h>
 
 #include <cstdint>
 
@@ -14,6 +15,10 @@
 
 namespace py = pybind11;
 using namespace aoti_sessions;
+
+// Typed containers, so the generated stubs say what crosses the boundary.
+using CapsuleList = py::typing::List<py::capsule>;
+using InfoDict = py::typing::Dict<py::str, py::object>;
 
 namespace {
 
@@ -39,8 +44,8 @@ std::vector<OwnedTensor> TakeHandles(const py::list& capsules) {
   return owned;
 }
 
-py::list GiveHandles(std::vector<OwnedTensor>&& tensors) {
-  py::list out;
+CapsuleList GiveHandles(std::vector<OwnedTensor>&& tensors) {
+  CapsuleList out;
   for (OwnedTensor& t : tensors) {
     // Unnamed, without destructor: the form alloc_tensors_by_stealing_from_void_ptrs takes.
     PyObject* capsule = PyCapsule_New(static_cast<void*>(t.get()), nullptr, nullptr);
@@ -74,8 +79,8 @@ void TranslateError(const Error& e) {
   PyErr_SetString(ErrorClass(name).ptr(), e.what());
 }
 
-py::dict BufferDict(const MutableBuffer& b) {
-  py::dict d;
+InfoDict BufferDict(const MutableBuffer& b) {
+  InfoDict d;
   d["fqn"] = b.fqn;
   d["dtype"] = DtypeName(b.layout.dtype);
   d["sizes"] = b.layout.sizes;
@@ -120,7 +125,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("closed", &Session::closed)
       .def(
           "run",
-          [](Session& s, size_t method, const py::list& inputs, uintptr_t stream) {
+          [](Session& s, size_t method, const CapsuleList& inputs, uintptr_t stream) {
             std::vector<OwnedTensor> owned = TakeHandles(inputs);
             std::vector<OwnedTensor> outputs;
             {
@@ -146,7 +151,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("buffer"), py::arg("dst"), py::arg("stream") = 0)
       .def(
           "write_buffers",
-          [](Session& s, const py::list& sources, uintptr_t stream) {
+          [](Session& s, const CapsuleList& sources, uintptr_t stream) {
             std::vector<OwnedTensor> owned = TakeHandles(sources);
             std::vector<AtenTensorHandle> handles;
             for (auto& t : owned) handles.push_back(t.get());
@@ -191,7 +196,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("method"))
       .def_property_readonly("mutable_buffers",
                              [](const Engine& e) {
-                               py::list out;
+                               py::typing::List<InfoDict> out;
                                for (const auto& b : e.mutable_buffers()) out.append(BufferDict(b));
                                return out;
                              })
@@ -201,7 +206,7 @@ PYBIND11_MODULE(_core, m) {
       .def("stats",
            [](const Engine& e) {
              EngineStats s = e.stats();
-             py::dict d;
+             InfoDict d;
              d["live_sessions"] = s.live_sessions;
              d["live_bytes"] = s.live_bytes;
              d["sessions_created"] = s.sessions_created;

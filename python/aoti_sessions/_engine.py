@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -22,8 +22,10 @@ log = logging.getLogger("aoti_sessions")
 
 ModelSource = str | os.PathLike[str]
 
-_to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
-_from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+# Tensors <-> owning AtenTensorHandle capsules, the only way tensors cross into
+# the core (which links no torch C++ API).
+_to_handles: Callable[[list[torch.Tensor]], list[Any]] = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+_from_handles: Callable[[list[Any]], list[torch.Tensor]] = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 
 
 def _torch_leaks_bind_handles() -> bool:
@@ -123,7 +125,7 @@ class Engine:
                     f"method '{f.name}' was compiled for {f.device_key}, "
                     f"but the engine's device is {device_str}"
                 )
-        known_mutated = sorted({fqn for d in docs if d for fqn in d.get("mutable_buffers", [])})
+        known_mutated = sorted({str(fqn) for d in docs if d for fqn in d.get("mutable_buffers", [])})
         declared = all(d is not None and "mutable_buffers" in d for d in docs)
         if mutable is not None:
             patterns: list[str] | None = list(mutable)

@@ -16,6 +16,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from .errors import PackageError
 
@@ -35,7 +36,7 @@ class MethodFiles:
     device_key: str | None  # "cpu" / "cuda" from the package, None for a raw .so
     metadata: dict[str, str] = field(default_factory=dict)
 
-    def sessions_metadata(self) -> dict[str, object] | None:
+    def sessions_metadata(self) -> dict[str, Any] | None:
         """The document ais.compile recorded, or None for foreign packages."""
         raw = self.metadata.get(METADATA_KEY)
         if raw is None:

@@ -59,6 +59,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Block(nn.Module):
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -86,11 +89,15 @@ class Block(nn.Module):
         scores = scores.masked_fill(~visible, float("-inf"))
         attn = torch.softmax(scores.float(), dim=-1).to(x.dtype) @ self.v_cache
         x = x + self.proj(attn.transpose(1, 2).reshape(b, t, cfg.dim))
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+        out: torch.Tensor = x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+        return out
 
 
 class TinyDecoder(nn.Module):
     """tokens [B, T] int64, positions [T] int64 -> logits [B, T, vocab] float32."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: DecoderConfig = SMALL) -> None:
         super().__init__()
@@ -114,7 +121,8 @@ class TinyDecoder(nn.Module):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers:
             x = layer(x, positions, cos, sin)
-        return self.head(self.norm(x)).float()
+        logits: torch.Tensor = self.head(self.norm(x)).float()
+        return logits
 
     def example_inputs(self, steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.zeros(self.cfg.batch, steps, dtype=torch.int64)

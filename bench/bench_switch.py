@@ -1,0 +1,119 @@
+"""Per-step cost of sessions and of switching between them, on the built-in decoder.
+
+Compares, in one run and on one model:
+  * a plain ``torch._inductor.aoti_load_package`` call (no sessions),
+  * an aoti_sessions session stepping alone (no bind after its first step),
+  * sessions switched every step (one bind per step),
+and the cost of one bind against torch's own ``load_constants(...,
+user_managed=True)`` from Python and against switching by copying state in/out.
+
+Configurations are measured in interleaved rounds, so drift hits all alike;
+figures are medians of per-call wall time. Prints one line per configuration.
+
+    python bench/bench_switch.py [--device cpu|cuda] [--model small|large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import aoti_sessions as ais
+from aoti_sessions import models
+from aoti_sessions.demo import compiled_decoder
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    def once(fn: Callable[[], object]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    return once
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", choices=("small", "large"), default="small")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=50, help="calls per configuration per round")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cfg = models.SMALL if args.model == "small" else models.LARGE
+    path = compiled_decoder(cfg, args.device)
+    once = _timer(device)
+
+    plain = torch._inductor.aoti_load_package(str(path))
+    engine = ais.Engine(path, device=args.device)
+    solo = engine.new_session()
+    pair = [engine.new_session(), engine.new_session()]
+    token = torch.tensor([[7]], device=device)
+    positions = [torch.tensor([p], device=device) for p in range(cfg.max_seq)]
+
+    # torch's own rebind, on a second loader so the plain one stays untouched:
+    # two sets of state tensors bound alternately.
+    rebound = torch._inductor.aoti_load_package(str(path))
+    fqns = list(engine.mutable_fqns)
+    state_sets = [s.state() for s in pair]
+    # Switching by copies: one session's state copied out, another's in.
+    live = pair[0].state()
+    parked = [s.state() for s in pair]
+
+    times: dict[str, list[float]] = {k: [] for k in ("plain", "same", "switch", "torch_bind", "copy_switch")}
+    step = 0
+    for _ in range(args.rounds):
+        for _ in range(args.steps):
+            pos = positions[step % cfg.max_seq]
+            step += 1
+            times["plain"].append(once(lambda: plain(token, pos)))
+            times["same"].append(once(lambda: solo(token, pos)))
+            s = pair[step % 2]
+            times["switch"].append(once(lambda: s(token, pos)))
+            target = state_sets[step % 2]
+            times["torch_bind"].append(
+                once(lambda: rebound.load_constants(target, check_full_update=False, user_managed=True))
+            )
+
+            def copy_switch() -> None:
+                out, into = parked[(step + 1) % 2], parked[step % 2]
+                for k in fqns:
+                    out[k].copy_(live[k])
+                    live[k].copy_(into[k])
+
+            times["copy_switch"].append(once(copy_switch))
+
+    stats = engine.stats()
+    bind = stats["bind_seconds"] / stats["binds"]
+    reclaim = stats["reclaim_seconds"] / stats["binds"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["plain"]
+    print(f"\nbench_switch: {cfg.layers}-layer decoder ({args.model}), {engine.bytes_per_session / 2**20:.2f} MiB "
+          f"state in {len(fqns)} buffers, {engine.weight_bytes / 2**20:.1f} MiB weights, {device}, "
+          f"torch {torch.__version__}, {args.rounds}x{args.steps} calls each")
+    rows = [
+        ("plain aoti_load_package call", med["plain"], f"{1.0:.3f}x plain"),
+        ("session, same every step", med["same"], f"{med['same'] / base:.3f}x plain"),
+        ("sessions, switching every step", med["switch"], f"{med['switch'] / base:.3f}x plain"),
+        ("bind on switch (ours, run path)", bind, f"{stats['binds']} binds"),
+        ("handle reclaim (ours, after run)", reclaim, "leak fix, off the bind"),
+        ("torch load_constants(user_managed)", med["torch_bind"], f"{med['torch_bind'] / bind:.1f}x our bind"),
+        ("switch by copying state out+in", med["copy_switch"], f"{med['copy_switch'] / bind:.1f}x our bind"),
+    ]
+    for name, seconds, note in rows:
+        print(f"  {name:<36} {seconds * 1e6:10.2f} us   {note}")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

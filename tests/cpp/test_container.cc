@@ -1,0 +1,89 @@
+// Model library loading and container descriptors.
+#include <gtest/gtest.h>
+
+#include "core/container.h"
+#include "core/errors.h"
+#include "test_helpers.h"
+
+namespace aoti_sessions {
+namespace {
+
+using testing::ModelPath;
+
+TEST(ModelLibrary, ResolvesTheContainerEntryPoints) {
+  auto lib = ModelLibrary::Open(ModelPath("AOTI_SESSIONS_COUNTER_SO"));
+  EXPECT_NE(lib->create_with_device, nullptr);
+  EXPECT_NE(lib->run, nullptr);
+  EXPECT_NE(lib->update_user_managed_pairs, nullptr);
+  EXPECT_TRUE(lib->extract_entries != nullptr || lib->extract_map != nullptr);
+  EXPECT_FALSE(lib->targets_cuda());
+}
+
+TEST(ModelLibrary, RefusesALibraryThatIsNoModel) {
+  try {
+    ModelLibrary::Open("libm.so.6");
+    FAIL() << "libm is not a model";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kPackage);
+    EXPECT_NE(std::string(e.what()).find("does not export AOTInductorModelContainerCreateWithDevice"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(ModelLibrary, RefusesAMissingFile) {
+  try {
+    ModelLibrary::Open("/nonexistent/model.so");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kPackage);
+    EXPECT_NE(std::string(e.what()).find("cannot load model library"), std::string::npos);
+  }
+}
+
+TEST(Container, CapturesConstantDescriptors) {
+  auto lib = ModelLibrary::Open(ModelPath("AOTI_SESSIONS_COUNTER_SO"));
+  Container container(lib, DeviceSpec::Parse("cpu"), "", true);
+  std::map<std::string, ConstantInfo> by_fqn;
+  for (const auto& c : container.constants()) by_fqn[c.fqn] = c;
+  ASSERT_TRUE(by_fqn.count("acc") && by_fqn.count("hits") && by_fqn.count("table"));
+  EXPECT_EQ(by_fqn["acc"].type, abi::ConstantType::kBuffer);
+  EXPECT_EQ(by_fqn["acc"].data_size, 4u * 8u * 4u);
+  EXPECT_EQ(by_fqn["hits"].dtype, DtypeFromName("int64"));
+  EXPECT_EQ(by_fqn["lin.weight"].type, abi::ConstantType::kParameter);
+  EXPECT_EQ(container.num_inputs(), 2u);
+  EXPECT_EQ(container.num_outputs(), 1u);
+  EXPECT_FALSE(container.in_spec().empty());
+
+  auto current = container.CurrentConstants();
+  TensorLayout acc = ReadLayout(current.at("acc"));
+  EXPECT_EQ(acc.sizes, (std::vector<int64_t>{4, 8}));
+  EXPECT_TRUE(acc.dense());
+  EXPECT_EQ(acc.span_bytes(), 128u);
+  EXPECT_EQ(static_cast<float*>(DataPtr(current.at("acc")))[0], 0.5f);
+}
+
+TEST(DeviceSpec, ParsesAndRefuses) {
+  EXPECT_EQ(DeviceSpec::Parse("cpu").kind, DeviceKind::kCpu);
+  EXPECT_EQ(DeviceSpec::Parse("cuda:3").index, 3);
+  EXPECT_EQ(DeviceSpec::Parse("cuda").index, -1);
+  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda:-1", ""}) {
+    EXPECT_THROW(DeviceSpec::Parse(bad), Error) << bad;
+  }
+}
+
+TEST(TensorLayout, Density) {
+  TensorLayout l;
+  l.dtype = DtypeFromName("float32");
+  l.sizes = {2, 3};
+  l.strides = {3, 1};
+  EXPECT_TRUE(l.dense());
+  l.strides = {1, 2};  // transposed: still dense
+  EXPECT_TRUE(l.dense());
+  l.strides = {4, 1};  // padded rows
+  EXPECT_FALSE(l.dense());
+  EXPECT_EQ(l.span_bytes(), (4u + 2u + 1u) * 4u);
+}
+
+}  // namespace
+}  // namespace aoti_sessions
