@@ -31,7 +31,7 @@ PREFILL = 8  # tokens per prefill call
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _compiled(cls: type, device: str = "cpu") -> Path:
+def _compiled(cls: type, device: str) -> Path:
     def build():
         args, kwargs = cls.example() if cls is modeldefs.KwargsModel else (cls.example(), None)
         dev = torch.device(device)
@@ -44,44 +44,69 @@ def _compiled(cls: type, device: str = "cpu") -> Path:
                           name=f"{cls.__name__.lower()}-{device}", inductor_configs=FAST)
 
 
-@pytest.fixture(scope="session")
-def counter_pkg() -> Path:
-    return _compiled(modeldefs.Counter)
+@pytest.fixture(scope="session", params=["cpu", pytest.param("cuda", marks=requires_cuda)])
+def device(request: pytest.FixtureRequest) -> str:
+    """Every test that takes it runs on the CPU and, where there is one, on a GPU."""
+    return str(request.param)
 
 
 @pytest.fixture(scope="session")
-def counter_tall_pkg() -> Path:
-    return _compiled(modeldefs.CounterTall)
+def counter_pkg(device: str) -> Path:
+    return _compiled(modeldefs.Counter, device)
 
 
 @pytest.fixture(scope="session")
-def kwargs_pkg() -> Path:
-    return _compiled(modeldefs.KwargsModel)
+def counter_cpu_pkg() -> Path:
+    """For tests about packages and arguments, where the device does not matter."""
+    return _compiled(modeldefs.Counter, "cpu")
 
 
 @pytest.fixture(scope="session")
-def decoder_pkg() -> Path:
+def counter_cuda_pkg() -> Path:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return _compiled(modeldefs.Counter, "cuda")
+
+
+@pytest.fixture(scope="session")
+def counter_tall_pkg(device: str) -> Path:
+    return _compiled(modeldefs.CounterTall, device)
+
+
+@pytest.fixture(scope="session")
+def kwargs_pkg(device: str) -> Path:
+    return _compiled(modeldefs.KwargsModel, device)
+
+
+@pytest.fixture(scope="session")
+def decoder_pkg(device: str) -> Path:
     """The demo's decoder (T=1), the very package ``aoti-sessions demo`` uses."""
-    return compiled_decoder(SMALL, "cpu")
+    return compiled_decoder(SMALL, device)
 
 
 @pytest.fixture(scope="session")
-def prefill_pkg() -> Path:
-    return compiled_decoder(SMALL, "cpu", PREFILL, inductor_configs=FAST)
+def prefill_pkg(device: str) -> Path:
+    return compiled_decoder(SMALL, device, PREFILL, inductor_configs=FAST)
 
 
 @pytest.fixture
-def counter_engine(counter_pkg: Path):
-    with ais.Engine(counter_pkg) as engine:
+def counter_engine(counter_pkg: Path, device: str):
+    with ais.Engine(counter_pkg, device=device) as engine:
         yield engine
 
 
 @pytest.fixture(scope="session")
-def decoder_engine(decoder_pkg: Path):
-    with ais.Engine(decoder_pkg) as engine:
+def decoder_engine(decoder_pkg: Path, device: str):
+    with ais.Engine(decoder_pkg, device=device) as engine:
         yield engine
 
 
 @pytest.fixture
-def eager_decoder() -> TinyDecoder:
-    return TinyDecoder(SMALL).eval()
+def eager_decoder(device: str) -> TinyDecoder:
+    return TinyDecoder(SMALL).to(device).eval()
+
+
+def counter_inputs(device: str, value: float | None = None, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counter inputs on `device`: x random (or all `value`), slot as given."""
+    x = torch.randn(1, 8) if value is None else torch.full((1, 8), value)
+    return x.to(device), torch.tensor([slot], device=device)

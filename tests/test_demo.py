@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 
-def test_demo_passes(decoder_pkg) -> None:  # the fixture compiles the demo's model once
-    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "demo", "--sessions", "3", "--steps", "10"],
+def test_demo_passes(decoder_pkg, device: str) -> None:  # the fixture compiles the demo's model once
+    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "demo", "--sessions", "3", "--steps", "10",
+                             "--device", device],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -18,8 +19,8 @@ def test_demo_passes(decoder_pkg) -> None:  # the fixture compiles the demo's mo
     assert "isolation           PASS" in out
 
 
-def test_info_command(counter_pkg) -> None:
-    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "info", str(counter_pkg)],
+def test_info_command(counter_pkg, device: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "info", str(counter_pkg), "--device", device],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "acc: float32[4, 8]" in result.stdout and "hits: int64[4] in model (zero initial)" in result.stdout

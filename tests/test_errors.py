@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import aoti_sessions as ais
-import modeldefs
+from conftest import counter_inputs, requires_cuda
 
 
 @contextmanager
 def bystander(engine: ais.Engine):
     """A session with some state that must come through unchanged and usable."""
     s = engine.new_session()
-    x, slot = torch.ones(1, 8), torch.tensor([2])
+    x, slot = counter_inputs(engine.device, 1.0, 2)
     s(x, slot)
     before = s.state()
     reference = engine.new_session()
@@ -32,79 +32,100 @@ def bystander(engine: ais.Engine):
     reference.close()
 
 
+def _x(device, shape=(1, 8), dtype=torch.float32):
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+def _slot(device, dtype=torch.int64):
+    return torch.tensor([0], dtype=dtype, device=device)
+
+
 @pytest.mark.parametrize(
-    "args, error, words",
+    "make_args, error, words",
     [
-        ((torch.randn(1, 8),), ValueError, "takes 2 tensor inputs, got 1"),
-        ((torch.randn(1, 8), torch.tensor([0]), torch.tensor([0])), ValueError, "takes 2 tensor inputs, got 3"),
-        ((torch.randn(1, 8, dtype=torch.float64), torch.tensor([0])), TypeError, "dtype float64, expected float32"),
-        ((torch.randn(1, 8), torch.tensor([0], dtype=torch.int32)), TypeError, "dtype int32, expected int64"),
-        ((torch.randn(2, 8), torch.tensor([0])), ValueError, "shape [2, 8], expected [1, 8]"),
-        ((torch.randn(8), torch.tensor([0])), ValueError, "shape [8], expected [1, 8]"),
-        ((torch.randn(1, 8, device="meta"), torch.tensor([0])), ValueError, "the engine runs on cpu"),
-        ((torch.randn(1, 8), 3), TypeError, "input 1 of method 'model' is a int"),
-        ((None, torch.tensor([0])), TypeError, "is a NoneType"),
+        (lambda d: (_x(d),), ValueError, "takes 2 tensor inputs, got 1"),
+        (lambda d: (_x(d), _slot(d), _slot(d)), ValueError, "takes 2 tensor inputs, got 3"),
+        (lambda d: (_x(d, dtype=torch.float64), _slot(d)), TypeError, "dtype float64, expected float32"),
+        (lambda d: (_x(d), _slot(d, torch.int32)), TypeError, "dtype int32, expected int64"),
+        (lambda d: (_x(d, (2, 8)), _slot(d)), ValueError, "shape [2, 8], expected [1, 8]"),
+        (lambda d: (_x(d, (8,)), _slot(d)), ValueError, "shape [8], expected [1, 8]"),
+        (lambda d: (_x("meta"), _slot(d)), ValueError, "but the engine runs on {engine}"),
+        (lambda d: (_x(d), 3), TypeError, "input 1 of method 'model' is a int"),
+        (lambda d: (None, _slot(d)), TypeError, "is a NoneType"),
     ],
 )
-def test_bad_inputs(counter_engine: ais.Engine, args, error, words) -> None:
+def test_bad_inputs(counter_engine: ais.Engine, device: str, make_args, error, words) -> None:
+    words = words.format(engine=counter_engine.device)
     with bystander(counter_engine), counter_engine.new_session() as s:
         before = s.state()
-        with pytest.raises(error, match=None) as info:
-            s(*args)
+        with pytest.raises(error) as info:
+            s(*make_args(device))
         assert words in str(info.value)
         # The failing session is untouched too: checks run before the model.
         for k, v in s.state().items():
             assert torch.equal(v, before[k])
-        s(torch.randn(1, 8), torch.tensor([0]))
+        s(*counter_inputs(device))
 
 
-def test_non_contiguous_input_is_made_contiguous(counter_engine: ais.Engine) -> None:
-    x = torch.randn(8, 1).t()  # [1, 8] with strides (1, 1)... contiguous by size-1 rule
-    wide = torch.randn(8, 2).t()[:1]  # [1, 8] with stride (1, 2): really strided
+@requires_cuda
+def test_cuda_engine_rejects_host_tensors(counter_cuda_pkg) -> None:
+    with ais.Engine(counter_cuda_pkg, device="cuda:0") as eng, bystander(eng), eng.new_session() as s:
+        with pytest.raises(ValueError, match="input 0 of method 'model' is on cpu, but the engine runs on cuda:0"):
+            s(torch.randn(1, 8), torch.tensor([0], device="cuda"))
+        with pytest.raises(ValueError, match="input 1 of method 'model' is on cpu"):
+            s(torch.randn(1, 8, device="cuda"), torch.tensor([0]))
+
+
+def test_non_contiguous_input_is_made_contiguous(counter_engine: ais.Engine, device: str) -> None:
+    x = torch.randn(8, 1, device=device).t()  # [1, 8], strides (1, 1): contiguous by the size-1 rule
+    wide = torch.randn(8, 2, device=device).t()[:1]  # [1, 8] with stride (1, 2): really strided
     assert not wide.is_contiguous()
+    slot = torch.tensor([1], device=device)
     with counter_engine.new_session() as a, counter_engine.new_session() as b:
-        assert torch.equal(a(wide, torch.tensor([1])), b(wide.contiguous(), torch.tensor([1])))
-        a(x, torch.tensor([1]))
+        assert torch.equal(a(wide, slot), b(wide.contiguous(), slot))
+        a(x, slot)
 
 
-def test_model_failure_is_a_run_error(counter_engine: ais.Engine) -> None:
-    with bystander(counter_engine), counter_engine.new_session() as s:
+def test_model_failure_is_a_run_error(counter_cpu_pkg) -> None:
+    # CPU only: on a GPU an out-of-bounds index is a device-side assert, which
+    # poisons the whole CUDA context (nothing a runtime can recover from).
+    with ais.Engine(counter_cpu_pkg) as engine, bystander(engine), engine.new_session() as s:
         with pytest.raises(ais.RunError, match="index out of bounds"):
-            s(torch.randn(1, 8), torch.tensor([100]))
-        s(torch.randn(1, 8), torch.tensor([1]))  # still usable
+            s(*counter_inputs("cpu", slot=100))
+        s(*counter_inputs("cpu", slot=1))  # still usable
 
 
-def test_unknown_method(counter_engine: ais.Engine) -> None:
+def test_unknown_method(counter_engine: ais.Engine, device: str) -> None:
     with counter_engine.new_session() as s:
         with pytest.raises(ValueError, match="unknown method 'decode'; this engine has: model"):
-            s.run("decode", torch.randn(1, 8), torch.tensor([0]))
+            s.run("decode", *counter_inputs(device))
 
 
-def test_closed_session(counter_engine: ais.Engine) -> None:
+def test_closed_session(counter_engine: ais.Engine, device: str) -> None:
     with bystander(counter_engine):
         s = counter_engine.new_session()
         s.close()
         s.close()  # idempotent
         assert s.closed
-        for call in (lambda: s(*modeldefs.Counter.example()), s.state, s.reset, s.fork,
+        for call in (lambda: s(*counter_inputs(device)), s.state, s.reset, s.fork,
                      lambda: s.load_state({})):
             with pytest.raises(ais.SessionClosedError, match="is closed"):
                 call()
 
 
-def test_closed_engine(counter_pkg) -> None:
-    eng = ais.Engine(counter_pkg)
+def test_closed_engine(counter_pkg, device: str) -> None:
+    eng = ais.Engine(counter_pkg, device=device)
     s = eng.new_session()
     eng.close()
     assert eng.closed and s.closed
     with pytest.raises(ais.SessionClosedError):
-        s(*modeldefs.Counter.example())
+        s(*counter_inputs(device))
     with pytest.raises(ais.SessionClosedError, match="engine is closed"):
         eng.new_session()
 
 
-def test_max_sessions(counter_pkg) -> None:
-    with ais.Engine(counter_pkg, max_sessions=2) as eng:
+def test_max_sessions(counter_pkg, device: str) -> None:
+    with ais.Engine(counter_pkg, device=device, max_sessions=2) as eng:
         a, b = eng.new_session(), eng.new_session()
         with bystander_running(a):
             with pytest.raises(ais.CapacityError, match="max_sessions=2 reached: 2 sessions are open"):
@@ -116,8 +137,8 @@ def test_max_sessions(counter_pkg) -> None:
         eng.new_session().close()
 
 
-def test_memory_budget(counter_pkg) -> None:
-    with ais.Engine(counter_pkg, memory_budget=1200) as eng:
+def test_memory_budget(counter_pkg, device: str) -> None:
+    with ais.Engine(counter_pkg, device=device, memory_budget=1200) as eng:
         per = eng.bytes_per_session
         sessions = [eng.new_session() for _ in range(1200 // per)]
         with pytest.raises(ais.CapacityError) as info:
@@ -132,7 +153,7 @@ def test_memory_budget(counter_pkg) -> None:
 
 @contextmanager
 def bystander_running(session: ais.Session):
-    x, slot = modeldefs.Counter.example()
+    x, slot = counter_inputs(session.engine.device)
     session(x, slot)
     before = session.state()
     yield
@@ -153,9 +174,9 @@ def bystander_running(session: ais.Session):
         ([("acc", torch.zeros(4, 8))], TypeError, "must be a mapping"),
     ],
 )
-def test_bad_state(counter_engine: ais.Engine, state, error, words) -> None:
+def test_bad_state(counter_engine: ais.Engine, device: str, state, error, words) -> None:
     with bystander(counter_engine), counter_engine.new_session() as s:
-        s(*modeldefs.Counter.example())
+        s(*counter_inputs(device))
         before = s.state()
         with pytest.raises(error) as info:
             s.load_state(state)
@@ -163,52 +184,53 @@ def test_bad_state(counter_engine: ais.Engine, state, error, words) -> None:
         assert all(torch.equal(s.state()[k], v) for k, v in before.items())
 
 
-def test_bad_engine_arguments(counter_pkg) -> None:
+def test_bad_engine_arguments(counter_cpu_pkg) -> None:
     with pytest.raises(ValueError, match="max_sessions must be positive"):
-        ais.Engine(counter_pkg, max_sessions=0)
+        ais.Engine(counter_cpu_pkg, max_sessions=0)
     with pytest.raises(ValueError, match="memory_budget must be >= 0"):
-        ais.Engine(counter_pkg, memory_budget=-5)
+        ais.Engine(counter_cpu_pkg, memory_budget=-5)
     with pytest.raises(TypeError, match="max_sessions must be an int"):
-        ais.Engine(counter_pkg, max_sessions=1.5)
+        ais.Engine(counter_cpu_pkg, max_sessions=1.5)
     with pytest.raises(TypeError, match="not a single string"):
-        ais.Engine(counter_pkg, mutable="acc")
+        ais.Engine(counter_cpu_pkg, mutable="acc")
     with pytest.raises(RuntimeError, match="Expected one of cpu, cuda"):
-        ais.Engine(counter_pkg, device="tpu")
+        ais.Engine(counter_cpu_pkg, device="tpu")
     with pytest.raises(TypeError, match="model must be a path"):
         ais.Engine(42)
     with pytest.raises(ValueError, match="mapping is empty"):
         ais.Engine({})
 
 
-def test_package_for_another_device(counter_pkg) -> None:
-    with pytest.raises(ais.PackageError, match="compiled for cpu, but the engine's device is cuda"):
-        ais.Engine(counter_pkg, device="cuda")
+def test_package_for_another_device(counter_pkg, device: str) -> None:
+    other = "cpu" if device == "cuda" else "cuda"
+    with pytest.raises(ais.PackageError, match=f"compiled for {device}, but the engine's device is {other}"):
+        ais.Engine(counter_pkg, device=other)
 
 
-def test_mutable_declarations_fail_closed(counter_pkg, decoder_pkg) -> None:
+def test_mutable_declarations_fail_closed(counter_pkg, decoder_pkg, device: str) -> None:
     with pytest.raises(ais.PackageError, match="mutable FQN 'nope' matches no constant of any method"):
-        ais.Engine(counter_pkg, mutable=["acc", "hits", "nope"])
+        ais.Engine(counter_pkg, device=device, mutable=["acc", "hits", "nope"])
     # Leaving out a buffer the program mutates would share it between sessions.
     with pytest.raises(ais.PackageError, match="buffer 'hits' is mutated by the model but not in the mutable set"):
-        ais.Engine(counter_pkg, mutable=["acc"])
+        ais.Engine(counter_pkg, device=device, mutable=["acc"])
     with pytest.raises(ais.PackageError, match="v_cache' is mutated"):
-        ais.Engine(decoder_pkg, mutable=["layers.*.k_cache"])
+        ais.Engine(decoder_pkg, device=device, mutable=["layers.*.k_cache"])
     # Extra FQNs and patterns are fine: a read-only buffer made per-session.
-    with ais.Engine(counter_pkg, mutable=["acc", "hits", "tab*"]) as eng:
+    with ais.Engine(counter_pkg, device=device, mutable=["acc", "hits", "tab*"]) as eng:
         assert sorted(eng.mutable_fqns) == ["acc", "hits", "table"]
-    with ais.Engine(decoder_pkg, mutable=["layers.*_cache"]) as eng:
+    with ais.Engine(decoder_pkg, device=device, mutable=["layers.*_cache"]) as eng:
         assert len(eng.mutable_fqns) == 8
 
 
-def test_methods_disagreeing_on_a_buffer(counter_pkg, counter_tall_pkg) -> None:
+def test_methods_disagreeing_on_a_buffer(counter_pkg, counter_tall_pkg, device: str) -> None:
     with pytest.raises(ais.PackageError) as info:
-        ais.Engine({"a": counter_pkg, "b": counter_tall_pkg})
+        ais.Engine({"a": counter_pkg, "b": counter_tall_pkg}, device=device)
     msg = str(info.value)
     assert "mutable buffer 'acc' is float32[4, 8]" in msg and "in method 'a'" in msg
     assert "float32[6, 8]" in msg and "in method 'b'" in msg
 
 
-def test_missing_and_broken_packages(tmp_path: Path, counter_pkg) -> None:
+def test_missing_and_broken_packages(tmp_path: Path, counter_cpu_pkg) -> None:
     with pytest.raises(ais.PackageError, match="does not exist"):
         ais.Engine(tmp_path / "missing.pt2")
     junk = tmp_path / "junk.pt2"
@@ -216,7 +238,7 @@ def test_missing_and_broken_packages(tmp_path: Path, counter_pkg) -> None:
     with pytest.raises(ais.PackageError, match="neither a .pt2 package"):
         ais.Engine(junk)
     truncated = tmp_path / "truncated.pt2"
-    truncated.write_bytes(Path(counter_pkg).read_bytes()[: os.path.getsize(counter_pkg) // 2])
+    truncated.write_bytes(Path(counter_cpu_pkg).read_bytes()[: os.path.getsize(counter_cpu_pkg) // 2])
     with pytest.raises(ais.PackageError):
         ais.Engine(truncated)
     empty = tmp_path / "empty.pt2"

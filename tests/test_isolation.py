@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 import aoti_sessions as ais
-import modeldefs
 from aoti_sessions.demo import GreedyDecoding
 from aoti_sessions.models import SMALL
+from conftest import counter_inputs
 
 PROMPTS = [[5, 9, 2], [200, 3, 77], [14, 14, 14], [1, 250, 128]]
 STEPS = 12
@@ -41,9 +41,9 @@ def test_interleaved_sessions_equal_solo_runs(decoder_engine: ais.Engine) -> Non
                 assert torch.equal(value, state[fqn]), fqn
 
 
-def test_interleaved_outputs_bitwise(counter_engine: ais.Engine) -> None:
-    g = torch.Generator().manual_seed(7)
-    inputs = [[(torch.randn(1, 8, generator=g), torch.tensor([k % 4])) for k in range(10)] for _ in range(3)]
+def test_interleaved_outputs_bitwise(counter_engine: ais.Engine, device: str) -> None:
+    torch.manual_seed(7)
+    inputs = [[counter_inputs(device, slot=k % 4) for k in range(10)] for _ in range(3)]
     sessions = [counter_engine.new_session() for _ in inputs]
     interleaved: list[list[torch.Tensor]] = [[] for _ in inputs]
     for step in range(10):
@@ -55,7 +55,7 @@ def test_interleaved_outputs_bitwise(counter_engine: ais.Engine) -> None:
                 assert torch.equal(s(*args), interleaved[i][step])
 
 
-def test_fork_continues_like_the_original(decoder_engine: ais.Engine) -> None:
+def test_fork_continues_like_the_original(decoder_engine: ais.Engine, device: str) -> None:
     prompt = [7, 8, 9, 10]
     with decoder_engine.new_session() as original:
         head = GreedyDecoding(original, prompt, 4)
@@ -71,7 +71,7 @@ def test_fork_continues_like_the_original(decoder_engine: ais.Engine) -> None:
         for name, s in (("original", original), ("fork", fork)):
             t, seq = token, []
             for pos in range(start, start + 6):
-                t = int(s(torch.tensor([[t]]), torch.tensor([pos]))[0, -1].argmax())
+                t = int(s(torch.tensor([[t]], device=device), torch.tensor([pos], device=device))[0, -1].argmax())
                 seq.append(t)
             outs[name] = seq
         assert outs["fork"] == outs["original"]
@@ -80,8 +80,8 @@ def test_fork_continues_like_the_original(decoder_engine: ais.Engine) -> None:
         fork.close()
 
 
-def test_fork_is_independent(counter_engine: ais.Engine) -> None:
-    x, slot = modeldefs.Counter.example()
+def test_fork_is_independent(counter_engine: ais.Engine, device: str) -> None:
+    x, slot = counter_inputs(device)
     with counter_engine.new_session() as a:
         a(x, slot)
         b = a.fork()
@@ -106,17 +106,17 @@ def test_reset_equals_fresh_session(decoder_engine: ais.Engine) -> None:
     assert again.generated == fresh.generated
 
 
-def test_reset_restores_nonzero_template(counter_engine: ais.Engine) -> None:
+def test_reset_restores_nonzero_template(counter_engine: ais.Engine, device: str) -> None:
     with counter_engine.new_session() as s:
         initial = s.state()
-        s(*modeldefs.Counter.example())
+        s(*counter_inputs(device))
         assert not torch.equal(s.state()["acc"], initial["acc"])
         s.reset()
         assert all(torch.equal(s.state()[k], v) for k, v in initial.items())
         assert float(initial["acc"][0, 0]) == 0.5
 
 
-def test_state_round_trip_moves_a_conversation(decoder_engine: ais.Engine) -> None:
+def test_state_round_trip_moves_a_conversation(decoder_engine: ais.Engine, device: str) -> None:
     prompt = [11, 22, 33]
     with decoder_engine.new_session() as a, decoder_engine.new_session() as b:
         head = GreedyDecoding(a, prompt, 3)
@@ -124,10 +124,8 @@ def test_state_round_trip_moves_a_conversation(decoder_engine: ais.Engine) -> No
         b.load_state(a.state())
         for fqn, value in a.state().items():
             assert torch.equal(b.state()[fqn], value)
-        token, pos = head.token, head.total
-        assert int(a(torch.tensor([[token]]), torch.tensor([pos]))[0, -1].argmax()) == int(
-            b(torch.tensor([[token]]), torch.tensor([pos]))[0, -1].argmax()
-        )
+        x, p = torch.tensor([[head.token]], device=device), torch.tensor([head.total], device=device)
+        assert torch.equal(a(x, p), b(x, p))
 
 
 def test_state_is_a_copy(counter_engine: ais.Engine) -> None:
@@ -139,9 +137,9 @@ def test_state_is_a_copy(counter_engine: ais.Engine) -> None:
 
 def test_load_state_accepts_other_strides_and_devices(counter_engine: ais.Engine) -> None:
     with counter_engine.new_session() as s:
-        acc = torch.arange(32, dtype=torch.float32).reshape(8, 4).t()  # [4, 8], not contiguous
+        acc = torch.arange(32, dtype=torch.float32).reshape(8, 4).t()  # [4, 8], not contiguous, on the host
         s.load_state({"acc": acc, "hits": torch.tensor([1, 2, 3, 4])})
-        assert torch.equal(s.state()["acc"], acc)
+        assert torch.equal(s.state()["acc"].cpu(), acc)
         assert s.state()["acc"].is_contiguous()
 
 

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import aoti_sessions as ais
-import modeldefs
 from aoti_sessions.demo import GreedyDecoding
+from conftest import counter_inputs
 
 PROMPTS = [[1, 2, 3], [90, 80, 70], [5, 5, 5], [200, 100, 50]]
 
@@ -30,9 +30,9 @@ def test_four_threads_equal_serial(decoder_engine: ais.Engine) -> None:
             assert all(torch.equal(state[k], v) for k, v in want_state.items())
 
 
-def test_state_operations_race_with_runs(counter_engine: ais.Engine) -> None:
+def test_state_operations_race_with_runs(counter_engine: ais.Engine, device: str) -> None:
     """Forks, resets and state reads of one session while others run."""
-    x, slot = torch.ones(1, 8), torch.tensor([1])
+    x, slot = counter_inputs(device, 1.0, 1)
     runners = [counter_engine.new_session() for _ in range(3)]
     target = counter_engine.new_session()
     stop = threading.Event()
@@ -69,8 +69,8 @@ def test_state_operations_race_with_runs(counter_engine: ais.Engine) -> None:
     target.close()
 
 
-def test_close_while_another_thread_runs(counter_engine: ais.Engine) -> None:
-    x, slot = modeldefs.Counter.example()
+def test_close_while_another_thread_runs(counter_engine: ais.Engine, device: str) -> None:
+    x, slot = counter_inputs(device)
     for _ in range(20):
         s = counter_engine.new_session()
         started = threading.Event()
@@ -98,10 +98,10 @@ def test_close_while_another_thread_runs(counter_engine: ais.Engine) -> None:
         assert int(fresh.state()["hits"].sum()) == 1
 
 
-def test_engine_close_while_threads_run(counter_pkg) -> None:
-    eng = ais.Engine(counter_pkg)
+def test_engine_close_while_threads_run(counter_pkg, device: str) -> None:
+    eng = ais.Engine(counter_pkg, device=device)
     sessions = [eng.new_session() for _ in range(4)]
-    x, slot = modeldefs.Counter.example()
+    x, slot = counter_inputs(device)
     results: list[str] = []
 
     def loop(s: ais.Session) -> None:

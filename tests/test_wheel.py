@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.registry  # installs torch from the package index into the new environment
-def test_wheel_installs_and_serves_in_a_fresh_venv(tmp_path: Path, counter_pkg: Path) -> None:
+def test_wheel_installs_and_serves_in_a_fresh_venv(tmp_path: Path, counter_cpu_pkg: Path) -> None:
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(wheels), str(ROOT)], check=True, capture_output=True)
@@ -28,7 +28,7 @@ def test_wheel_installs_and_serves_in_a_fresh_venv(tmp_path: Path, counter_pkg: 
     smoke = (
         "import sys, torch, aoti_sessions as ais\n"
         f"assert ais.__file__.startswith({str(env_dir)!r}), ais.__file__\n"
-        f"eng = ais.Engine({str(counter_pkg)!r})\n"
+        f"eng = ais.Engine({str(counter_cpu_pkg)!r})\n"
         "s = eng.new_session()\n"
         "s(torch.ones(1, 8), torch.tensor([1]))\n"
         "print(eng.mutable_fqns, int(s.state()['hits'][1]))\n"

@@ -24,7 +24,7 @@ class CpuDevice final : public Device {
 
   int32_t torch_device_type() const override { return Shim().device_type_cpu; }
 
-  void* Allocate(size_t bytes) override {
+  void* Allocate(size_t bytes, StreamHandle) override {
     size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
     void* ptr = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
     if (ptr == nullptr) {
@@ -38,6 +38,7 @@ class CpuDevice final : public Device {
     std::memcpy(dst, src, bytes);
   }
   void Synchronize(StreamHandle) override {}
+  void Order(StreamHandle, StreamHandle) override {}
 };
 
 }  // namespace
@@ -69,6 +70,17 @@ bool Device::IsZero(const void* src, size_t bytes, StreamHandle stream) {
     if (byte != 0) return false;
   }
   return true;
+}
+
+void StreamTracker::Use(Device& device, StreamHandle stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  device.Order(last_, stream);
+  last_ = stream;
+}
+
+StreamHandle StreamTracker::last() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_;
 }
 
 std::unique_ptr<Device> OpenDevice(const DeviceSpec& spec) {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 namespace aoti_sessions {
@@ -33,9 +34,10 @@ class Device {
   // The shim's device-type code for tensors on this device.
   virtual int32_t torch_device_type() const = 0;
 
-  // Allocates `bytes` (aligned to at least 256 bytes). Throws kDevice on failure
-  // with the runtime's message; nothing stays allocated.
-  virtual void* Allocate(size_t bytes) = 0;
+  // Allocates `bytes` (aligned to at least 256 bytes), usable in the order of
+  // `stream` (on CUDA, stream-ordered from a private pool). Throws kDevice on
+  // failure with the runtime's message; nothing stays allocated.
+  virtual void* Allocate(size_t bytes, StreamHandle stream) = 0;
   // Frees `ptr` once the work queued on `stream` so far has finished, without
   // blocking the host.
   virtual void Free(void* ptr, StreamHandle stream) = 0;
@@ -45,12 +47,30 @@ class Device {
   virtual void Copy(void* dst, const void* src, size_t bytes, StreamHandle stream) = 0;
   // Blocks the host until `stream` has finished its queued work.
   virtual void Synchronize(StreamHandle stream) = 0;
+  // Makes work queued on `to` from now on wait for the work queued on `from`
+  // so far (no-op when they are the same stream, and on the CPU).
+  virtual void Order(StreamHandle from, StreamHandle to) = 0;
   // Whether `bytes` of device memory at `src` are all zero (synchronous; load time only).
   bool IsZero(const void* src, size_t bytes, StreamHandle stream);
 
  protected:
   explicit Device(DeviceSpec spec) : spec_(spec) {}
   DeviceSpec spec_;
+};
+
+// The stream that last queued work on some memory. Using the memory on another
+// stream first orders that stream after the last one, so all uses form one
+// sequence and the memory can be freed on the last stream. Thread-safe.
+class StreamTracker {
+ public:
+  explicit StreamTracker(StreamHandle first = nullptr) : last_(first) {}
+  // Orders `stream` after the previous user's stream; `stream` becomes the last.
+  void Use(Device& device, StreamHandle stream);
+  StreamHandle last() const;
+
+ private:
+  mutable std::mutex mutex_;
+  StreamHandle last_;
 };
 
 // Opens the device. CUDA devices need a build with CUDA support; a build

@@ -71,7 +71,7 @@ std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
 
 Engine::~Engine() {
   methods_.clear();
-  if (template_block_ != nullptr) device_->Free(template_block_, nullptr);
+  if (template_block_ != nullptr) device_->Free(template_block_, template_stream_.last());
 }
 
 void Engine::Load(const std::vector<MethodSource>& sources, const EngineOptions& options) {
@@ -235,7 +235,7 @@ void Engine::CaptureTemplates() {
   }
   block_bytes_ = offset;
   if (nonzero_prefix_bytes_ > 0) {
-    template_block_ = device_->Allocate(nonzero_prefix_bytes_);
+    template_block_ = device_->Allocate(nonzero_prefix_bytes_, stream);
     template_bytes_ = nonzero_prefix_bytes_;
     auto* base = static_cast<char*>(template_block_);
     device_->Zero(base, nonzero_prefix_bytes_, stream);  // alignment padding
@@ -297,6 +297,10 @@ bool Engine::closed() const {
 }
 
 std::shared_ptr<Session> Engine::NewSession(StreamHandle stream) {
+  return CreateSession(stream, true);
+}
+
+std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, bool initialize) {
   uint64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(sessions_mutex_);
@@ -320,9 +324,9 @@ std::shared_ptr<Session> Engine::NewSession(StreamHandle stream) {
   void* block = nullptr;
   std::shared_ptr<Session> session;
   try {
-    if (block_bytes_ > 0) block = device_->Allocate(block_bytes_);
-    InitializeBlock(block, stream);
-    session.reset(new Session(shared_from_this(), id, block));
+    if (block_bytes_ > 0) block = device_->Allocate(block_bytes_, stream);
+    if (initialize) InitializeBlock(block, stream);
+    session.reset(new Session(shared_from_this(), id, block, stream));
   } catch (...) {
     if (block != nullptr && !session) device_->Free(block, stream);
     std::lock_guard<std::mutex> lock(sessions_mutex_);
@@ -338,15 +342,19 @@ std::shared_ptr<Session> Engine::NewSession(StreamHandle stream) {
 
 void Engine::InitializeBlock(void* block, StreamHandle stream) {
   auto* base = static_cast<char*>(block);
-  if (nonzero_prefix_bytes_ > 0) device_->Copy(base, template_block_, nonzero_prefix_bytes_, stream);
+  if (nonzero_prefix_bytes_ > 0) {
+    template_stream_.Use(*device_, stream);
+    device_->Copy(base, template_block_, nonzero_prefix_bytes_, stream);
+  }
   if (block_bytes_ > nonzero_prefix_bytes_) {
     device_->Zero(base + nonzero_prefix_bytes_, block_bytes_ - nonzero_prefix_bytes_, stream);
   }
 }
 
-void Engine::ReleaseSession(Session& session, StreamHandle stream) {
+void Engine::ReleaseSession(Session& session) {
   session.tensors_.clear();
-  if (session.block_ != nullptr) device_->Free(session.block_, stream);
+  // Freed in the order of the last stream that used it: after its runs finish.
+  if (session.block_ != nullptr) device_->Free(session.block_, session.stream_.last());
   session.block_ = nullptr;
   Forget(session.id_);
 }

@@ -123,6 +123,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   };
 
   Engine() = default;
+  // NewSession, initialising the state from the templates only if `initialize`.
+  std::shared_ptr<Session> CreateSession(StreamHandle stream, bool initialize);
   void Load(const std::vector<MethodSource>& sources, const EngineOptions& options);
   void SelectMutable(const EngineOptions& options);
   void CaptureTemplates();
@@ -132,7 +134,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<OwnedTensor> RunLocked(Session& session, size_t method,
                                      std::vector<OwnedTensor>&& inputs, StreamHandle stream);
   void InitializeBlock(void* block, StreamHandle stream);
-  void ReleaseSession(Session& session, StreamHandle stream);
+  void ReleaseSession(Session& session);
   void Forget(uint64_t session_id);
 
   std::unique_ptr<Device> device_;
@@ -145,6 +147,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Templates of the buffers whose initial value is not all zero, laid out as in
   // a session block; buffers are ordered so they form one prefix of the block.
   void* template_block_ = nullptr;
+  StreamTracker template_stream_;  // streams that copied from the templates
   size_t nonzero_prefix_bytes_ = 0;
   EngineOptions options_;
 

@@ -7,8 +7,8 @@
 
 namespace aoti_sessions {
 
-Session::Session(std::shared_ptr<Engine> engine, uint64_t id, void* block)
-    : engine_(std::move(engine)), id_(id), block_(block) {
+Session::Session(std::shared_ptr<Engine> engine, uint64_t id, void* block, StreamHandle stream)
+    : engine_(std::move(engine)), id_(id), block_(block), stream_(stream) {
   const Device& device = *engine_->device_;
   auto* base = static_cast<char*>(block_);
   for (const MutableBuffer& buffer : engine_->buffers_) {
@@ -30,6 +30,13 @@ bool Session::closed() const {
   return closed_;
 }
 
+void Session::Use(StreamHandle stream) { stream_.Use(*engine_->device_, stream); }
+
+const void* Session::address() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return closed_ ? nullptr : block_;
+}
+
 void Session::CheckOpen() const {
   if (closed_) Throw(ErrorKind::kSessionClosed, "session " + std::to_string(id_) + " is closed");
 }
@@ -38,19 +45,22 @@ std::vector<OwnedTensor> Session::Run(size_t method, std::vector<OwnedTensor>&& 
                                       StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   CheckOpen();
+  Use(stream);
   return engine_->RunLocked(*this, method, std::move(inputs), stream);
 }
 
 void Session::Reset(StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   CheckOpen();
+  Use(stream);
   engine_->InitializeBlock(block_, stream);
 }
 
 std::shared_ptr<Session> Session::Fork(StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   CheckOpen();
-  std::shared_ptr<Session> child = engine_->NewSession(stream);
+  Use(stream);
+  std::shared_ptr<Session> child = engine_->CreateSession(stream, false);
   if (engine_->block_bytes_ > 0) {
     engine_->device_->Copy(child->block_, block_, engine_->block_bytes_, stream);
   }
@@ -90,6 +100,7 @@ void Session::ReadBuffer(size_t buffer, AtenTensorHandle dst, StreamHandle strea
   std::lock_guard<std::mutex> lock(mutex_);
   CheckOpen();
   CheckBufferTensor(buffer, dst, "destination");
+  Use(stream);
   const MutableBuffer& b = engine_->buffers_[buffer];
   engine_->device_->Copy(DataPtr(dst), static_cast<char*>(block_) + b.offset, b.bytes, stream);
 }
@@ -103,17 +114,18 @@ void Session::WriteBuffers(const std::vector<AtenTensorHandle>& sources, StreamH
                                            " buffers, got " + std::to_string(sources.size()));
   }
   for (size_t i = 0; i < sources.size(); ++i) CheckBufferTensor(i, sources[i], "source");
+  Use(stream);
   for (size_t i = 0; i < sources.size(); ++i) {
     engine_->device_->Copy(static_cast<char*>(block_) + buffers[i].offset, DataPtr(sources[i]),
                            buffers[i].bytes, stream);
   }
 }
 
-void Session::Close(StreamHandle stream) {
+void Session::Close() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) return;
   closed_ = true;
-  engine_->ReleaseSession(*this, stream);
+  engine_->ReleaseSession(*this);
 }
 
 }  // namespace aoti_sessions

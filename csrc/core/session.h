@@ -26,6 +26,9 @@ class Session {
   uint64_t id() const { return id_; }
   bool closed() const;
   const std::shared_ptr<Engine>& engine() const { return engine_; }
+  // Device address of this session's state block (diagnostics; nullptr once
+  // closed or when the model has no mutable state).
+  const void* address() const;
 
   // Runs method `method` (Engine::method_index) on this session's state. Inputs
   // are consumed. Throws kInvalidArgument / kTypeMismatch for inputs that do
@@ -44,12 +47,15 @@ class Session {
   // order, each checked like ReadBuffer's `dst`). Nothing is written unless all
   // of them are valid.
   void WriteBuffers(const std::vector<AtenTensorHandle>& sources, StreamHandle stream = nullptr);
-  // Releases the state. Waits for a run of this session in flight; idempotent.
-  void Close(StreamHandle stream = nullptr);
+  // Releases the state once the work queued on it has finished, without
+  // blocking. Waits for a run of this session in flight; idempotent.
+  void Close();
 
  private:
   friend class Engine;
-  Session(std::shared_ptr<Engine> engine, uint64_t id, void* block);
+  Session(std::shared_ptr<Engine> engine, uint64_t id, void* block, StreamHandle stream);
+  // Orders `stream` after this session's previous work; caller holds mutex_.
+  void Use(StreamHandle stream);
   // Throws kSessionClosed if closed. Caller holds mutex_.
   void CheckOpen() const;
   void CheckBufferTensor(size_t buffer, AtenTensorHandle tensor, const char* role) const;
@@ -59,6 +65,7 @@ class Session {
   mutable std::mutex mutex_;  // serialises this session's runs and state operations
   bool closed_ = false;
   void* block_ = nullptr;     // device memory of all buffers (nullptr if none)
+  StreamTracker stream_;      // the stream that last used the block
   // One tensor per mutable buffer, aliasing the block (what binds hand over).
   std::vector<OwnedTensor> tensors_;
 };

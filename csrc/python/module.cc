@@ -104,6 +104,16 @@ PYBIND11_MODULE(_core, m) {
     }
   });
 
+  m.def(
+      "built_with_cuda",
+      [] {
+#ifdef AOTI_SESSIONS_WITH_CUDA
+        return true;
+#else
+        return false;
+#endif
+      },
+      "Whether this build serves CUDA engines.");
   m.def("dtype_code", &DtypeFromName, py::arg("name"),
         "Shim dtype code of a torch dtype name ('float32'), -1 if unknown.");
 
@@ -123,6 +133,9 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Session, std::shared_ptr<Session>>(m, "Session")
       .def_property_readonly("id", &Session::id)
       .def_property_readonly("closed", &Session::closed)
+      .def_property_readonly(
+          "address", [](const Session& s) { return reinterpret_cast<uintptr_t>(s.address()); },
+          "Device address of the session's state block (0 once closed).")
       .def(
           "run",
           [](Session& s, size_t method, const CapsuleList& inputs, uintptr_t stream) {
@@ -159,9 +172,7 @@ PYBIND11_MODULE(_core, m) {
             s.WriteBuffers(handles, ToStream(stream));
           },
           py::arg("sources"), py::arg("stream") = 0)
-      .def(
-          "close", [](Session& s, uintptr_t stream) { s.Close(ToStream(stream)); },
-          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
+      .def("close", &Session::Close, py::call_guard<py::gil_scoped_release>());
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](const std::vector<MethodSource>& methods, const std::string& device,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections.abc
 import typing
 import typing_extensions
-__all__: list[str] = ['Engine', 'InputSpec', 'MethodSource', 'Session', 'dtype_code']
+__all__: list[str] = ['Engine', 'InputSpec', 'MethodSource', 'Session', 'built_with_cuda', 'dtype_code']
 class InputSpec:
     def __init__(self) -> None:
         ...
@@ -40,7 +40,7 @@ class MethodSource:
     def inputs(self, arg0: collections.abc.Sequence[InputSpec] | None) -> None:
         ...
 class Session:
-    def close(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+    def close(self) -> None:
         ...
     def fork(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> Session:
         ...
@@ -52,6 +52,11 @@ class Session:
         ...
     def write_buffers(self, sources: list[typing_extensions.CapsuleType], stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
+    @property
+    def address(self) -> int:
+        """
+        Device address of the session's state block (0 once closed).
+        """
     @property
     def closed(self) -> bool:
         ...
@@ -94,6 +99,10 @@ class Engine:
     @property
     def weight_bytes(self) -> int:
         ...
+def built_with_cuda() -> bool:
+    """
+    Whether this build serves CUDA engines.
+    """
 def dtype_code(name: str) -> int:
     """
     Shim dtype code of a torch dtype name ('float32'), -1 if unknown.

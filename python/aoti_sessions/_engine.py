@@ -111,6 +111,8 @@ class Engine:
         memory_budget: int | None = None,
     ) -> None:
         self._device = torch.device(device)
+        if self._device.type == "cuda" and self._device.index is None and torch.cuda.is_available():
+            self._device = torch.device("cuda", torch.cuda.current_device())
         device_str = str(self._device)
         if isinstance(mutable, str):
             raise TypeError("mutable must be a sequence of FQNs or patterns, not a single string")
@@ -379,7 +381,7 @@ class Session:
 
     def close(self) -> None:
         """Release the state. Waits for a run of this session in flight; idempotent."""
-        self._core.close(self._engine._stream())
+        self._core.close()
 
     def __enter__(self) -> Session:
         return self

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On a GPU machine (torch with CUDA installed, possibly no package index):
+# builds and installs aoti-sessions with CUDA, runs every test suite there
+# (CPU and GPU variants, GoogleTest with its CUDA cases) and the benchmarks,
+# writing logs and bench/RESULTS.md. Wheels and GoogleTest come from .deps/
+# when present (bench/fetch_gpu_deps.sh makes it). Logs go to $OUT (default
+# build/gpu).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/build/gpu}
+mkdir -p "$OUT"
+# AOTI models built with the default /opt/gcc toolchain link libstdc++
+# statically and crash on load (aoti-facts.md): use the system compiler.
+export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+export AOTI_SESSIONS_CACHE=${AOTI_SESSIONS_CACHE:-$PWD/build/gpu-cache}
+export PYTHONUNBUFFERED=1
+if [ -d .deps/wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ais-site .deps/wheels/*.whl
+  export PYTHONPATH=/tmp/ais-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -d .deps/gtest ]; then
+  export CMAKE_PREFIX_PATH=$PWD/.deps/gtest/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
+fi
+stage=${1:-all}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+} | tee "$OUT/machine.txt"
+
+if [ "$stage" = all ] || [ "$stage" = test ]; then
+  python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
+  python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'"
+  python3 -m pytest tests -m "not registry" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+fi
+if [ "$stage" = all ] || [ "$stage" = bench ]; then
+  python3 bench/bench_switch.py --device cuda 2>&1 | tee "$OUT/bench_switch.txt"
+  python3 bench/bench_sessions.py --out bench/RESULTS.md 2>&1 | tee "$OUT/bench_sessions.txt"
+  cp bench/RESULTS.md "$OUT/RESULTS.md"
+fi

@@ -1,0 +1,122 @@
+// The CUDA device: session memory from a private stream-ordered pool
+// (cudaMallocFromPoolAsync / cudaFreeAsync), so that a closed session's memory
+// is released after the work that used it, without blocking the host or other
+// streams, and copies / fills queued on the caller's stream. Every call runs
+// under a device guard and turns a CUDA failure into an Error of kind kDevice
+// carrying the CUDA error string.
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "device.h"
+#include "errors.h"
+#include "torch_shim.h"
+
+namespace aoti_sessions {
+namespace {
+
+void Check(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  cudaGetLastError();  // clear a non-sticky error so later calls start clean
+  Throw(ErrorKind::kDevice, std::string(what) + " failed: " + cudaGetErrorString(err) + " (" +
+                                cudaGetErrorName(err) + ")");
+}
+
+cudaStream_t ToCuda(StreamHandle stream) { return static_cast<cudaStream_t>(stream); }
+
+// Makes `device` current for the scope, restoring the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    Check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device_) Check(cudaSetDevice(device_), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_;
+  int previous_ = 0;
+};
+
+class CudaDevice final : public Device {
+ public:
+  explicit CudaDevice(const DeviceSpec& spec) : Device(spec) {
+    int count = 0;
+    Check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+    if (spec_.index < 0) Check(cudaGetDevice(&spec_.index), "cudaGetDevice");
+    if (spec_.index >= count) {
+      Throw(ErrorKind::kInvalidArgument, "device " + spec_.ToString() + " does not exist: " +
+                                             std::to_string(count) + " CUDA devices");
+    }
+    DeviceGuard guard(spec_.index);
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = spec_.index;
+    Check(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
+    // Release freed memory to the device at the next synchronisation.
+    uint64_t threshold = 0;
+    cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold);
+  }
+
+  ~CudaDevice() override {
+    DeviceGuard guard(spec_.index);
+    cudaMemPoolDestroy(pool_);
+  }
+
+  int32_t torch_device_type() const override { return Shim().device_type_cuda; }
+
+  void* Allocate(size_t bytes, StreamHandle stream) override {
+    DeviceGuard guard(spec_.index);
+    void* ptr = nullptr;
+    Check(cudaMallocFromPoolAsync(&ptr, bytes == 0 ? 1 : bytes, pool_, ToCuda(stream)),
+          ("allocating " + std::to_string(bytes) + " bytes on " + spec_.ToString()).c_str());
+    return ptr;
+  }
+
+  void Free(void* ptr, StreamHandle stream) override {
+    DeviceGuard guard(spec_.index);
+    Check(cudaFreeAsync(ptr, ToCuda(stream)), "cudaFreeAsync");
+  }
+
+  void Zero(void* dst, size_t bytes, StreamHandle stream) override {
+    DeviceGuard guard(spec_.index);
+    Check(cudaMemsetAsync(dst, 0, bytes, ToCuda(stream)), "cudaMemsetAsync");
+  }
+
+  void Copy(void* dst, const void* src, size_t bytes, StreamHandle stream) override {
+    DeviceGuard guard(spec_.index);
+    Check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ToCuda(stream)), "cudaMemcpyAsync");
+  }
+
+  void Synchronize(StreamHandle stream) override {
+    DeviceGuard guard(spec_.index);
+    Check(cudaStreamSynchronize(ToCuda(stream)), "cudaStreamSynchronize");
+  }
+
+  void Order(StreamHandle from, StreamHandle to) override {
+    if (from == to) return;
+    DeviceGuard guard(spec_.index);
+    cudaEvent_t event = nullptr;
+    Check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    cudaError_t err = cudaEventRecord(event, ToCuda(from));
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(ToCuda(to), event, 0);
+    cudaEventDestroy(event);  // released once the wait has been satisfied
+    Check(err, "ordering streams");
+  }
+
+ private:
+  cudaMemPool_t pool_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> OpenCudaDevice(const DeviceSpec& spec) {
+  return std::make_unique<CudaDevice>(spec);
+}
+
+}  // namespace aoti_sessions

@@ -1,0 +1,129 @@
+"""GPU specifics: device memory per session, streams, no device-wide syncs,
+CUDA errors. The suites shared with the CPU run here too, through the
+`device` fixture; this file holds what only a GPU has. Skipped without one."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import aoti_sessions as ais
+from aoti_sessions.demo import GreedyDecoding, compiled_decoder
+from aoti_sessions.models import SMALL
+from conftest import requires_cuda
+
+pytestmark = requires_cuda
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def gpu_engine():
+    with ais.Engine(compiled_decoder(SMALL, "cuda"), device="cuda:0") as engine:
+        yield engine
+
+
+def _free_bytes() -> int:
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def test_sessions_have_distinct_device_blocks(gpu_engine: ais.Engine) -> None:
+    sessions = [gpu_engine.new_session() for _ in range(4)]
+    spans = sorted((s._core.address, s._core.address + gpu_engine.bytes_per_session) for s in sessions)
+    assert all(start != 0 for start, _ in spans)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), "blocks overlap"
+    for s in sessions:
+        s.close()
+        assert s._core.address == 0
+
+
+def test_device_memory_grows_per_session_and_returns(gpu_engine: ais.Engine) -> None:
+    per = gpu_engine.bytes_per_session
+    start = _free_bytes()
+    sessions = [gpu_engine.new_session() for _ in range(8)]
+    grown = start - _free_bytes()
+    granularity = 2 << 20  # device allocations are mapped in 2 MiB pages
+    assert 8 * per <= grown <= 8 * per + 8 * granularity, (grown, per)
+    for s in sessions:
+        s.close()
+    assert _free_bytes() >= start - granularity, "session memory not returned after close"
+
+
+def _decode_on(engine: ais.Engine, streams: list[torch.cuda.Stream]) -> list[int]:
+    """Greedy decode, switching to the next stream on every step."""
+    with engine.new_session() as s:
+        d = GreedyDecoding(s, PROMPT, 8)
+        i = 0
+        while not d.done:
+            with torch.cuda.stream(streams[i % len(streams)]):
+                d.step()
+            i += 1
+        return d.generated
+
+
+def test_runs_follow_the_current_stream(gpu_engine: ais.Engine) -> None:
+    default = _decode_on(gpu_engine, [torch.cuda.current_stream()])
+    assert _decode_on(gpu_engine, [torch.cuda.Stream()]) == default
+    # A session moving between streams is ordered after its previous work.
+    assert _decode_on(gpu_engine, [torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.current_stream()]) == default
+
+
+def test_no_device_wide_synchronisation(gpu_engine: ais.Engine) -> None:
+    """Session work on one stream never waits for a long kernel on another."""
+    busy, ours = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(4_000_000_000)  # about two seconds of GPU time
+    start = time.perf_counter()
+    with torch.cuda.stream(ours):
+        s = gpu_engine.new_session()
+        x, p = torch.tensor([[7]], device="cuda"), torch.tensor([0], device="cuda")
+        s(x, p)
+        f = s.fork()
+        s.reset()
+        st = f.state()
+        f.load_state(st)
+        f.close()
+        s.close()
+        ours.synchronize()
+    elapsed = time.perf_counter() - start
+    still_busy = not busy.query()
+    torch.cuda.synchronize()
+    assert still_busy, f"the other stream finished: something synchronised the device ({elapsed:.3f}s)"
+    assert elapsed < 1.0, elapsed
+
+
+def test_out_of_memory_creates_nothing(gpu_engine: ais.Engine) -> None:
+    per = gpu_engine.bytes_per_session
+    before = gpu_engine.stats()
+    hog = []
+    chunk = 1 << 30
+    while chunk >= per // 2:  # take the device's memory until less than a session is left
+        try:
+            hog.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+        except torch.cuda.OutOfMemoryError:
+            chunk //= 2
+    created = []
+    try:
+        with pytest.raises(ais.DeviceError, match="out of memory"):
+            for _ in range(64):  # whatever fragment is left must run out
+                created.append(gpu_engine.new_session())
+        during = gpu_engine.stats()
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    # The failed session left nothing behind: the counters hold the ones made.
+    assert during["live_sessions"] == before["live_sessions"] + len(created)
+    assert during["live_bytes"] == before["live_bytes"] + len(created) * per
+    for s in created:
+        s.close()
+    with gpu_engine.new_session() as s:  # the engine still works
+        GreedyDecoding(s, PROMPT, 2).run()
+
+
+def test_unknown_device_index(gpu_engine: ais.Engine) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        ais.Engine(compiled_decoder(SMALL, "cuda"), device="cuda:63")
