@@ -45,11 +45,12 @@ def test_device_memory_grows_per_session_and_returns(gpu_engine: ais.Engine) -> 
     start = _free_bytes()
     sessions = [gpu_engine.new_session() for _ in range(8)]
     grown = start - _free_bytes()
-    granularity = 2 << 20  # device allocations are mapped in 2 MiB pages
-    assert 8 * per <= grown <= 8 * per + 8 * granularity, (grown, per)
+    # The pool maps device memory in chunks: allow one chunk of slack overall.
+    assert 8 * per <= grown <= 8 * per + (32 << 20), f"grew {grown} bytes for 8 sessions of {per}"
     for s in sessions:
         s.close()
-    assert _free_bytes() >= start - granularity, "session memory not returned after close"
+    back = _free_bytes()
+    assert back >= start - (2 << 20), f"{start - back} bytes not returned after close"
 
 
 def _decode_on(engine: ais.Engine, streams: list[torch.cuda.Stream]) -> list[int]:
@@ -74,21 +75,26 @@ def test_runs_follow_the_current_stream(gpu_engine: ais.Engine) -> None:
 def test_no_device_wide_synchronisation(gpu_engine: ais.Engine) -> None:
     """Session work on one stream never waits for a long kernel on another."""
     busy, ours = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(ours):
+        x, p = torch.tensor([[7]], device="cuda"), torch.tensor([0], device="cuda")
+
+        def session_work() -> None:
+            s = gpu_engine.new_session()
+            s(x, p)
+            f = s.fork()
+            s.reset()
+            f.load_state(f.state())
+            f.close()
+            s.close()
+            ours.synchronize()
+
+        session_work()  # warm-up: kernels loaded, torch's allocator cache filled for this stream
     torch.cuda.synchronize()
     with torch.cuda.stream(busy):
         torch.cuda._sleep(4_000_000_000)  # about two seconds of GPU time
     start = time.perf_counter()
     with torch.cuda.stream(ours):
-        s = gpu_engine.new_session()
-        x, p = torch.tensor([[7]], device="cuda"), torch.tensor([0], device="cuda")
-        s(x, p)
-        f = s.fork()
-        s.reset()
-        st = f.state()
-        f.load_state(st)
-        f.close()
-        s.close()
-        ours.synchronize()
+        session_work()
     elapsed = time.perf_counter() - start
     still_busy = not busy.query()
     torch.cuda.synchronize()

@@ -90,7 +90,10 @@ def test_model_failure_is_a_run_error(counter_cpu_pkg) -> None:
     # CPU only: on a GPU an out-of-bounds index is a device-side assert, which
     # poisons the whole CUDA context (nothing a runtime can recover from).
     with ais.Engine(counter_cpu_pkg) as engine, bystander(engine), engine.new_session() as s:
-        with pytest.raises(ais.RunError, match="index out of bounds"):
+        # torch >= 2.13 hands the runtime's message over; older ones only print it.
+        has_message = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+        reason = "index out of bounds" if has_message else "printed the reason to stderr"
+        with pytest.raises(ais.RunError, match=reason):
             s(*counter_inputs("cpu", slot=100))
         s(*counter_inputs("cpu", slot=1))  # still usable
 
