@@ -26,18 +26,7 @@ from .errors import (
     SessionClosedError,
 )
 
-__all__ = [
-    "Engine",
-    "Session",
-    "compile",
-    "errors",
-    "Error",
-    "PackageError",
-    "CapacityError",
-    "SessionClosedError",
-    "RunError",
-    "DeviceError",
-]
+__all__ = ["Engine", "Session", "compile", "errors", *errors.__all__]
 
 __version__ = "0.1.0"
 del torch

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from typing_extensions import Self
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -37,6 +39,20 @@ def _torch_leaks_bind_handles() -> bool:
     """
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     return (major, minor) < (2, 15)
+
+
+class _Closable:
+    """`with x:` closes x on the way out."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,7 @@ def _resolve_methods(model: ModelSource | Mapping[str, ModelSource]) -> list[Met
     return open_model(model)
 
 
-class Engine:
+class Engine(_Closable):
     """One compiled model loaded once, serving isolated sessions.
 
     Args:
@@ -237,19 +253,12 @@ class Engine:
         """Close every session (waiting for runs in flight) and release the model."""
         self._core.close()
 
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (f"Engine(methods={list(self.methods)}, device='{self._device}', "
                 f"mutable={len(self._buffers)} buffers, bytes_per_session={self.bytes_per_session})")
 
 
-class Session:
+class Session(_Closable):
     """One conversation's state on an :class:`Engine`; made by ``Engine.new_session``.
 
     Every method of the engine reads and writes the same session state. A
@@ -382,13 +391,6 @@ class Session:
     def close(self) -> None:
         """Release the state. Waits for a run of this session in flight; idempotent."""
         self._core.close()
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"Session(id={self.id}, closed={self.closed})"

@@ -103,8 +103,11 @@ TEST_F(Cuda, DeviceMemoryFollowsSessions) {
   for (int i = 0; i < 8; ++i) sessions.push_back(engine_->NewSession());
   cudaDeviceSynchronize();
   cudaMemGetInfo(&free1, &total);
-  EXPECT_GE(free0 - free1, 8 * engine_->bytes_per_session());
-  EXPECT_LE(free0 - free1, 8 * engine_->bytes_per_session() + (64u << 20));
+  // Sessions come from a stream-ordered pool that maps device memory in chunks
+  // (32 MiB seen on an H200), so eight of these 512-byte sessions may fit in
+  // memory the pool already holds: bound the growth from above only. The
+  // Python suite checks per-session growth with 1 MiB sessions.
+  EXPECT_LE(free0 - free1, 8 * engine_->bytes_per_session() + (32u << 20));
   for (auto& s : sessions) s->Close();
   cudaDeviceSynchronize();
   cudaMemGetInfo(&free2, &total);
