@@ -118,3 +118,31 @@ def test_engine_close_while_threads_run(counter_pkg, device: str) -> None:
     for t in threads:
         t.join()
     assert results == ["closed"] * 4
+
+
+def test_engine_close_races_creates_and_forks(counter_pkg, device: str) -> None:
+    """Sessions made while the engine closes are closed too, never leaked."""
+    for _ in range(10):
+        eng = ais.Engine(counter_pkg, device=device)
+        parent = eng.new_session()
+        outcomes: list[str] = []
+
+        def churn() -> None:
+            try:
+                while True:
+                    parent.fork()
+                    eng.new_session()
+            except ais.SessionClosedError:
+                outcomes.append("closed")
+            except BaseException as e:  # noqa: BLE001
+                outcomes.append(repr(e))
+
+        threads = [threading.Thread(target=churn) for _ in range(2)]
+        for t in threads:
+            t.start()
+        eng.close()
+        for t in threads:
+            t.join()
+        assert outcomes == ["closed", "closed"]
+        stats = eng.stats()
+        assert stats["live_sessions"] == 0 and stats["live_bytes"] == 0

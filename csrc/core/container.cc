@@ -14,41 +14,67 @@
 namespace aoti_sessions {
 namespace {
 
-// DT_NEEDED entries of an ELF64 shared library, read from the file.
-std::vector<std::string> NeededLibraries(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  std::vector<std::string> needed;
-  if (bytes.size() < sizeof(Elf64_Ehdr) || std::memcmp(bytes.data(), ELFMAG, SELFMAG) != 0 ||
-      bytes[EI_CLASS] != ELFCLASS64) {
-    return needed;
-  }
-  auto in_file = [&](size_t offset, size_t size) { return offset + size <= bytes.size(); };
+// Reads `size` bytes at `offset` of `file` into `out`; false if they are not all there.
+bool ReadAt(std::ifstream& file, uint64_t file_size, uint64_t offset, uint64_t size, void* out) {
+  if (offset > file_size || size > file_size - offset) return false;
+  file.seekg(static_cast<std::streamoff>(offset));
+  file.read(static_cast<char*>(out), static_cast<std::streamsize>(size));
+  return static_cast<bool>(file);
+}
+
+// What the core needs to know of a library file before dlopen touches it.
+struct ElfInfo {
+  bool elf64 = false;     // an ELF64 file (anything else is left to dlopen to refuse)
+  bool complete = true;   // every loadable segment lies inside the file
+  std::vector<std::string> needed;  // DT_NEEDED entries
+};
+
+// Reads only the headers, the dynamic section and its string table: model
+// libraries can embed gigabytes of weights. A truncated library must be
+// refused here: dlopen maps its missing pages and dies of SIGBUS.
+ElfInfo ReadElf(const std::string& path) {
+  ElfInfo info;
+  std::ifstream file(path, std::ios::binary | std::ios::ate);
+  if (!file) return info;
+  const uint64_t size = static_cast<uint64_t>(file.tellg());
   Elf64_Ehdr header;
-  std::memcpy(&header, bytes.data(), sizeof(header));
-  for (size_t i = 0; i < header.e_shnum; ++i) {
-    size_t at = header.e_shoff + i * sizeof(Elf64_Shdr);
-    if (!in_file(at, sizeof(Elf64_Shdr))) break;
-    Elf64_Shdr dynamic;
-    std::memcpy(&dynamic, bytes.data() + at, sizeof(dynamic));
-    if (dynamic.sh_type != SHT_DYNAMIC) continue;
-    size_t strtab_at = header.e_shoff + dynamic.sh_link * sizeof(Elf64_Shdr);
-    if (!in_file(strtab_at, sizeof(Elf64_Shdr))) break;
-    Elf64_Shdr strtab;
-    std::memcpy(&strtab, bytes.data() + strtab_at, sizeof(strtab));
-    for (size_t off = 0; off + sizeof(Elf64_Dyn) <= dynamic.sh_size; off += sizeof(Elf64_Dyn)) {
-      if (!in_file(dynamic.sh_offset + off, sizeof(Elf64_Dyn))) break;
-      Elf64_Dyn entry;
-      std::memcpy(&entry, bytes.data() + dynamic.sh_offset + off, sizeof(entry));
+  if (!ReadAt(file, size, 0, sizeof(header), &header) ||
+      std::memcmp(header.e_ident, ELFMAG, SELFMAG) != 0 || header.e_ident[EI_CLASS] != ELFCLASS64) {
+    return info;
+  }
+  info.elf64 = true;
+  for (uint64_t i = 0; i < header.e_phnum; ++i) {
+    Elf64_Phdr segment;
+    if (!ReadAt(file, size, header.e_phoff + i * sizeof(Elf64_Phdr), sizeof(segment), &segment) ||
+        (segment.p_type == PT_LOAD &&
+         (segment.p_offset > size || segment.p_filesz > size - segment.p_offset))) {
+      info.complete = false;
+      return info;
+    }
+  }
+  auto section = [&](uint64_t index, Elf64_Shdr* out) {
+    return index < header.e_shnum &&
+           ReadAt(file, size, header.e_shoff + index * sizeof(Elf64_Shdr), sizeof(Elf64_Shdr), out);
+  };
+  for (uint64_t i = 0; i < header.e_shnum; ++i) {
+    Elf64_Shdr dynamic, strtab;
+    if (!section(i, &dynamic)) break;
+    if (dynamic.sh_type != SHT_DYNAMIC || !section(dynamic.sh_link, &strtab)) continue;
+    std::vector<char> strings(strtab.sh_size);
+    std::vector<Elf64_Dyn> entries(dynamic.sh_size / sizeof(Elf64_Dyn));
+    if (!ReadAt(file, size, strtab.sh_offset, strings.size(), strings.data()) ||
+        !ReadAt(file, size, dynamic.sh_offset, entries.size() * sizeof(Elf64_Dyn), entries.data())) {
+      break;
+    }
+    for (const Elf64_Dyn& entry : entries) {
       if (entry.d_tag == DT_NULL) break;
-      size_t name_at = strtab.sh_offset + entry.d_un.d_val;
-      if (entry.d_tag == DT_NEEDED && name_at < bytes.size()) {
-        needed.emplace_back(bytes.data() + name_at,
-                            strnlen(bytes.data() + name_at, bytes.size() - name_at));
+      if (entry.d_tag == DT_NEEDED && entry.d_un.d_val < strings.size()) {
+        const char* name = strings.data() + entry.d_un.d_val;
+        info.needed.emplace_back(name, strnlen(name, strings.size() - entry.d_un.d_val));
       }
     }
   }
-  return needed;
+  return info;
 }
 
 bool IsCudaRuntime(const std::string& library) {
@@ -76,6 +102,10 @@ void Optional(void* handle, Fn& fn, const char* name) {
 
 std::shared_ptr<ModelLibrary> ModelLibrary::Open(const std::string& path) {
   Shim();  // libtorch must be loaded before the model library can be
+  ElfInfo elf = ReadElf(path);
+  if (elf.elf64 && !elf.complete) {
+    Throw(ErrorKind::kPackage, "model library " + path + " is truncated or corrupt");
+  }
   std::shared_ptr<ModelLibrary> lib(new ModelLibrary());
   lib->path_ = path;
   lib->handle_ = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -108,7 +138,7 @@ std::shared_ptr<ModelLibrary> ModelLibrary::Open(const std::string& path) {
     Throw(ErrorKind::kPackage, "model library " + path +
                                    " exports no AOTInductorModelContainerExtractConstantsMap*");
   }
-  for (const std::string& needed : NeededLibraries(path)) {
+  for (const std::string& needed : elf.needed) {
     lib->targets_cuda_ = lib->targets_cuda_ || IsCudaRuntime(needed);
   }
   return lib;
@@ -202,7 +232,7 @@ std::unordered_map<std::string, AtenTensorHandle> Container::CurrentConstants() 
     const AOTInductorConstantMapEntry* entries = nullptr;
     size_t n = 0;
     if (library_->extract_entries(handle_, &entries, &n, false) != 0) {
-      Fail(ErrorKind::kInternal, "ExtractConstantsMapEntries");
+      Fail(ErrorKind::kPackage, "ExtractConstantsMapEntries");
     }
     current.reserve(n);
     for (size_t i = 0; i < n; ++i) current.emplace(entries[i].name, entries[i].handle);
@@ -211,7 +241,7 @@ std::unordered_map<std::string, AtenTensorHandle> Container::CurrentConstants() 
     // which is sound because model libraries and this core share libstdc++.
     if (library_->extract_map(handle_, reinterpret_cast<AOTInductorConstantMapHandle>(&current),
                               false) != 0) {
-      Fail(ErrorKind::kInternal, "ExtractConstantsMap");
+      Fail(ErrorKind::kPackage, "ExtractConstantsMap");
     }
   }
   return current;

@@ -64,8 +64,12 @@ class CudaDevice final : public Device {
   }
 
   ~CudaDevice() override {
-    DeviceGuard guard(spec_.index);
+    // No throwing guard here: teardown must survive a broken CUDA context.
+    int previous = 0;
+    bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != spec_.index &&
+                    cudaSetDevice(spec_.index) == cudaSuccess;
     cudaMemPoolDestroy(pool_);
+    if (switched) cudaSetDevice(previous);
   }
 
   int32_t torch_device_type() const override { return Shim().device_type_cuda; }

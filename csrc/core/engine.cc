@@ -32,16 +32,26 @@ std::string JoinNames(const std::vector<std::string>& names) {
   return out;
 }
 
-// Whether `actual` strides address a tensor of `sizes` like `expected` strides
-// (or like a contiguous tensor when `expected` is empty). Strides of size-1
-// dimensions never matter.
-bool StridesMatch(const std::vector<int64_t>& sizes, const std::vector<int64_t>& actual,
-                  const std::vector<int64_t>& expected) {
-  int64_t contiguous = 1;
+// The strides a tensor of `sizes` must have: `expected`, or contiguous ones
+// when `expected` is empty.
+std::vector<int64_t> WantedStrides(const std::vector<int64_t>& sizes,
+                                   const std::vector<int64_t>& expected) {
+  if (!expected.empty()) return expected;
+  std::vector<int64_t> strides(sizes.size());
+  int64_t step = 1;
   for (size_t i = sizes.size(); i-- > 0;) {
-    int64_t want = expected.empty() ? contiguous : expected[i];
-    if (sizes[i] != 1 && actual[i] != want) return false;
-    contiguous *= sizes[i];
+    strides[i] = step;
+    step *= sizes[i];
+  }
+  return strides;
+}
+
+// Whether `actual` addresses the same elements as `wanted`: strides of size-1
+// dimensions never matter.
+bool SameAddressing(const std::vector<int64_t>& sizes, const std::vector<int64_t>& actual,
+                    const std::vector<int64_t>& wanted) {
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] != 1 && actual[i] != wanted[i]) return false;
   }
   return true;
 }
@@ -71,7 +81,11 @@ std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
 
 Engine::~Engine() {
   methods_.clear();
-  if (template_block_ != nullptr) device_->Free(template_block_, template_stream_.last());
+  try {
+    if (template_block_ != nullptr) device_->Free(template_block_, template_stream_.last());
+  } catch (...) {
+    // A broken device runtime (say a sticky CUDA error) must not abort teardown.
+  }
 }
 
 void Engine::Load(const std::vector<MethodSource>& sources, const EngineOptions& options) {
@@ -114,7 +128,18 @@ void Engine::Load(const std::vector<MethodSource>& sources, const EngineOptions&
                                      " input specs, but its model takes " +
                                      std::to_string(method.container->num_inputs()));
     }
+    if (source.inputs) {
+      for (const InputSpec& input : *source.inputs) {
+        if (!input.strides.empty() && input.strides.size() != input.sizes.size()) {
+          Throw(ErrorKind::kPackage, "method '" + source.name +
+                                         "' declares an input spec whose strides and sizes "
+                                         "differ in length");
+        }
+      }
+    }
     method.inputs = source.inputs;
+    method.call_spec = {method.container->in_spec(), method.container->out_spec()};
+    method.num_inputs = method.container->num_inputs();
     methods_.push_back(std::move(method));
   }
   SelectMutable(options);
@@ -262,11 +287,20 @@ size_t Engine::method_index(const std::string& name) const {
         "unknown method '" + name + "'; this engine has: " + JoinNames(method_names()));
 }
 
-const Container& Engine::container(size_t method) const {
-  const Method& m = methods_.at(method);
-  if (!m.container) Throw(ErrorKind::kSessionClosed, "the engine is closed");
-  return *m.container;
+const Engine::Method& Engine::MethodAt(size_t method) const {
+  if (method >= methods_.size()) {
+    Throw(ErrorKind::kInvalidArgument, "method index " + std::to_string(method) +
+                                           " out of range (" + std::to_string(methods_.size()) +
+                                           " methods)");
+  }
+  return methods_[method];
 }
+
+const std::pair<std::string, std::string>& Engine::call_spec(size_t method) const {
+  return MethodAt(method).call_spec;
+}
+
+size_t Engine::num_inputs(size_t method) const { return MethodAt(method).num_inputs; }
 
 size_t Engine::buffer_index(const std::string& fqn) const {
   auto it = buffer_index_.find(fqn);
@@ -297,10 +331,10 @@ bool Engine::closed() const {
 }
 
 std::shared_ptr<Session> Engine::NewSession(StreamHandle stream) {
-  return CreateSession(stream, true);
+  return CreateSession(stream, nullptr);
 }
 
-std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, bool initialize) {
+std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, const void* copy_from) {
   uint64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(sessions_mutex_);
@@ -324,20 +358,37 @@ std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, bool initial
   void* block = nullptr;
   std::shared_ptr<Session> session;
   try {
-    if (block_bytes_ > 0) block = device_->Allocate(block_bytes_, stream);
-    if (initialize) InitializeBlock(block, stream);
+    if (block_bytes_ > 0) {
+      block = device_->Allocate(block_bytes_, stream);
+      if (copy_from != nullptr) {
+        device_->Copy(block, copy_from, block_bytes_, stream);
+      } else {
+        InitializeBlock(block, stream);
+      }
+    }
     session.reset(new Session(shared_from_this(), id, block, stream));
   } catch (...) {
-    if (block != nullptr && !session) device_->Free(block, stream);
-    std::lock_guard<std::mutex> lock(sessions_mutex_);
-    --live_sessions_;
-    live_bytes_ -= static_cast<int64_t>(block_bytes_);
+    // Nothing was handed to a session: release the block and the reservation.
+    if (block != nullptr) {
+      try {
+        device_->Free(block, stream);
+      } catch (...) {
+      }
+    }
+    Forget(id);
     throw;
   }
-  std::lock_guard<std::mutex> lock(sessions_mutex_);
-  sessions_[id] = session;
-  ++sessions_created_;
-  return session;
+  {
+    std::lock_guard<std::mutex> lock(sessions_mutex_);
+    if (!closed_) {
+      sessions_[id] = session;
+      ++sessions_created_;
+      return session;
+    }
+  }
+  // The engine closed while this session was being made: it must not outlive it.
+  session->Close();
+  Throw(ErrorKind::kSessionClosed, "the engine is closed");
 }
 
 void Engine::InitializeBlock(void* block, StreamHandle stream) {
@@ -353,9 +404,15 @@ void Engine::InitializeBlock(void* block, StreamHandle stream) {
 
 void Engine::ReleaseSession(Session& session) {
   session.tensors_.clear();
-  // Freed in the order of the last stream that used it: after its runs finish.
-  if (session.block_ != nullptr) device_->Free(session.block_, session.stream_.last());
+  void* block = session.block_;
   session.block_ = nullptr;
+  try {
+    // Freed in the order of the last stream that used it: after its runs finish.
+    if (block != nullptr) device_->Free(block, session.stream_.last());
+  } catch (...) {
+    Forget(session.id_);
+    throw;
+  }
   Forget(session.id_);
 }
 
@@ -376,16 +433,26 @@ void Engine::Close() {
       if (auto s = weak.lock()) open.push_back(std::move(s));
     }
   }
-  for (auto& session : open) session->Close();
-  std::lock_guard<std::mutex> lock(run_mutex_);
-  for (Method& method : methods_) method.container.reset();
+  // Close everything even if one session fails; report the first failure.
+  std::exception_ptr first;
+  for (auto& session : open) {
+    try {
+      session->Close();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(run_mutex_);
+    for (Method& method : methods_) method.container.reset();
+  }
+  if (first) std::rethrow_exception(first);
 }
 
-void Engine::ValidateInputs(const Method& method, const std::vector<OwnedTensor>& inputs) const {
-  const Container& container = *method.container;
-  if (inputs.size() != container.num_inputs()) {
+void Engine::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs) const {
+  if (inputs.size() != method.num_inputs) {
     Throw(ErrorKind::kInvalidArgument, "method '" + method.name + "' takes " +
-                                           std::to_string(container.num_inputs()) +
+                                           std::to_string(method.num_inputs) +
                                            " tensor inputs, got " + std::to_string(inputs.size()));
   }
   const DeviceSpec& spec = device_->spec();
@@ -399,9 +466,17 @@ void Engine::ValidateInputs(const Method& method, const std::vector<OwnedTensor>
       Throw(ErrorKind::kInvalidArgument, which + " is on " + DeviceName(type, index) +
                                              ", but the engine runs on " + spec.ToString());
     }
-    if (!method.inputs) continue;
-    const InputSpec& want = (*method.inputs)[i];
     TensorLayout got = ReadLayout(tensor);
+    if (!method.inputs) {
+      // No recorded spec (the model checks itself): models are compiled for
+      // contiguous inputs, so give contiguous ones their canonical strides.
+      std::vector<int64_t> canonical = WantedStrides(got.sizes, {});
+      if (got.strides != canonical && SameAddressing(got.sizes, got.strides, canonical)) {
+        inputs[i] = OwnedTensor::Restrided(tensor, canonical);
+      }
+      continue;
+    }
+    const InputSpec& want = (*method.inputs)[i];
     if (got.dtype != want.dtype) {
       Throw(ErrorKind::kTypeMismatch, which + " has dtype " + DtypeName(got.dtype) +
                                           ", expected " + DtypeName(want.dtype));
@@ -415,23 +490,23 @@ void Engine::ValidateInputs(const Method& method, const std::vector<OwnedTensor>
                                              ", expected " + ShapeString(want.sizes) +
                                              " (* = any size)");
     }
-    if (!StridesMatch(got.sizes, got.strides, want.strides)) {
+    std::vector<int64_t> wanted = WantedStrides(got.sizes, want.strides);
+    if (!SameAddressing(got.sizes, got.strides, wanted)) {
       Throw(ErrorKind::kInvalidArgument,
             which + " has strides " + ShapeString(got.strides) + ", expected " +
                 (want.strides.empty() ? std::string("a contiguous tensor")
                                       : ShapeString(want.strides)));
     }
+    // Same elements, other strides on size-1 dimensions (x[:, -1:] and the
+    // like): hand the model the exact strides it was compiled for, as a view.
+    if (got.strides != wanted) inputs[i] = OwnedTensor::Restrided(tensor, wanted);
   }
 }
 
 std::vector<OwnedTensor> Engine::RunLocked(Session& session, size_t method_index,
                                            std::vector<OwnedTensor>&& inputs,
                                            StreamHandle stream) {
-  if (method_index >= methods_.size()) {
-    Throw(ErrorKind::kInvalidArgument, "method index " + std::to_string(method_index) +
-                                           " out of range (" + std::to_string(methods_.size()) +
-                                           " methods)");
-  }
+  MethodAt(method_index);  // checks the index
   Method& method = methods_[method_index];
   std::lock_guard<std::mutex> lock(run_mutex_);
   if (!method.container) Throw(ErrorKind::kSessionClosed, "the engine is closed");

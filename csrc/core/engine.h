@@ -47,7 +47,10 @@ struct EngineOptions {
   std::vector<std::string> known_mutated;
   int64_t max_sessions = -1;   // -1: unlimited
   int64_t memory_budget = -1;  // bytes of session state; -1: unlimited
-  // Delete the handle torch leaks on every user-managed bind (torch <= 2.14).
+  // Delete the handle torch leaks on every user-managed bind. Right for every
+  // torch released up to 2.14.1; must be false on a torch that frees those
+  // handles itself (pytorch PR #194480), or binds double free. The Python
+  // layer decides by torch version.
   bool reclaim_bind_handles = true;
 };
 
@@ -86,11 +89,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<std::string> method_names() const;
   // Index of a method by name; throws kInvalidArgument naming the methods.
   size_t method_index(const std::string& name) const;
-  // The method's container; throws kSessionClosed once the engine is closed.
-  const Container& container(size_t method) const;
-  const std::optional<std::vector<InputSpec>>& input_specs(size_t method) const {
-    return methods_.at(method).inputs;
-  }
+  // The method's pytree call spec (in, out) as JSON, and its number of tensor
+  // inputs. Throw kInvalidArgument for an unknown method index.
+  const std::pair<std::string, std::string>& call_spec(size_t method) const;
+  size_t num_inputs(size_t method) const;
   const std::vector<MutableBuffer>& mutable_buffers() const { return buffers_; }
   // Index of a mutable FQN; throws kInvalidArgument if it is not one.
   size_t buffer_index(const std::string& fqn) const;
@@ -117,18 +119,24 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::string name;
     std::unique_ptr<Container> container;
     std::optional<std::vector<InputSpec>> inputs;
+    std::pair<std::string, std::string> call_spec;  // copied at load: outlives the container
+    size_t num_inputs = 0;
     // (buffer index, internal constant name) for every mutable FQN it has.
     std::vector<std::pair<size_t, std::string>> bindings;
     uint64_t bound_session = 0;  // session id whose buffers are bound; 0: none
   };
 
   Engine() = default;
-  // NewSession, initialising the state from the templates only if `initialize`.
-  std::shared_ptr<Session> CreateSession(StreamHandle stream, bool initialize);
+  // NewSession; the state is a copy of the block at `copy_from` if given (a
+  // fork), else the templates. Registered only once complete.
+  std::shared_ptr<Session> CreateSession(StreamHandle stream, const void* copy_from);
   void Load(const std::vector<MethodSource>& sources, const EngineOptions& options);
   void SelectMutable(const EngineOptions& options);
   void CaptureTemplates();
-  void ValidateInputs(const Method& method, const std::vector<OwnedTensor>& inputs) const;
+  // Checks inputs against the method (count, device, and the recorded specs);
+  // may replace an input by a view with the exact strides the model expects.
+  void ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs) const;
+  const Method& MethodAt(size_t method) const;
 
   // Session-facing operations; the caller holds the session's lock.
   std::vector<OwnedTensor> RunLocked(Session& session, size_t method,

@@ -25,10 +25,7 @@ Session::~Session() {
   }
 }
 
-bool Session::closed() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return closed_;
-}
+bool Session::closed() const { return closed_.load(); }
 
 void Session::Use(StreamHandle stream) { stream_.Use(*engine_->device_, stream); }
 
@@ -60,11 +57,7 @@ std::shared_ptr<Session> Session::Fork(StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   CheckOpen();
   Use(stream);
-  std::shared_ptr<Session> child = engine_->CreateSession(stream, false);
-  if (engine_->block_bytes_ > 0) {
-    engine_->device_->Copy(child->block_, block_, engine_->block_bytes_, stream);
-  }
-  return child;
+  return engine_->CreateSession(stream, block_);
 }
 
 void Session::CheckBufferTensor(size_t buffer, AtenTensorHandle tensor, const char* role) const {

@@ -3,6 +3,7 @@
 // method of the engine runs against the same session state.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -63,7 +64,7 @@ class Session {
   std::shared_ptr<Engine> engine_;
   const uint64_t id_;
   mutable std::mutex mutex_;  // serialises this session's runs and state operations
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};  // written under mutex_, read without
   void* block_ = nullptr;     // device memory of all buffers (nullptr if none)
   StreamTracker stream_;      // the stream that last used the block
   // One tensor per mutable buffer, aliasing the block (what binds hand over).

@@ -85,6 +85,7 @@ const TorchShim& Shim() {
       Resolve(s.get_sizes, "aoti_torch_get_sizes");
       Resolve(s.get_strides, "aoti_torch_get_strides");
       Resolve(s.get_storage_offset, "aoti_torch_get_storage_offset");
+      Resolve(s.reinterpret_tensor, "aoti_torch__reinterpret_tensor");
       Resolve(s.get_dtype, "aoti_torch_get_dtype");
       Resolve(s.get_device_type, "aoti_torch_get_device_type");
       Resolve(s.get_device_index, "aoti_torch_get_device_index");
@@ -202,6 +203,18 @@ void OwnedTensor::reset() {
     Shim().delete_tensor_object(handle_);
     handle_ = nullptr;
   }
+}
+
+OwnedTensor OwnedTensor::Restrided(AtenTensorHandle tensor, const std::vector<int64_t>& strides) {
+  const TorchShim& s = Shim();
+  TensorLayout layout = ReadLayout(tensor);
+  int64_t offset = 0;
+  Check(s.get_storage_offset(tensor, &offset), "get_storage_offset");
+  AtenTensorHandle view = nullptr;
+  Check(s.reinterpret_tensor(tensor, static_cast<int64_t>(layout.sizes.size()), layout.sizes.data(),
+                             strides.data(), offset, &view),
+        "_reinterpret_tensor");
+  return OwnedTensor(view);
 }
 
 OwnedTensor OwnedTensor::FromBlob(void* data, const TensorLayout& layout, int32_t device_type,

@@ -23,6 +23,8 @@ struct TorchShim {
   AOTITorchError (*get_sizes)(AtenTensorHandle, int64_t**);
   AOTITorchError (*get_strides)(AtenTensorHandle, int64_t**);
   AOTITorchError (*get_storage_offset)(AtenTensorHandle, int64_t*);
+  AOTITorchError (*reinterpret_tensor)(AtenTensorHandle, int64_t, const int64_t*, const int64_t*,
+                                       int64_t, AtenTensorHandle*);
   AOTITorchError (*get_dtype)(AtenTensorHandle, int32_t*);
   AOTITorchError (*get_device_type)(AtenTensorHandle, int32_t*);
   AOTITorchError (*get_device_index)(AtenTensorHandle, int32_t*);
@@ -86,6 +88,10 @@ class OwnedTensor {
   }
   void reset();
   explicit operator bool() const { return handle_ != nullptr; }
+
+  // A view of `tensor`'s storage with the same sizes and offset but `strides`
+  // (keeps the storage alive).
+  static OwnedTensor Restrided(AtenTensorHandle tensor, const std::vector<int64_t>& strides);
 
   // A tensor aliasing `data` (not owning it) with the given layout and device.
   static OwnedTensor FromBlob(void* data, const TensorLayout& layout, int32_t device_type,

@@ -134,7 +134,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("id", &Session::id)
       .def_property_readonly("closed", &Session::closed)
       .def_property_readonly(
-          "address", [](const Session& s) { return reinterpret_cast<uintptr_t>(s.address()); },
+          "address",
+          [](const Session& s) {
+            py::gil_scoped_release release;  // waits for a run of this session in flight
+            return reinterpret_cast<uintptr_t>(s.address());
+          },
           "Device address of the session's state block (0 once closed).")
       .def(
           "run",
@@ -195,16 +199,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("device", [](const Engine& e) { return e.device().ToString(); })
       .def_property_readonly("method_names", &Engine::method_names)
       .def("method_index", &Engine::method_index, py::arg("name"))
-      .def(
-          "call_spec",
-          [](const Engine& e, size_t method) {
-            const Container& c = e.container(method);
-            return py::make_tuple(c.in_spec(), c.out_spec());
-          },
-          py::arg("method"))
-      .def(
-          "num_inputs", [](const Engine& e, size_t method) { return e.container(method).num_inputs(); },
-          py::arg("method"))
+      .def("call_spec", &Engine::call_spec, py::arg("method"))
+      .def("num_inputs", &Engine::num_inputs, py::arg("method"))
       .def_property_readonly("mutable_buffers",
                              [](const Engine& e) {
                                py::typing::List<InfoDict> out;

@@ -12,7 +12,16 @@ state), bound into the model by pointer when the session runs.
 
 from __future__ import annotations
 
+import os
+
 import torch  # loads libtorch, whose C shim the core resolves at run time
+
+# Packages not made by ais.compile carry no input specs to check calls against;
+# their compiled code checks dtype, shape, strides and device itself when this
+# is set, rather than read a wrong input as garbage. Each model library reads
+# it once, at its first run, so it is set at import (AOTI_RUNTIME_CHECK_INPUTS=0
+# before the import turns it off).
+os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
 
 from . import errors
 from ._compile import compile
@@ -29,4 +38,4 @@ from .errors import (
 __all__ = ["Engine", "Session", "compile", "errors", *errors.__all__]
 
 __version__ = "0.1.0"
-del torch
+del os, torch

@@ -35,10 +35,12 @@ def _torch_leaks_bind_handles() -> bool:
 
     Every release from 2.10 through 2.14.1 does (aoti-facts.md); a torch that
     fixes it (pytorch PR #194480) would turn our reclaim into a double free, so
-    versions beyond the tested range are not reclaimed.
+    versions after the last one seen leaking are not reclaimed: a leak is
+    recoverable, a double free is not.
     """
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return (major, minor) < (2, 15)
+    release = torch.__version__.split("+")[0]
+    parts = tuple(int(x) for x in release.split(".")[:3] if x.isdigit())
+    return parts <= (2, 14, 1)
 
 
 class _Closable:
@@ -79,6 +81,9 @@ def _input_specs(method: MethodFiles, doc: Mapping[str, Any] | None) -> list[_co
         spec.dtype = code
         spec.sizes = [-1 if s is None else int(s) for s in entry["sizes"]]
         spec.strides = [] if entry.get("strides") is None else [int(s) for s in entry["strides"]]
+        if spec.strides and len(spec.strides) != len(spec.sizes):
+            raise PackageError(f"method '{method.name}': input {i} has {len(spec.sizes)} sizes "
+                               f"but {len(spec.strides)} strides")
         specs.append(spec)
     return specs
 
@@ -155,11 +160,6 @@ class Engine(_Closable):
             patterns = None
             source = "every buffer (no declaration in the package; pass mutable= to choose)"
 
-        if any(d is None or "inputs" not in d for d in docs):
-            # No recorded input specs: let the compiled model check its inputs
-            # itself (read once per library, at its first run) rather than read
-            # a wrong dtype or shape as garbage.
-            os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
         sources = []
         for f, doc in zip(files, docs):
             src = _core.MethodSource()

@@ -1,6 +1,11 @@
 // Model library loading and container descriptors.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <map>
+
 #include "core/container.h"
 #include "core/errors.h"
 #include "test_helpers.h"
@@ -39,6 +44,22 @@ TEST(ModelLibrary, RefusesAMissingFile) {
     EXPECT_EQ(e.kind(), ErrorKind::kPackage);
     EXPECT_NE(std::string(e.what()).find("cannot load model library"), std::string::npos);
   }
+}
+
+TEST(ModelLibrary, RefusesATruncatedLibrary) {
+  std::string path = ModelPath("AOTI_SESSIONS_COUNTER_SO");
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string truncated = ::testing::TempDir() + "truncated_model.so";
+  std::ofstream(truncated, std::ios::binary).write(bytes.data(), bytes.size() / 3);
+  try {
+    ModelLibrary::Open(truncated);
+    FAIL() << "a truncated library must not load";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kPackage);
+    EXPECT_NE(std::string(e.what()).find("is truncated or corrupt"), std::string::npos) << e.what();
+  }
+  std::remove(truncated.c_str());
 }
 
 TEST(Container, CapturesConstantDescriptors) {
