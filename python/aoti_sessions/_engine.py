@@ -330,7 +330,8 @@ class Session(_Closable):
         leaves, spec = pytree.tree_flatten((args, ordered))
         if spec != method.in_spec:
             raise TypeError(f"method '{name}' expects inputs structured as {method.in_spec}, got {spec}")
-        return [x for x in leaves if isinstance(x, torch.Tensor)] if len(leaves) else []
+        # Non-tensor leaves were baked into the model at export, as torch's loader assumes.
+        return [x for x in leaves if isinstance(x, torch.Tensor)]
 
     def reset(self) -> None:
         """Return to the initial state."""
