@@ -467,35 +467,32 @@ void Engine::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inpu
                                              ", but the engine runs on " + spec.ToString());
     }
     TensorLayout got = ReadLayout(tensor);
-    if (!method.inputs) {
-      // No recorded spec (the model checks itself): models are compiled for
-      // contiguous inputs, so give contiguous ones their canonical strides.
-      std::vector<int64_t> canonical = WantedStrides(got.sizes, {});
-      if (got.strides != canonical && SameAddressing(got.sizes, got.strides, canonical)) {
-        inputs[i] = OwnedTensor::Restrided(tensor, canonical);
+    // Without a recorded spec the model checks itself; it was compiled for
+    // contiguous inputs, so those still get their canonical strides below.
+    const InputSpec* want = method.inputs ? &(*method.inputs)[i] : nullptr;
+    if (want != nullptr) {
+      if (got.dtype != want->dtype) {
+        Throw(ErrorKind::kTypeMismatch, which + " has dtype " + DtypeName(got.dtype) +
+                                            ", expected " + DtypeName(want->dtype));
       }
-      continue;
+      bool shape_ok = got.sizes.size() == want->sizes.size();
+      for (size_t d = 0; shape_ok && d < got.sizes.size(); ++d) {
+        shape_ok = want->sizes[d] < 0 || want->sizes[d] == got.sizes[d];
+      }
+      if (!shape_ok) {
+        Throw(ErrorKind::kInvalidArgument, which + " has shape " + ShapeString(got.sizes) +
+                                               ", expected " + ShapeString(want->sizes) +
+                                               " (* = any size)");
+      }
     }
-    const InputSpec& want = (*method.inputs)[i];
-    if (got.dtype != want.dtype) {
-      Throw(ErrorKind::kTypeMismatch, which + " has dtype " + DtypeName(got.dtype) +
-                                          ", expected " + DtypeName(want.dtype));
-    }
-    bool shape_ok = got.sizes.size() == want.sizes.size();
-    for (size_t d = 0; shape_ok && d < got.sizes.size(); ++d) {
-      shape_ok = want.sizes[d] < 0 || want.sizes[d] == got.sizes[d];
-    }
-    if (!shape_ok) {
-      Throw(ErrorKind::kInvalidArgument, which + " has shape " + ShapeString(got.sizes) +
-                                             ", expected " + ShapeString(want.sizes) +
-                                             " (* = any size)");
-    }
-    std::vector<int64_t> wanted = WantedStrides(got.sizes, want.strides);
+    std::vector<int64_t> wanted =
+        WantedStrides(got.sizes, want != nullptr ? want->strides : std::vector<int64_t>{});
     if (!SameAddressing(got.sizes, got.strides, wanted)) {
+      if (want == nullptr) continue;  // the model's own check decides
       Throw(ErrorKind::kInvalidArgument,
             which + " has strides " + ShapeString(got.strides) + ", expected " +
-                (want.strides.empty() ? std::string("a contiguous tensor")
-                                      : ShapeString(want.strides)));
+                (want->strides.empty() ? std::string("a contiguous tensor")
+                                       : ShapeString(want->strides)));
     }
     // Same elements, other strides on size-1 dimensions (x[:, -1:] and the
     // like): hand the model the exact strides it was compiled for, as a view.
