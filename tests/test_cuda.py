@@ -50,7 +50,8 @@ def test_device_memory_grows_per_session_and_returns(gpu_engine: ais.Engine) -> 
     for s in sessions:
         s.close()
     back = _free_bytes()
-    assert back >= start - (2 << 20), f"{start - back} bytes not returned after close"
+    # The engine may keep one spare block for the next session (Retain).
+    assert back >= start - per - (2 << 20), f"{start - back} bytes not returned after close"
 
 
 def _decode_on(engine: ais.Engine, streams: list[torch.cuda.Stream]) -> list[int]:

@@ -58,9 +58,16 @@ class CudaDevice final : public Device {
     props.location.type = cudaMemLocationTypeDevice;
     props.location.id = spec_.index;
     Check(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
-    // Release freed memory to the device at the next synchronisation.
+    // Release freed memory to the device at the next synchronisation, until
+    // the engine says how much it may keep (Retain).
     uint64_t threshold = 0;
     cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold);
+  }
+
+  void Retain(size_t bytes) override {
+    uint64_t threshold = bytes;
+    Check(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold),
+          "setting the pool's release threshold");
   }
 
   ~CudaDevice() override {

@@ -259,6 +259,9 @@ void Engine::CaptureTemplates() {
     if (!zero) nonzero_prefix_bytes_ = offset;
   }
   block_bytes_ = offset;
+  // One spare session block stays with the device after a close, so churn
+  // (close one, create one) costs a memset or copy, not a fresh mapping.
+  device_->Retain(block_bytes_);
   if (nonzero_prefix_bytes_ > 0) {
     template_block_ = device_->Allocate(nonzero_prefix_bytes_, stream);
     template_bytes_ = nonzero_prefix_bytes_;

@@ -242,7 +242,8 @@ class Engine(_Closable):
     # -- sessions --------------------------------------------------------
     def _stream(self) -> int:
         if self._device.type == "cuda":
-            return int(torch.cuda.current_stream(self._device).cuda_stream)
+            # The raw handle of torch's current stream, without building a Stream object.
+            return int(torch._C._cuda_getCurrentRawStream(self._device.index))
         return 0
 
     def new_session(self) -> Session:

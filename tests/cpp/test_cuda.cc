@@ -111,7 +111,9 @@ TEST_F(Cuda, DeviceMemoryFollowsSessions) {
   for (auto& s : sessions) s->Close();
   cudaDeviceSynchronize();
   cudaMemGetInfo(&free2, &total);
-  EXPECT_GE(free2 + (2u << 20), free0) << "memory not returned after close";
+  // The engine may keep one spare block for the next session (Device::Retain).
+  EXPECT_GE(free2 + engine_->bytes_per_session() + (2u << 20), free0)
+      << "memory not returned after close";
 }
 
 TEST(CudaDevice, UnknownDeviceIndex) {
