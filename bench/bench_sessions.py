@@ -137,14 +137,18 @@ def create_times(path: Path, reps: int) -> dict[str, float]:
     other = torch.empty_like(scratch)
     memset = median_us([timed(scratch.zero_) for _ in range(reps)][5:])
     copy = median_us([timed(lambda: other.copy_(scratch)) for _ in range(reps)][5:])
-    create, fork = [], []
     parent = engine.new_session()
-    for _ in range(reps):
-        made: list[ais.Session] = []
-        create.append(timed(lambda: made.append(engine.new_session())))
-        fork.append(timed(lambda: made.append(parent.fork())))
-        for s in made:
-            s.close()
+
+    def churn(make: Callable[[], ais.Session]) -> list[float]:
+        """Close one, create one: the pool's spare block is reused each time."""
+        samples = []
+        for _ in range(reps):
+            made: list[ais.Session] = []
+            samples.append(timed(lambda: made.append(make())))
+            made[0].close()
+        return samples
+
+    create, fork = churn(engine.new_session), churn(parent.fork)
     parent.close()
     engine.close()
     return {"bytes": size, "memset": memset, "copy": copy, "create": median_us(create[5:]),

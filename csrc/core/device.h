@@ -50,10 +50,11 @@ class Device {
   // Makes work queued on `to` from now on wait for the work queued on `from`
   // so far (no-op when they are the same stream, and on the CPU).
   virtual void Order(StreamHandle from, StreamHandle to) = 0;
-  // Lets the device keep up to `bytes` of freed memory for reuse instead of
-  // returning it at once (CUDA: the pool's release threshold), so that a
-  // session created after one closed maps no fresh memory. No-op on the CPU.
-  virtual void Retain(size_t /*bytes*/) {}
+  // Lets the device hold up to `bytes` of memory, in use or freed, instead of
+  // returning freed memory at once (CUDA: the pool's release threshold), so
+  // that a session created after one closed maps no fresh memory. A hint:
+  // never throws. No-op on the CPU.
+  virtual void Retain(size_t /*bytes*/) noexcept {}
   // Whether `bytes` of device memory at `src` are all zero (synchronous; load time only).
   bool IsZero(const void* src, size_t bytes, StreamHandle stream);
 

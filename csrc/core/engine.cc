@@ -259,9 +259,6 @@ void Engine::CaptureTemplates() {
     if (!zero) nonzero_prefix_bytes_ = offset;
   }
   block_bytes_ = offset;
-  // One spare session block stays with the device after a close, so churn
-  // (close one, create one) costs a memset or copy, not a fresh mapping.
-  device_->Retain(block_bytes_);
   if (nonzero_prefix_bytes_ > 0) {
     template_block_ = device_->Allocate(nonzero_prefix_bytes_, stream);
     template_bytes_ = nonzero_prefix_bytes_;
@@ -356,6 +353,7 @@ std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, const void* 
     }
     ++live_sessions_;
     live_bytes_ += need;
+    RetainLocked();
     id = next_session_id_++;
   }
   void* block = nullptr;
@@ -424,6 +422,14 @@ void Engine::Forget(uint64_t session_id) {
   sessions_.erase(session_id);
   --live_sessions_;
   live_bytes_ -= static_cast<int64_t>(block_bytes_);
+  RetainLocked();
+}
+
+void Engine::RetainLocked() {
+  // The device keeps what live sessions and templates use plus one spare
+  // block, so churn (close one, create one) costs a memset or a copy, not a
+  // fresh mapping of device memory; anything beyond goes back to the device.
+  device_->Retain(static_cast<size_t>(live_bytes_) + template_bytes_ + block_bytes_);
 }
 
 void Engine::Close() {

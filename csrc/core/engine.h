@@ -165,6 +165,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   mutable std::mutex sessions_mutex_;
   std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions_;
   uint64_t next_session_id_ = 1;
+  // Tells the device how much freed memory to keep; sessions_mutex_ held.
+  void RetainLocked();
   int64_t live_sessions_ = 0;
   int64_t live_bytes_ = 0;
   int64_t sessions_created_ = 0;
