@@ -21,7 +21,7 @@ fi
 if [ -d .deps/gtest ]; then
   export CMAKE_PREFIX_PATH=$PWD/.deps/gtest/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
 fi
-stage=${1:-all}
+stage=${1:-all}  # all | test | bench
 status=0
 
 {
@@ -29,9 +29,9 @@ status=0
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } | tee "$OUT/machine.txt"
 
+python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
+python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'"
 if [ "$stage" = all ] || [ "$stage" = test ]; then
-  python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
-  python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'"
   # A failing test must not keep the benchmarks from running: report it at the end.
   python3 -m pytest tests -m "not registry" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" || status=$?
 fi
