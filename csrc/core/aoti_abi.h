@@ -60,6 +60,7 @@ using ExtractEntriesFn = AOTIRuntimeError (*)(AOTInductorModelContainerHandle,
 using ExtractMapFn = AOTIRuntimeError (*)(AOTInductorModelContainerHandle,
                                           AOTInductorConstantMapHandle, bool);
 using GetLastErrorFn = AOTIRuntimeError (*)(const char**);
+using HandleOnlyFn = AOTIRuntimeError (*)(AOTInductorModelContainerHandle);
 
 // ConstantType values of the container (no "mutated" flag exists).
 enum class ConstantType : int32_t {

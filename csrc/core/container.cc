@@ -131,6 +131,9 @@ std::shared_ptr<ModelLibrary> ModelLibrary::Open(const std::string& path) {
   Require(h, path, lib->call_spec, "AOTInductorModelContainerGetCallSpec");
   Require(h, path, lib->update_user_managed_pairs,
           "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs");
+  Require(h, path, lib->swap_constant_buffer, "AOTInductorModelContainerSwapConstantBuffer");
+  Require(h, path, lib->free_inactive_constant_buffer,
+          "AOTInductorModelContainerFreeInactiveConstantBuffer");
   Optional(h, lib->extract_entries, "AOTInductorModelContainerExtractConstantsMapEntries");
   Optional(h, lib->extract_map, "AOTInductorModelContainerExtractConstantsMap");
   Optional(h, lib->last_error, "AOTInductorGetLastError");
@@ -202,6 +205,8 @@ Container::Container(std::shared_ptr<ModelLibrary> library, const DeviceSpec& de
     if (lib.call_spec(handle_, &in_spec, &out_spec) != 0) Fail(ErrorKind::kPackage, "GetCallSpec");
     in_spec_ = in_spec ? in_spec : "";
     out_spec_ = out_spec ? out_spec : "";
+    // A library compiled without weights creates an empty constant map.
+    holds_own_constants_ = !CurrentConstants().empty();
   } catch (...) {
     lib.destroy(handle_);
     throw;
@@ -252,6 +257,24 @@ void Container::BindUserManaged(const std::vector<AOTInductorConstantMapEntry>& 
       0) {
     Fail(ErrorKind::kRun, "UpdateUserManagedConstantBufferPairs");
   }
+  TrackBindHandles(pairs);
+}
+
+void Container::ReplaceAllUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs) {
+  if (library_->update_user_managed_pairs(handle_, pairs.data(), pairs.size(), true, false) != 0) {
+    Fail(ErrorKind::kPackage, "UpdateUserManagedConstantBufferPairs (inactive set)");
+  }
+  if (library_->swap_constant_buffer(handle_) != 0) Fail(ErrorKind::kPackage, "SwapConstantBuffer");
+  if (library_->free_inactive_constant_buffer(handle_) != 0) {
+    Fail(ErrorKind::kPackage, "FreeInactiveConstantBuffer");
+  }
+  holds_own_constants_ = false;
+  // The handles this bind made are in the set that is active now.
+  TrackBindHandles(pairs);
+  ReclaimBindHandles();
+}
+
+void Container::TrackBindHandles(const std::vector<AOTInductorConstantMapEntry>& pairs) {
   if (!reclaim_bind_handles_) return;
   for (const auto& pair : pairs) {
     auto [it, added] = bind_copies_.try_emplace(fqn_of_name_.at(pair.name));

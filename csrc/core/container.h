@@ -49,6 +49,8 @@ class ModelLibrary {
   abi::GetNameFn output_name = nullptr;
   abi::GetCallSpecFn call_spec = nullptr;
   abi::UpdatePairsFn update_user_managed_pairs = nullptr;
+  abi::HandleOnlyFn swap_constant_buffer = nullptr;
+  abi::HandleOnlyFn free_inactive_constant_buffer = nullptr;
   // Optional entry points (nullptr where this torch lacks them); one of the two
   // extract functions is required.
   abi::ExtractEntriesFn extract_entries = nullptr;  // torch >= 2.13
@@ -103,6 +105,15 @@ class Container {
   // which callers run after the bind's first run, off the critical path when
   // the run is asynchronous.
   void BindUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs);
+  // Makes `pairs` (every constant the model reads) the container's whole
+  // constant set: binds them into the inactive set, swaps it in and frees the
+  // container's own weight blob. Afterwards the container holds no tensor
+  // memory of its own.
+  void ReplaceAllUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs);
+  // Whether the container holds its constants itself (weights embedded in the
+  // library, copied into a blob at creation), as opposed to a library compiled
+  // without weights, whose constants must all be bound before a run.
+  bool holds_own_constants() const { return holds_own_constants_; }
   // Deletes the handles the previous binds made and torch never frees; keeps
   // the latest bind's. No-op unless the container reclaims.
   void ReclaimBindHandles();
@@ -112,6 +123,8 @@ class Container {
 
  private:
   [[noreturn]] void Fail(ErrorKind kind, const std::string& what) const;
+  // Records the handles a bind of `pairs` made, for ReclaimBindHandles.
+  void TrackBindHandles(const std::vector<AOTInductorConstantMapEntry>& pairs);
 
   std::shared_ptr<ModelLibrary> library_;
   AOTInductorModelContainerHandle handle_ = nullptr;
@@ -122,6 +135,7 @@ class Container {
   std::string in_spec_;
   std::string out_spec_;
   bool reclaim_bind_handles_;
+  bool holds_own_constants_ = false;
   // Per bound constant: the handle the container made for our latest bind of
   // it, deleted once a later bind replaced it (aoti-facts.md: torch leaks it).
   struct BindCopy {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <set>
+#include <unordered_set>
 
 #include "errors.h"
 #include "session.h"
@@ -81,8 +82,11 @@ std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
 
 Engine::~Engine() {
   methods_.clear();
+  weights_.reset();
+  parking_tensors_.clear();
   try {
     if (template_block_ != nullptr) device_->Free(template_block_, template_stream_.last());
+    if (parking_ != nullptr) device_->Free(parking_, nullptr);
   } catch (...) {
     // A broken device runtime (say a sticky CUDA error) must not abort teardown.
   }
@@ -138,20 +142,15 @@ void Engine::Load(const std::vector<MethodSource>& sources, const EngineOptions&
       }
     }
     method.inputs = source.inputs;
+    method.weights_file = source.weights;
     method.call_spec = {method.container->in_spec(), method.container->out_spec()};
     method.num_inputs = method.container->num_inputs();
     methods_.push_back(std::move(method));
   }
   SelectMutable(options);
+  HoldWeights();
   CaptureTemplates();
-
-  std::set<std::string> mutable_fqns;
-  for (const auto& b : buffers_) mutable_fqns.insert(b.fqn);
-  for (const Method& method : methods_) {
-    for (const ConstantInfo& c : method.container->constants()) {
-      if (!c.from_folded && !mutable_fqns.count(c.fqn)) weight_bytes_ += c.data_size;
-    }
-  }
+  FinishWeights();
 }
 
 void Engine::SelectMutable(const EngineOptions& options) {
@@ -208,22 +207,17 @@ void Engine::CaptureTemplates() {
   std::vector<std::string> first_method(buffers_.size());
   for (size_t m = 0; m < methods_.size(); ++m) {
     Method& method = methods_[m];
-    auto current = method.container->CurrentConstants();
+    auto values = InitialValues(method);
     for (const ConstantInfo& c : method.container->constants()) {
       auto index = buffer_index_.find(c.fqn);
       if (c.from_folded || index == buffer_index_.end()) continue;
       MutableBuffer& buffer = buffers_[index->second];
-      auto tensor = current.find(c.fqn);
-      if (tensor == current.end()) {
+      auto value = values.find(c.fqn);
+      if (value == values.end()) {
         Throw(ErrorKind::kPackage, "method '" + method.name + "' lists constant '" + c.fqn +
                                        "' but holds no tensor for it");
       }
-      TensorLayout layout = ReadLayout(tensor->second);
-      if (DeviceType(tensor->second) != device_->torch_device_type()) {
-        Throw(ErrorKind::kPackage, "mutable buffer '" + c.fqn + "' of method '" + method.name +
-                                       "' is not on the engine's device " +
-                                       device_->spec().ToString());
-      }
+      const TensorLayout& layout = value->second.layout;
       if (initial[index->second] == nullptr) {
         if (!layout.dense()) {
           Throw(ErrorKind::kPackage, "mutable buffer '" + c.fqn + "' has a layout (" +
@@ -232,7 +226,7 @@ void Engine::CaptureTemplates() {
         }
         buffer.layout = layout;
         buffer.bytes = layout.span_bytes();
-        initial[index->second] = DataPtr(tensor->second);
+        initial[index->second] = value->second.data;
         first_method[index->second] = method.name;
       } else if (layout != buffer.layout) {
         Throw(ErrorKind::kPackage, "mutable buffer '" + c.fqn + "' is " +
@@ -531,6 +525,9 @@ std::vector<OwnedTensor> Engine::RunLocked(Session& session, size_t method_index
     bind_nanoseconds_.fetch_add(ElapsedNanoseconds(start), std::memory_order_relaxed);
   }
   runs_.fetch_add(1, std::memory_order_relaxed);
+  if (std::find(run_streams_.begin(), run_streams_.end(), stream) == run_streams_.end()) {
+    run_streams_.push_back(stream);
+  }
   // Reclaim the handles of a fresh bind after the run is queued, so that on an
   // asynchronous device the work overlaps the model's execution.
   struct ReclaimAfterRun {
@@ -547,6 +544,286 @@ std::vector<OwnedTensor> Engine::RunLocked(Session& session, size_t method_index
     }
   } reclaim{*this, *method.container};
   return method.container->Run(std::move(inputs), stream);
+}
+
+// ---------------------------------------------------------------- weights
+
+namespace {
+
+const WeightEntry* FindEntry(const WeightsFile& file, const std::string& fqn) {
+  for (const WeightEntry& e : file.entries) {
+    if (e.fqn == fqn) return &e;
+  }
+  return nullptr;
+}
+
+std::string FileKey(const WeightsFile& file, const WeightEntry& entry) {
+  return file.path + ":" + std::to_string(entry.offset);
+}
+
+}  // namespace
+
+std::unordered_map<std::string, Engine::InitialValue> Engine::InitialValues(Method& method) {
+  std::unordered_map<std::string, InitialValue> values;
+  if (method.weights_file) {
+    for (const ConstantInfo& c : method.container->constants()) {
+      if (c.from_folded || !buffer_index_.count(c.fqn)) continue;
+      const WeightEntry* entry = FindEntry(*method.weights_file, c.fqn);
+      if (entry == nullptr) continue;  // reported as missing by the caller
+      std::vector<char>& host = file_initial_[FileKey(*method.weights_file, *entry)];
+      if (host.size() != entry->bytes) {
+        host.resize(entry->bytes);
+        ReadFileRange(method.weights_file->path, entry->offset, entry->bytes, host.data());
+      }
+      values[c.fqn] = InitialValue{entry->layout, host.data()};
+    }
+    return values;
+  }
+  for (const auto& [fqn, tensor] : method.container->CurrentConstants()) {
+    if (!buffer_index_.count(fqn)) continue;
+    if (DeviceType(tensor) != device_->torch_device_type()) {
+      Throw(ErrorKind::kPackage, "mutable buffer '" + fqn + "' of method '" + method.name +
+                                     "' is not on the engine's device " + device_->spec().ToString());
+    }
+    values[fqn] = InitialValue{ReadLayout(tensor), DataPtr(tensor)};
+  }
+  return values;
+}
+
+void Engine::HoldWeights() {
+  weights_ = std::make_unique<WeightStore>(*device_);
+  bool adopted = false;
+  for (Method& method : methods_) {
+    Container& container = *method.container;
+    if (!method.weights_file && !container.holds_own_constants()) {
+      bool any = false;
+      for (const ConstantInfo& c : container.constants()) any = any || !c.from_folded;
+      if (any) {
+        Throw(ErrorKind::kPackage, "method '" + method.name +
+                                       "' was compiled without its weights and no weights file "
+                                       "came with it");
+      }
+    }
+    // The first container that embeds its weights keeps them: the engine
+    // adopts them in place instead of copying (load peak = one copy).
+    bool adopt = !method.weights_file && container.holds_own_constants() && !adopted;
+    std::unordered_map<std::string, AtenTensorHandle> current;
+    if (!method.weights_file) current = container.CurrentConstants();
+    for (const ConstantInfo& c : container.constants()) {
+      if (c.from_folded || buffer_index_.count(c.fqn)) continue;
+      HeldWeight* held = nullptr;
+      bool differs = false;
+      if (method.weights_file) {
+        const WeightEntry* entry = FindEntry(*method.weights_file, c.fqn);
+        if (entry == nullptr) {
+          Throw(ErrorKind::kPackage, "weights file " + method.weights_file->path +
+                                         " has no tensor for constant '" + c.fqn + "' of method '" +
+                                         method.name + "'");
+        }
+        if (entry->layout.dtype != c.dtype) {
+          Throw(ErrorKind::kPackage, "weights file " + method.weights_file->path + ": '" + c.fqn +
+                                         "' is " + DtypeName(entry->layout.dtype) + " but method '" +
+                                         method.name + "' expects " + DtypeName(c.dtype));
+        }
+        held = weights_->FindFile(*method.weights_file, *entry, &differs);
+        if (held == nullptr) {
+          if (differs) NoteDifferingWeight(method, c.fqn);
+          held = weights_->AddFile(*method.weights_file, *entry);
+        }
+      } else {
+        auto tensor = current.find(c.fqn);
+        if (tensor == current.end()) {
+          Throw(ErrorKind::kPackage, "method '" + method.name + "' lists constant '" + c.fqn +
+                                         "' but holds no tensor for it");
+        }
+        TensorLayout layout = ReadLayout(tensor->second);
+        void* data = DataPtr(tensor->second);
+        held = weights_->FindDevice(c.fqn, layout, data, &differs);
+        if (held == nullptr) {
+          if (differs) NoteDifferingWeight(method, c.fqn);
+          held = adopt ? weights_->Adopt(c.fqn, layout, data) : weights_->AddCopy(c.fqn, layout, data);
+        }
+      }
+      held->methods.push_back(method.name);
+      method.weight_bindings.emplace_back(held, c.name);
+    }
+    if (adopt) {
+      adopted = true;
+      method.keeps_own_constants = true;
+    }
+    if (method.weights_file && !method.weight_bindings.empty()) {
+      container.BindUserManaged(WeightPairs(method, nullptr));
+      container.ReclaimBindHandles();
+    }
+  }
+}
+
+void Engine::NoteDifferingWeight(const Method& method, const std::string& fqn) {
+  std::vector<std::string> others;
+  for (HeldWeight* w : weights_->WithFqn(fqn)) {
+    others.insert(others.end(), w->methods.begin(), w->methods.end());
+  }
+  std::string what = "weight '" + fqn + "' of method '" + method.name +
+                     "' differs (layout or content) from the one of method(s) " + JoinNames(others);
+  if (options_.strict_weights) {
+    Throw(ErrorKind::kPackage, what + "; strict weights refuse to keep two copies");
+  }
+  load_notes_.push_back(what + ": kept as a separate copy");
+}
+
+std::vector<AOTInductorConstantMapEntry> Engine::WeightPairs(
+    const Method& method, const std::unordered_set<const HeldWeight*>* only) const {
+  std::vector<AOTInductorConstantMapEntry> pairs;
+  for (const auto& [held, name] : method.weight_bindings) {
+    if (only == nullptr || only->count(held)) pairs.push_back({name.c_str(), held->tensor.get()});
+  }
+  return pairs;
+}
+
+void Engine::FinishWeights() {
+  for (Method& method : methods_) {
+    Container& container = *method.container;
+    if (method.keeps_own_constants || !container.holds_own_constants()) continue;
+    // Its weights are shared now: bind everything it reads elsewhere and free
+    // its blob. Mutable constants get parking memory until a session binds.
+    if (parking_ == nullptr) {
+      for (const MutableBuffer& b : buffers_) parking_bytes_ = std::max(parking_bytes_, b.bytes);
+      if (parking_bytes_ > 0) parking_ = device_->Allocate(parking_bytes_, nullptr);
+      for (const MutableBuffer& b : buffers_) {
+        parking_tensors_.push_back(OwnedTensor::FromBlob(
+            parking_, b.layout, device_->torch_device_type(), device_->spec().index));
+      }
+    }
+    auto pairs = WeightPairs(method, nullptr);
+    for (const auto& [buffer, name] : method.bindings) {
+      pairs.push_back({name.c_str(), parking_tensors_[buffer].get()});
+    }
+    container.ReplaceAllUserManaged(pairs);
+  }
+  file_initial_.clear();
+}
+
+size_t Engine::weight_bytes() const { return weights_ ? weights_->held_bytes() : 0; }
+
+MemoryReport Engine::memory_report() const {
+  MemoryReport r;
+  r.weights = weight_bytes();
+  r.templates = template_bytes_;
+  {
+    std::lock_guard<std::mutex> lock(sessions_mutex_);
+    r.sessions = static_cast<size_t>(live_bytes_);
+  }
+  r.containers = parking_bytes_;
+  for (const Method& method : methods_) {
+    if (!method.keeps_own_constants || !method.container) continue;
+    // Its blob also holds the container's own copy of the mutable state.
+    for (const ConstantInfo& c : method.container->constants()) {
+      if (!c.from_folded && buffer_index_.count(c.fqn)) r.containers += c.data_size;
+    }
+  }
+  return r;
+}
+
+void Engine::SyncRunStreams() {
+  for (StreamHandle stream : run_streams_) device_->Synchronize(stream);
+}
+
+void Engine::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double_buffer) {
+  // Validate everything before writing anything.
+  std::vector<HeldWeight*> targets;
+  std::set<std::string> seen;
+  const int32_t cpu = Shim().device_type_cpu;
+  for (const WeightUpdate& u : updates) {
+    if (!seen.insert(u.fqn).second) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "' is given twice");
+    }
+    auto held = weights_ ? weights_->WithFqn(u.fqn) : std::vector<HeldWeight*>{};
+    if (held.empty()) {
+      Throw(ErrorKind::kInvalidArgument,
+            buffer_index_.count(u.fqn)
+                ? "'" + u.fqn + "' is per-session mutable state, not a weight"
+                : "'" + u.fqn + "' is not a weight of this engine (no method reads it as a "
+                  "constant; the compiler may have folded it into the code)");
+    }
+    if (held.size() > 1) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "' is held in " +
+                                             std::to_string(held.size()) +
+                                             " variants (methods disagree on it); cannot update "
+                                             "it by name");
+    }
+    TensorLayout layout = ReadLayout(u.source);
+    const TensorLayout& want = held[0]->layout;
+    if (layout.dtype != want.dtype) {
+      Throw(ErrorKind::kTypeMismatch, "weight '" + u.fqn + "' is " + DtypeName(want.dtype) +
+                                          ", got " + DtypeName(layout.dtype));
+    }
+    if (layout.sizes != want.sizes) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "' is " + want.ToString() +
+                                             ", got shape " + layout.ToString());
+    }
+    if (layout.strides != want.strides) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "' has strides of " +
+                                             want.ToString() + ", got " + layout.ToString() +
+                                             " (pass a tensor with the same strides, e.g. "
+                                             ".contiguous())");
+    }
+    if (DeviceType(u.source) != cpu) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "': the new value must be a CPU "
+                                             "tensor (pinned or pageable)");
+    }
+    targets.push_back(held[0]);
+  }
+  if (targets.empty()) return;
+  if (!double_buffer) {
+    std::lock_guard<std::mutex> lock(run_mutex_);
+    if (methods_.empty() || !methods_[0].container) {
+      Throw(ErrorKind::kSessionClosed, "the engine is closed");
+    }
+    SyncRunStreams();  // runs in flight finish with the old weights
+    for (size_t i = 0; i < targets.size(); ++i) {
+      device_->Copy(targets[i]->data, DataPtr(updates[i].source), targets[i]->bytes, nullptr);
+    }
+    device_->Synchronize(nullptr);
+    return;
+  }
+  // Fill new memory while runs go on.
+  std::vector<void*> fresh;
+  try {
+    for (size_t i = 0; i < targets.size(); ++i) {
+      fresh.push_back(device_->Allocate(targets[i]->bytes, nullptr));
+      device_->Copy(fresh.back(), DataPtr(updates[i].source), targets[i]->bytes, nullptr);
+    }
+    device_->Synchronize(nullptr);
+  } catch (...) {
+    for (void* p : fresh) device_->Free(p, nullptr);
+    throw;
+  }
+  std::vector<void*> old;
+  std::vector<StreamHandle> streams;
+  {
+    std::lock_guard<std::mutex> lock(run_mutex_);
+    if (methods_.empty() || !methods_[0].container) {
+      for (void* p : fresh) device_->Free(p, nullptr);
+      Throw(ErrorKind::kSessionClosed, "the engine is closed");
+    }
+    std::unordered_set<const HeldWeight*> changed(targets.begin(), targets.end());
+    for (size_t i = 0; i < targets.size(); ++i) {
+      old.push_back(weights_->Replace(*targets[i], fresh[i]));
+    }
+    // Every method switches before the next run: none sees a mix.
+    for (Method& method : methods_) {
+      auto pairs = WeightPairs(method, &changed);
+      if (pairs.empty()) continue;
+      method.container->BindUserManaged(pairs);
+      method.container->ReclaimBindHandles();
+    }
+    streams = run_streams_;
+  }
+  // The old memory is free once the runs queued before the switch are done.
+  for (StreamHandle stream : streams) device_->Synchronize(stream);
+  for (void* p : old) {
+    if (p != nullptr) device_->Free(p, nullptr);
+  }
 }
 
 }  // namespace aoti_sessions

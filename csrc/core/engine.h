@@ -11,11 +11,13 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "container.h"
 #include "device.h"
 #include "torch_shim.h"
+#include "weights.h"
 
 namespace aoti_sessions {
 
@@ -35,6 +37,8 @@ struct MethodSource {
   std::string library_path;
   std::string cubin_dir;  // folder of the library's kernel files ("" if none)
   std::optional<std::vector<InputSpec>> inputs;
+  // Where the method's weights are when its library was compiled without them.
+  std::optional<WeightsFile> weights;
 };
 
 struct EngineOptions {
@@ -52,6 +56,23 @@ struct EngineOptions {
   // handles itself (pytorch PR #194480), or binds double free. The Python
   // layer decides by torch version.
   bool reclaim_bind_handles = true;
+  // Refuse to load methods that disagree on a weight's layout or content (by
+  // default both copies are kept, with a load note).
+  bool strict_weights = false;
+};
+
+// Bytes by what holds them, on the engine's device.
+struct MemoryReport {
+  size_t weights = 0;     // held once, shared by every method
+  size_t templates = 0;   // initial values that are not all zero
+  size_t sessions = 0;    // session blocks
+  size_t containers = 0;  // held by containers beyond shared weights, plus parking
+};
+
+// A new value for one weight: CPU memory with the held weight's layout.
+struct WeightUpdate {
+  std::string fqn;
+  AtenTensorHandle source = nullptr;  // borrowed
 };
 
 // One mutable FQN: its layout, where it sits in a session block, its template.
@@ -98,8 +119,22 @@ class Engine : public std::enable_shared_from_this<Engine> {
   size_t buffer_index(const std::string& fqn) const;
   // Device bytes of one session's state (all buffers, aligned).
   size_t bytes_per_session() const { return block_bytes_; }
-  // Bytes of non-mutable constants held by the method containers.
-  size_t weight_bytes() const { return weight_bytes_; }
+  // Bytes of weights held (each distinct weight once, whatever the methods).
+  size_t weight_bytes() const;
+  MemoryReport memory_report() const;
+  // What loading noticed and decided (e.g. weights kept apart because methods
+  // disagree on them); the Python layer logs these.
+  const std::vector<std::string>& load_notes() const { return load_notes_; }
+  // Held weights: fqn, layout and the methods bound to each.
+  const WeightStore& weights() const { return *weights_; }
+
+  // Copies CPU tensors into the held weights. Every update is validated (known
+  // weight, dtype, sizes, strides, CPU memory) before anything is written.
+  // In place: waits for runs in flight and blocks new ones until done.
+  // double_buffer: fills new memory while runs go on, then rebinds every
+  // method to it at once (no run sees a mix) and frees the old memory after
+  // the runs that used it.
+  void UpdateWeights(const std::vector<WeightUpdate>& updates, bool double_buffer);
   // Bytes of engine-owned template memory (zero initial values cost none).
   size_t template_bytes() const { return template_bytes_; }
   EngineStats stats() const;
@@ -124,6 +159,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
     // (buffer index, internal constant name) for every mutable FQN it has.
     std::vector<std::pair<size_t, std::string>> bindings;
     uint64_t bound_session = 0;  // session id whose buffers are bound; 0: none
+    std::optional<WeightsFile> weights_file;
+    // (held weight, internal constant name) for every weight it reads.
+    std::vector<std::pair<HeldWeight*, std::string>> weight_bindings;
+    // Its own blob holds weights the engine adopted: never freed.
+    bool keeps_own_constants = false;
+  };
+  // Initial value of a mutable constant, on the device or in host memory.
+  struct InitialValue {
+    TensorLayout layout;
+    const void* data = nullptr;
   };
 
   Engine() = default;
@@ -133,6 +178,20 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void Load(const std::vector<MethodSource>& sources, const EngineOptions& options);
   void SelectMutable(const EngineOptions& options);
   void CaptureTemplates();
+  // Binds every method's weights to one held copy each (loading weights files,
+  // adopting or copying embedded ones); called after SelectMutable.
+  void HoldWeights();
+  // After the templates are captured: releases the blobs of containers whose
+  // weights are now shared, and the host copies of initial values.
+  void FinishWeights();
+  std::unordered_map<std::string, InitialValue> InitialValues(Method& method);
+  // Records (or, with strict_weights, refuses) a weight that differs between methods.
+  void NoteDifferingWeight(const Method& method, const std::string& fqn);
+  // (internal name, held tensor) pairs of the method's weights, all or `only` those.
+  std::vector<AOTInductorConstantMapEntry> WeightPairs(
+      const Method& method, const std::unordered_set<const HeldWeight*>* only) const;
+  // Blocks until the work queued by runs so far has finished; run_mutex_ held.
+  void SyncRunStreams();
   // Checks inputs against the method (count, device, and the recorded specs);
   // may replace an input by a view with the exact strides the model expects.
   void ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs) const;
@@ -150,7 +209,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<MutableBuffer> buffers_;
   std::unordered_map<std::string, size_t> buffer_index_;
   size_t block_bytes_ = 0;
-  size_t weight_bytes_ = 0;
+  std::unique_ptr<WeightStore> weights_;
+  std::vector<std::string> load_notes_;
+  // Initial values of mutable constants read from weights files (load only).
+  std::unordered_map<std::string, std::vector<char>> file_initial_;
+  // Placeholder memory for the mutable constants of containers whose blob was
+  // freed, until a session is bound (never read: runs bind a session first).
+  void* parking_ = nullptr;
+  size_t parking_bytes_ = 0;
+  std::vector<OwnedTensor> parking_tensors_;
+  std::vector<StreamHandle> run_streams_;  // streams runs were queued on; run_mutex_
   size_t template_bytes_ = 0;
   // Templates of the buffers whose initial value is not all zero, laid out as in
   // a session block; buffers are ordered so they form one prefix of the block.

@@ -128,7 +128,29 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("name", &MethodSource::name)
       .def_readwrite("library_path", &MethodSource::library_path)
       .def_readwrite("cubin_dir", &MethodSource::cubin_dir)
-      .def_readwrite("inputs", &MethodSource::inputs);
+      .def_readwrite("inputs", &MethodSource::inputs)
+      .def(
+          "set_weights_file",
+          [](MethodSource& s, const std::string& path,
+             const std::vector<std::tuple<std::string, int32_t, std::vector<int64_t>,
+                                          std::vector<int64_t>, uint64_t, uint64_t>>& entries) {
+            WeightsFile file;
+            file.path = path;
+            for (const auto& [fqn, dtype, sizes, strides, offset, bytes] : entries) {
+              WeightEntry e;
+              e.fqn = fqn;
+              e.layout.dtype = dtype;
+              e.layout.sizes = sizes;
+              e.layout.strides = strides;
+              e.offset = offset;
+              e.bytes = bytes;
+              file.entries.push_back(std::move(e));
+            }
+            s.weights = std::move(file);
+          },
+          py::arg("path"), py::arg("entries"),
+          "Weights of a library compiled without them: (fqn, dtype code, sizes, strides, "
+          "offset, bytes) per tensor of the file at `path`.");
 
   py::class_<Session, std::shared_ptr<Session>>(m, "Session")
       .def_property_readonly("id", &Session::id)
@@ -182,7 +204,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::vector<MethodSource>& methods, const std::string& device,
                        std::optional<std::vector<std::string>> mutable_patterns,
                        std::vector<std::string> known_mutated, int64_t max_sessions,
-                       int64_t memory_budget, bool reclaim_bind_handles) {
+                       int64_t memory_budget, bool reclaim_bind_handles, bool strict_weights) {
              EngineOptions options;
              options.device = device;
              options.mutable_patterns = std::move(mutable_patterns);
@@ -190,12 +212,14 @@ PYBIND11_MODULE(_core, m) {
              options.max_sessions = max_sessions;
              options.memory_budget = memory_budget;
              options.reclaim_bind_handles = reclaim_bind_handles;
+             options.strict_weights = strict_weights;
              py::gil_scoped_release release;
              return Engine::Create(methods, options);
            }),
            py::arg("methods"), py::arg("device"), py::arg("mutable_patterns"),
            py::arg("known_mutated"), py::arg("max_sessions") = -1,
-           py::arg("memory_budget") = -1, py::arg("reclaim_bind_handles") = true)
+           py::arg("memory_budget") = -1, py::arg("reclaim_bind_handles") = true,
+           py::arg("strict_weights") = false)
       .def_property_readonly("device", [](const Engine& e) { return e.device().ToString(); })
       .def_property_readonly("method_names", &Engine::method_names)
       .def("method_index", &Engine::method_index, py::arg("name"))
@@ -210,6 +234,46 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("bytes_per_session", &Engine::bytes_per_session)
       .def_property_readonly("weight_bytes", &Engine::weight_bytes)
       .def_property_readonly("template_bytes", &Engine::template_bytes)
+      .def_property_readonly("load_notes", &Engine::load_notes)
+      .def("memory_report",
+           [](const Engine& e) {
+             MemoryReport r = e.memory_report();
+             InfoDict d;
+             d["weights"] = r.weights;
+             d["templates"] = r.templates;
+             d["sessions"] = r.sessions;
+             d["containers"] = r.containers;
+             return d;
+           })
+      .def("weights",
+           [](const Engine& e) {
+             py::typing::List<InfoDict> out;
+             for (const auto& w : e.weights().all()) {
+               InfoDict d;
+               d["fqn"] = w->fqn;
+               d["dtype"] = DtypeName(w->layout.dtype);
+               d["sizes"] = w->layout.sizes;
+               d["strides"] = w->layout.strides;
+               d["bytes"] = w->bytes;
+               d["methods"] = w->methods;
+               out.append(d);
+             }
+             return out;
+           })
+      .def(
+          "update_weights",
+          [](Engine& e, const std::vector<std::string>& names, const CapsuleList& sources,
+             bool double_buffer) {
+            std::vector<OwnedTensor> owned = TakeHandles(sources);
+            if (owned.size() != names.size()) {
+              throw Error(ErrorKind::kInvalidArgument, "update_weights: names and tensors differ in number");
+            }
+            std::vector<WeightUpdate> updates;
+            for (size_t i = 0; i < names.size(); ++i) updates.push_back({names[i], owned[i].get()});
+            py::gil_scoped_release release;
+            e.UpdateWeights(updates, double_buffer);
+          },
+          py::arg("names"), py::arg("sources"), py::arg("double_buffer") = false)
       .def("stats",
            [](const Engine& e) {
              EngineStats s = e.stats();

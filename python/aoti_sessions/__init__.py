@@ -24,7 +24,7 @@ import torch  # loads libtorch, whose C shim the core resolves at run time
 os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
 
 from . import errors
-from ._compile import compile
+from ._compile import Method, compile
 from ._engine import Engine, Session
 from .errors import (
     CapacityError,
@@ -35,7 +35,7 @@ from .errors import (
     SessionClosedError,
 )
 
-__all__ = ["Engine", "Session", "compile", "errors", *errors.__all__]
+__all__ = ["Engine", "Method", "Session", "compile", "errors", *errors.__all__]
 
 __version__ = "0.1.0"
 del os, torch

@@ -88,6 +88,17 @@ def _input_specs(method: MethodFiles, doc: Mapping[str, Any] | None) -> list[_co
     return specs
 
 
+def _weight_entries(method: MethodFiles) -> list[tuple[str, int, list[int], list[int], int, int]]:
+    out = []
+    for e in method.weights:
+        code = _core.dtype_code(e["dtype"])
+        if code < 0:
+            raise PackageError(f"method '{method.name}': weight {e['fqn']} has unknown dtype {e['dtype']}")
+        out.append((str(e["fqn"]), code, [int(x) for x in e["sizes"]], [int(x) for x in e["strides"]],
+                    int(e["offset"]), int(e["nbytes"])))
+    return out
+
+
 def _resolve_methods(model: ModelSource | Mapping[str, ModelSource]) -> list[MethodFiles]:
     if isinstance(model, Mapping):
         if not model:
@@ -103,7 +114,8 @@ def _resolve_methods(model: ModelSource | Mapping[str, ModelSource]) -> list[Met
                     f"({', '.join(m.name for m in found)}); give a package with one"
                 )
             f = found[0]
-            methods.append(MethodFiles(name, f.library, f.cubin_dir, f.device_key, f.metadata))
+            methods.append(MethodFiles(name, f.library, f.cubin_dir, f.device_key, f.metadata,
+                                       f.weights_file, f.weights))
         return methods
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path or a mapping of method names to paths, got {type(model).__name__}")
@@ -121,6 +133,14 @@ class Engine(_Closable):
             ``ais.compile`` recorded in the package, else every buffer (logged).
         max_sessions: at most this many open sessions.
         memory_budget: at most this many bytes of session state.
+        strict_weights: refuse methods that disagree on a weight (same FQN,
+            other layout or content) instead of keeping both copies (logged).
+
+    Each weight is held once, whatever the number of methods: libraries
+    compiled without weights (multi-method ``ais.compile``) bind to the
+    package's weights file loaded straight into the engine's memory; libraries
+    with embedded weights bind to the first method's copy, and the duplicate
+    copies of later methods are freed after binding.
     """
 
     def __init__(
@@ -130,6 +150,7 @@ class Engine(_Closable):
         mutable: Sequence[str] | None = None,
         max_sessions: int | None = None,
         memory_budget: int | None = None,
+        strict_weights: bool = False,
     ) -> None:
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None and torch.cuda.is_available():
@@ -167,6 +188,8 @@ class Engine(_Closable):
             src.library_path = f.library
             src.cubin_dir = f.cubin_dir
             src.inputs = _input_specs(f, doc)
+            if f.weights_file is not None:
+                src.set_weights_file(f.weights_file, _weight_entries(f))
             sources.append(src)
         self._core = _core.Engine(
             sources,
@@ -176,7 +199,10 @@ class Engine(_Closable):
             -1 if max_sessions is None else max_sessions,
             -1 if memory_budget is None else memory_budget,
             _torch_leaks_bind_handles(),
+            bool(strict_weights),
         )
+        for note in self._core.load_notes:
+            log.warning("%s", note)
         self._buffers = self._core.mutable_buffers
         self._methods: dict[str, _Method] = {}
         for f, src in zip(files, sources):
@@ -218,14 +244,48 @@ class Engine(_Closable):
         return int(self._core.bytes_per_session)
 
     @property
-    def weight_bytes(self) -> int:
-        """Bytes of non-mutable constants held by the method containers."""
-        return int(self._core.weight_bytes)
-
-    @property
     def template_bytes(self) -> int:
         """Bytes of initial-state templates; all-zero initial values cost none."""
         return int(self._core.template_bytes)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights held: each distinct weight once, whatever the methods."""
+        return int(self._core.weight_bytes)
+
+    def weights(self) -> list[dict[str, Any]]:
+        """Descriptor of every held weight: fqn, dtype, sizes, strides, bytes, methods."""
+        return [dict(w) for w in self._core.weights()]
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes by holder (weights, templates, sessions, containers) in device
+        and host memory. On a CPU engine the device is host memory: all is host."""
+        here = {k: int(v) for k, v in self._core.memory_report().items()}
+        zero = dict.fromkeys(here, 0)
+        if self._device.type == "cpu":
+            return {"device": zero, "host": here}
+        return {"device": here, "host": zero}
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, double_buffer: bool = False) -> None:
+        """Copy new weight values from CPU tensors (pinned or pageable) into the
+        held weights; sessions' state is untouched.
+
+        Every tensor is checked (a weight of this engine, dtype, shape, strides,
+        on the CPU) before anything is written. In place (default) it waits for
+        runs in flight and blocks new ones until done; ``double_buffer=True``
+        fills new memory while sessions keep running and switches every method
+        to it at once, so no run sees a mix. Either way a run sees the old or
+        the new weights.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping of FQN to Tensor, got {type(state_dict).__name__}")
+        names, tensors = [], []
+        for name, t in state_dict.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"weight '{name}': expected a Tensor, got {type(t).__name__}")
+            names.append(str(name))
+            tensors.append(t.detach())
+        self._core.update_weights(names, _to_handles(tensors), bool(double_buffer))
 
     def buffers(self) -> list[dict[str, Any]]:
         """Descriptor of every mutable buffer: fqn, dtype, sizes, strides, bytes, methods."""

@@ -35,6 +35,10 @@ class MethodFiles:
     cubin_dir: str
     device_key: str | None  # "cpu" / "cuda" from the package, None for a raw .so
     metadata: dict[str, str] = field(default_factory=dict)
+    # Libraries compiled without weights (multi-method ais.compile): the
+    # weights file and the entries of it this method reads.
+    weights_file: str | None = None
+    weights: list[dict[str, Any]] = field(default_factory=list)
 
     def sessions_metadata(self) -> dict[str, Any] | None:
         """The document ais.compile recorded, or None for foreign packages."""
@@ -110,6 +114,27 @@ def _extract(package: Path) -> Path:
     return target
 
 
+# The weights file of a multi-method ais.compile package, below its top folder.
+WEIGHTS_INDEX = "data/aoti_sessions/weights.json"
+
+
+def _weights_of(top: Path, package: Path) -> tuple[str | None, list[dict[str, Any]]]:
+    index = top / WEIGHTS_INDEX
+    if not index.is_file():
+        return None, []
+    try:
+        doc = json.loads(index.read_text())
+        if doc.get("version") != 1:
+            raise PackageError(f"{package}: weights index of an unknown version {doc.get('version')!r}")
+        blob = (top / doc["blob"]).resolve()
+        entries = list(doc["entries"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PackageError(f"{package}: unreadable weights index {WEIGHTS_INDEX}: {e}") from None
+    if not blob.is_relative_to(top.resolve()) or not blob.is_file():
+        raise PackageError(f"{package}: weights file {doc['blob']} is missing")
+    return str(blob), entries
+
+
 def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
     methods = []
     for model_dir in sorted(root.glob("*/data/aotinductor/*")):
@@ -124,6 +149,7 @@ def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
         for meta_file in sorted(model_dir.glob("*metadata.json")):
             if meta_file.name.startswith(libraries[0].name.split(".")[0]):
                 metadata = json.loads(meta_file.read_text())
+        weights_file, entries = _weights_of(model_dir.parents[2], package)
         methods.append(
             MethodFiles(
                 name=model_dir.name,
@@ -131,6 +157,8 @@ def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
                 cubin_dir=str(model_dir),
                 device_key=metadata.get("AOTI_DEVICE_KEY"),
                 metadata=metadata,
+                weights_file=weights_file,
+                weights=[e for e in entries if model_dir.name in e.get("methods", ())],
             )
         )
     if not methods:

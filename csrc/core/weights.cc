@@ -1,0 +1,209 @@
+// Weights held once per engine: file loading, content identity, ownership.
+#include "weights.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "errors.h"
+
+namespace aoti_sessions {
+namespace {
+
+constexpr size_t kChunk = size_t{16} << 20;  // host staging per step
+
+class File {
+ public:
+  explicit File(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY)) {
+    if (fd_ < 0) {
+      Throw(ErrorKind::kPackage, "cannot open weights file " + path + ": " + std::strerror(errno));
+    }
+  }
+  ~File() { ::close(fd_); }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  void Read(uint64_t offset, size_t bytes, void* dst) const {
+    auto* out = static_cast<char*>(dst);
+    while (bytes > 0) {
+      ssize_t n = ::pread(fd_, out, bytes, static_cast<off_t>(offset));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        Throw(ErrorKind::kPackage, "weights file " + path_ + " is truncated or unreadable at byte " +
+                                       std::to_string(offset) +
+                                       (n < 0 ? std::string(": ") + std::strerror(errno) : ""));
+      }
+      out += n;
+      offset += static_cast<uint64_t>(n);
+      bytes -= static_cast<size_t>(n);
+    }
+  }
+
+ private:
+  std::string path_;
+  int fd_;
+};
+
+}  // namespace
+
+void ReadFileRange(const std::string& path, uint64_t offset, size_t bytes, void* dst) {
+  File(path).Read(offset, bytes, dst);
+}
+
+void ReadFileToDevice(Device& device, const std::string& path, uint64_t offset, size_t bytes,
+                      void* dst) {
+  File file(path);
+  if (device.spec().kind == DeviceKind::kCpu) {
+    file.Read(offset, bytes, dst);
+    return;
+  }
+  std::vector<char> staging(std::min(bytes, kChunk));
+  for (size_t done = 0; done < bytes;) {
+    size_t n = std::min(kChunk, bytes - done);
+    file.Read(offset + done, n, staging.data());
+    device.Copy(static_cast<char*>(dst) + done, staging.data(), n, nullptr);
+    device.Synchronize(nullptr);  // the staging buffer is reused
+    done += n;
+  }
+}
+
+bool DeviceBytesEqual(Device& device, const void* a, const void* b, size_t bytes) {
+  if (device.spec().kind == DeviceKind::kCpu) return std::memcmp(a, b, bytes) == 0;
+  std::vector<char> ha(std::min(bytes, kChunk)), hb(ha.size());
+  for (size_t done = 0; done < bytes;) {
+    size_t n = std::min(kChunk, bytes - done);
+    device.Copy(ha.data(), static_cast<const char*>(a) + done, n, nullptr);
+    device.Copy(hb.data(), static_cast<const char*>(b) + done, n, nullptr);
+    device.Synchronize(nullptr);
+    if (std::memcmp(ha.data(), hb.data(), n) != 0) return false;
+    done += n;
+  }
+  return true;
+}
+
+WeightStore::~WeightStore() {
+  for (auto& w : weights_) {
+    w->tensor.reset();
+    if (w->owned && w->data != nullptr) {
+      try {
+        device_.Free(w->data, nullptr);
+      } catch (...) {
+        // Teardown must not throw.
+      }
+    }
+  }
+}
+
+HeldWeight* WeightStore::Add(const std::string& fqn, const TensorLayout& layout, void* data,
+                             bool owned) {
+  auto w = std::make_unique<HeldWeight>();
+  w->fqn = fqn;
+  w->layout = layout;
+  w->bytes = layout.span_bytes();
+  w->data = data;
+  w->owned = owned;
+  w->tensor = OwnedTensor::FromBlob(data, layout, device_.torch_device_type(), device_.spec().index);
+  weights_.push_back(std::move(w));
+  return weights_.back().get();
+}
+
+HeldWeight* WeightStore::AddFile(const WeightsFile& file, const WeightEntry& entry) {
+  if (entry.bytes != entry.layout.span_bytes()) {
+    Throw(ErrorKind::kPackage, "weights file " + file.path + ": entry '" + entry.fqn + "' holds " +
+                                   std::to_string(entry.bytes) + " bytes, but its layout " +
+                                   entry.layout.ToString() + " spans " +
+                                   std::to_string(entry.layout.span_bytes()));
+  }
+  void* data = device_.Allocate(entry.bytes, nullptr);
+  try {
+    ReadFileToDevice(device_, file.path, entry.offset, entry.bytes, data);
+    HeldWeight* w = Add(entry.fqn, entry.layout, data, true);
+    w->file = file.path;
+    w->file_offset = entry.offset;
+    return w;
+  } catch (...) {
+    device_.Free(data, nullptr);
+    throw;
+  }
+}
+
+HeldWeight* WeightStore::AddCopy(const std::string& fqn, const TensorLayout& layout,
+                                 const void* src) {
+  size_t bytes = layout.span_bytes();
+  void* data = device_.Allocate(bytes, nullptr);
+  try {
+    device_.Copy(data, src, bytes, nullptr);
+    device_.Synchronize(nullptr);
+    return Add(fqn, layout, data, true);
+  } catch (...) {
+    device_.Free(data, nullptr);
+    throw;
+  }
+}
+
+HeldWeight* WeightStore::Adopt(const std::string& fqn, const TensorLayout& layout, void* data) {
+  return Add(fqn, layout, data, false);
+}
+
+std::vector<HeldWeight*> WeightStore::WithFqn(const std::string& fqn) {
+  std::vector<HeldWeight*> out;
+  for (auto& w : weights_) {
+    if (w->fqn == fqn) out.push_back(w.get());
+  }
+  return out;
+}
+
+bool WeightStore::SameAsFile(const HeldWeight& held, const WeightsFile& file,
+                             const WeightEntry& entry) {
+  if (held.file == file.path && held.file_offset == entry.offset) return true;
+  std::vector<char> from_file(std::min<size_t>(entry.bytes, kChunk)), from_held(from_file.size());
+  for (size_t done = 0; done < entry.bytes;) {
+    size_t n = std::min<size_t>(kChunk, entry.bytes - done);
+    ReadFileRange(file.path, entry.offset + done, n, from_file.data());
+    device_.Copy(from_held.data(), static_cast<const char*>(held.data) + done, n, nullptr);
+    device_.Synchronize(nullptr);
+    if (std::memcmp(from_file.data(), from_held.data(), n) != 0) return false;
+    done += n;
+  }
+  return true;
+}
+
+HeldWeight* WeightStore::FindFile(const WeightsFile& file, const WeightEntry& entry, bool* other) {
+  for (HeldWeight* w : WithFqn(entry.fqn)) {
+    if (w->layout == entry.layout && SameAsFile(*w, file, entry)) return w;
+    if (other) *other = true;
+  }
+  return nullptr;
+}
+
+HeldWeight* WeightStore::FindDevice(const std::string& fqn, const TensorLayout& layout,
+                                    const void* data, bool* other) {
+  for (HeldWeight* w : WithFqn(fqn)) {
+    if (w->layout == layout && (w->data == data || DeviceBytesEqual(device_, w->data, data, w->bytes))) {
+      return w;
+    }
+    if (other) *other = true;
+  }
+  return nullptr;
+}
+
+size_t WeightStore::held_bytes() const {
+  size_t total = 0;
+  for (const auto& w : weights_) total += w->bytes;
+  return total;
+}
+
+void* WeightStore::Replace(HeldWeight& weight, void* data) {
+  void* previous = weight.owned ? weight.data : nullptr;
+  weight.tensor = OwnedTensor::FromBlob(data, weight.layout, device_.torch_device_type(),
+                                        device_.spec().index);
+  weight.data = data;
+  weight.owned = true;
+  weight.file.clear();
+  return previous;
+}
+
+}  // namespace aoti_sessions
