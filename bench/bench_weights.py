@@ -165,7 +165,8 @@ class ProcessSampler:
 
     def __init__(self, device: int) -> None:
         props = torch.cuda.get_device_properties(device)
-        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        domain, bus_id, dev = (int(getattr(props, k)) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+        bus = f"{domain:08x}:{bus_id:02x}:{dev:02x}.0"
         uuid = str(props.uuid)
         uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
         self.samples = 0
@@ -441,7 +442,7 @@ def torch_method(path: Path, name: str) -> AOTICompiledModel:
     try:
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), name, False, 1, -1)
     except TypeError:  # an older binding: (path, model_name) only
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), name)
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), name)  # type: ignore[call-arg]
     return AOTICompiledModel(loader)
 
 

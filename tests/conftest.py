@@ -89,6 +89,48 @@ def prefill_pkg(device: str) -> Path:
     return compiled_decoder(SMALL, device, PREFILL, inductor_configs=FAST)
 
 
+def _compiled_methods(name: str, device: str, build) -> Path:
+    """A multi-method ais.compile package (weights stored once, outside the libraries)."""
+    return compile_cached(build, (inspect.getsource(modeldefs), inspect.getsource(TinyDecoder), name, device,
+                                  "methods"), name=f"{name}-{device}-methods", inductor_configs=FAST)
+
+
+DECODER_PREFILL = 16  # tokens per prefill call of the two-method decoder
+
+
+@pytest.fixture(scope="session")
+def decoder_methods_pkg(device: str) -> Path:
+    """The demo decoder as two methods of one package: prefill (T=16) and decode (T=1)."""
+    dev = torch.device(device)
+
+    def build():
+        model = TinyDecoder(SMALL).to(dev).eval()
+        methods = {name: tuple(a.to(dev) for a in model.example_inputs(t))
+                   for name, t in (("prefill", DECODER_PREFILL), ("decode", 1))}
+        return model, {k: (v,) for k, v in methods.items()}, None
+
+    return _compiled_methods("decoder", device, build)
+
+
+@pytest.fixture(scope="session")
+def heads_pkg(device: str) -> Path:
+    """Three methods over partly shared weights (modeldefs.Heads)."""
+    dev = torch.device(device)
+
+    def build():
+        (idx,) = modeldefs.Heads.example()
+        args = (idx.to(dev),)
+        methods = {"a": ais.Method(args, entry="a"), "b": ais.Method(args, entry="b"), "both": ais.Method(args)}
+        return modeldefs.Heads().to(dev), methods, None
+
+    return _compiled_methods("heads", device, build)
+
+
+@pytest.fixture(scope="session")
+def counter_reseeded_pkg(device: str) -> Path:
+    return _compiled(modeldefs.CounterReseeded, device)
+
+
 @pytest.fixture
 def counter_engine(counter_pkg: Path, device: str):
     with ais.Engine(counter_pkg, device=device) as engine:

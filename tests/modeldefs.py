@@ -56,3 +56,48 @@ class CounterTall(Counter):
     def __init__(self) -> None:
         super().__init__()
         self.acc = torch.full((6, 8), 0.5)
+
+
+class CounterReseeded(Counter):
+    """Counter from another checkpoint: same FQNs and layouts, other weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            self.lin.weight.mul_(-0.5)
+
+
+class Heads(nn.Module):
+    """Three entry points over partly shared weights: `a` reads emb and head_a,
+    `b` emb and head_b, `both` all three. Stateless."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.emb = nn.Parameter(torch.randn(16, 8, generator=g))
+        self.head_a = nn.Parameter(torch.randn(8, 4, generator=g))
+        self.head_b = nn.Parameter(torch.randn(8, 6, generator=g))
+
+    def a(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb[idx] @ self.head_a
+
+    def b(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb[idx] @ self.head_b
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(idx), self.b(idx)
+
+    @staticmethod
+    def example() -> tuple[torch.Tensor]:
+        return (torch.tensor([1, 5, 7]),)
+
+
+class Wide(nn.Module):
+    """A few hundred MB of weights (one 8192 x 8192 float32 matrix), stateless."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8192, 8192, generator=torch.Generator().manual_seed(4)) * 0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w

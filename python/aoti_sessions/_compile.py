@@ -258,7 +258,8 @@ def _progress(message: str, stream: TextIO) -> Iterator[None]:
         stream.flush()
 
 
-Built = tuple[torch.nn.Module, tuple[Any, ...], Mapping[str, Any] | None]
+# (module, args or a mapping of methods, kwargs): what compile_cached compiles.
+Built = tuple[torch.nn.Module, tuple[Any, ...] | Mapping[str, Any], Mapping[str, Any] | None]
 
 
 def compile_cached(
