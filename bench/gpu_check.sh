@@ -21,7 +21,7 @@ fi
 if [ -d .deps/gtest ]; then
   export CMAKE_PREFIX_PATH=$PWD/.deps/gtest/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
 fi
-stage=${1:-all}  # all | test | bench
+stage=${1:-all}  # all | test | bench | weights
 status=0
 
 {
@@ -39,5 +39,9 @@ if [ "$stage" = all ] || [ "$stage" = bench ]; then
   python3 bench/bench_switch.py --device cuda 2>&1 | tee "$OUT/bench_switch.txt"
   python3 bench/bench_sessions.py --out bench/RESULTS.md 2>&1 | tee "$OUT/bench_sessions.txt"
   cp bench/RESULTS.md "$OUT/RESULTS.md"
+fi
+if [ "$stage" = all ] || [ "$stage" = weights ]; then
+  python3 bench/bench_weights.py --out bench/RESULTS_weights.md 2>&1 | tee "$OUT/bench_weights.txt" || status=$?
+  cp bench/RESULTS_weights.md "$OUT/" 2>/dev/null || true
 fi
 exit $status

@@ -84,6 +84,13 @@ def test_non_contiguous_input_is_made_contiguous(counter_engine: ais.Engine, dev
     with counter_engine.new_session() as a, counter_engine.new_session() as b:
         assert torch.equal(a(wide, slot), b(wide.contiguous(), slot))
         a(x, slot)
+        # A slice at a storage offset whose size-1 dim has another stride: the
+        # view keeps its offset (it used to be applied twice).
+        rows = torch.randn(3, 8, device=device)
+        sliced = rows[2:].as_strided((1, 8), (5, 1), rows.storage_offset() + 16)
+        assert sliced.storage_offset() == 16 and sliced.stride() == (5, 1)
+        with counter_engine.new_session() as c, counter_engine.new_session() as d:
+            assert torch.equal(c(sliced, slot), d(sliced.clone(), slot))
 
 
 def test_model_failure_is_a_run_error(counter_cpu_pkg) -> None:

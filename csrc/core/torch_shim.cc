@@ -208,11 +208,10 @@ void OwnedTensor::reset() {
 OwnedTensor OwnedTensor::Restrided(AtenTensorHandle tensor, const std::vector<int64_t>& strides) {
   const TorchShim& s = Shim();
   TensorLayout layout = ReadLayout(tensor);
-  int64_t offset = 0;
-  Check(s.get_storage_offset(tensor, &offset), "get_storage_offset");
   AtenTensorHandle view = nullptr;
+  // The offset argument is added to the tensor's own storage offset: 0 keeps it.
   Check(s.reinterpret_tensor(tensor, static_cast<int64_t>(layout.sizes.size()), layout.sizes.data(),
-                             strides.data(), offset, &view),
+                             strides.data(), 0, &view),
         "_reinterpret_tensor");
   return OwnedTensor(view);
 }
