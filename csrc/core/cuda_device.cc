@@ -83,6 +83,17 @@ class CudaDevice final : public Device {
     if (switched) cudaSetDevice(previous);
   }
 
+  int Enter() override {
+    int previous = 0;
+    Check(cudaGetDevice(&previous), "cudaGetDevice");
+    // cudaSetDevice also binds the primary context to a thread that has none.
+    Check(cudaSetDevice(spec_.index), "cudaSetDevice");
+    return previous;
+  }
+  void Leave(int previous) noexcept override {
+    if (previous != spec_.index) cudaSetDevice(previous);
+  }
+
   int32_t torch_device_type() const override { return Shim().device_type_cuda; }
 
   void* Allocate(size_t bytes, StreamHandle stream) override {

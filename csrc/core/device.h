@@ -55,6 +55,11 @@ class Device {
   // that a session created after one closed maps no fresh memory. A hint:
   // never throws. No-op on the CPU.
   virtual void Retain(size_t /*bytes*/) noexcept {}
+  // Makes the device current on the calling thread (a thread that never used
+  // CUDA has no context, and model kernels launch through the driver API);
+  // returns what Leave needs to restore the caller's device. No-op on the CPU.
+  virtual int Enter() { return 0; }
+  virtual void Leave(int /*previous*/) noexcept {}
   // Whether `bytes` of device memory at `src` are all zero (synchronous; load time only).
   bool IsZero(const void* src, size_t bytes, StreamHandle stream);
 

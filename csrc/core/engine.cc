@@ -511,6 +511,12 @@ std::vector<OwnedTensor> Engine::RunLocked(Session& session, size_t method_index
   std::lock_guard<std::mutex> lock(run_mutex_);
   if (!method.container) Throw(ErrorKind::kSessionClosed, "the engine is closed");
   ValidateInputs(method, inputs);
+  struct DeviceScope {
+    Device& device;
+    int previous;
+    explicit DeviceScope(Device& d) : device(d), previous(d.Enter()) {}
+    ~DeviceScope() { device.Leave(previous); }
+  } scope(*device_);
   if (method.bound_session != session.id_) {
     auto start = std::chrono::steady_clock::now();
     method.bound_session = 0;  // unknown until the bind succeeds

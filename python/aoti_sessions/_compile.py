@@ -90,7 +90,7 @@ def _export(module: torch.nn.Module, method: Method, strict: bool) -> torch.expo
         return torch.export.export(module, method.args, kwargs=dict(method.kwargs or {}),
                                    dynamic_shapes=method.dynamic_shapes, strict=strict)
     # Export another entry point under the module's own FQNs: route forward to it.
-    module.forward = entry  # type: ignore[method-assign]
+    module.forward = entry
     try:
         return torch.export.export(module, method.args, kwargs=dict(method.kwargs or {}),
                                    dynamic_shapes=method.dynamic_shapes, strict=strict)
@@ -150,7 +150,7 @@ def compile(
 
 def _compile_methods(module: torch.nn.Module, methods: Mapping[str, Method | tuple[Any, ...]],
                      path: str | os.PathLike[str], configs: dict[str, Any], strict: bool) -> str:
-    from torch._inductor.package import package_aoti
+    from torch._inductor.package.package import package_aoti
 
     if not methods:
         raise ValueError("compile needs at least one method")
@@ -180,8 +180,11 @@ def _compile_methods(module: torch.nn.Module, methods: Mapping[str, Method | tup
                 "aot_inductor.package_constants_in_so": False,
                 "aot_inductor.output_path": os.path.join(work, name),
             })
-            files[name] = torch._inductor.aot_compile(ep.module(), ep.example_inputs[0],  # type: ignore[attr-defined]
-                                                      ep.example_inputs[1], options=method_configs)
+            compiled = torch._inductor.aot_compile(ep.module(), ep.example_inputs[0], ep.example_inputs[1],
+                                                   options=method_configs)
+            if not isinstance(compiled, list):
+                raise RuntimeError(f"method '{name}': AOTInductor produced {type(compiled).__name__}, not files")
+            files[name] = [str(f) for f in compiled]
         package_aoti(path, files)  # type: ignore[arg-type]
         _append_weights(path, tensors)
     return path
