@@ -70,18 +70,31 @@ void ReadFileToDevice(Device& device, const std::string& path, uint64_t offset, 
   }
 }
 
-bool DeviceBytesEqual(Device& device, const void* a, const void* b, size_t bytes) {
-  if (device.spec().kind == DeviceKind::kCpu) return std::memcmp(a, b, bytes) == 0;
-  std::vector<char> ha(std::min(bytes, kChunk)), hb(ha.size());
+namespace {
+
+// Compares `bytes` chunk by chunk: `fill(offset, n, a, b)` puts the two sides'
+// next n bytes into host buffers a and b.
+template <typename Fill>
+bool ChunksEqual(size_t bytes, Fill fill) {
+  std::vector<char> a(std::min(bytes, kChunk)), b(a.size());
   for (size_t done = 0; done < bytes;) {
     size_t n = std::min(kChunk, bytes - done);
-    device.Copy(ha.data(), static_cast<const char*>(a) + done, n, nullptr);
-    device.Copy(hb.data(), static_cast<const char*>(b) + done, n, nullptr);
-    device.Synchronize(nullptr);
-    if (std::memcmp(ha.data(), hb.data(), n) != 0) return false;
+    fill(done, n, a.data(), b.data());
+    if (std::memcmp(a.data(), b.data(), n) != 0) return false;
     done += n;
   }
   return true;
+}
+
+}  // namespace
+
+bool DeviceBytesEqual(Device& device, const void* a, const void* b, size_t bytes) {
+  if (device.spec().kind == DeviceKind::kCpu) return std::memcmp(a, b, bytes) == 0;
+  return ChunksEqual(bytes, [&](size_t at, size_t n, char* ha, char* hb) {
+    device.Copy(ha, static_cast<const char*>(a) + at, n, nullptr);
+    device.Copy(hb, static_cast<const char*>(b) + at, n, nullptr);
+    device.Synchronize(nullptr);
+  });
 }
 
 WeightStore::~WeightStore() {
@@ -159,16 +172,12 @@ std::vector<HeldWeight*> WeightStore::WithFqn(const std::string& fqn) {
 bool WeightStore::SameAsFile(const HeldWeight& held, const WeightsFile& file,
                              const WeightEntry& entry) {
   if (held.file == file.path && held.file_offset == entry.offset) return true;
-  std::vector<char> from_file(std::min<size_t>(entry.bytes, kChunk)), from_held(from_file.size());
-  for (size_t done = 0; done < entry.bytes;) {
-    size_t n = std::min<size_t>(kChunk, entry.bytes - done);
-    ReadFileRange(file.path, entry.offset + done, n, from_file.data());
-    device_.Copy(from_held.data(), static_cast<const char*>(held.data) + done, n, nullptr);
+  File source(file.path);
+  return ChunksEqual(entry.bytes, [&](size_t at, size_t n, char* from_file, char* from_held) {
+    source.Read(entry.offset + at, n, from_file);
+    device_.Copy(from_held, static_cast<const char*>(held.data) + at, n, nullptr);
     device_.Synchronize(nullptr);
-    if (std::memcmp(from_file.data(), from_held.data(), n) != 0) return false;
-    done += n;
-  }
-  return true;
+  });
 }
 
 HeldWeight* WeightStore::FindFile(const WeightsFile& file, const WeightEntry& entry, bool* other) {
