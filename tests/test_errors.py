@@ -147,16 +147,20 @@ def test_max_sessions(counter_pkg, device: str) -> None:
         eng.new_session().close()
 
 
-def test_memory_budget(counter_pkg, device: str) -> None:
-    with ais.Engine(counter_pkg, device=device, memory_budget=1200) as eng:
+def test_memory_budget_without_host_tier_refuses(counter_pkg, device: str) -> None:
+    # host_budget=0: nothing may be offloaded, so a full device budget refuses.
+    with ais.Engine(counter_pkg, device=device, memory_budget=1200, host_budget=0) as eng:
         per = eng.bytes_per_session
         sessions = [eng.new_session() for _ in range(1200 // per)]
         with pytest.raises(ais.CapacityError) as info:
             eng.new_session()
         msg = str(info.value)
         assert "memory_budget=1200 bytes" in msg and f"needs {per}" in msg
-        assert f"hold {len(sessions) * per} bytes" in msg
+        assert f"hold {len(sessions) * per} bytes" in msg and "host_budget=0 bytes" in msg
         assert eng.stats()["live_bytes"] == len(sessions) * per  # nothing allocated
+        with pytest.raises(ais.CapacityError, match="host_budget=0 bytes is full"):
+            sessions[1].offload()
+        assert sessions[1].resident
         sessions[0].close()
         eng.new_session().close()
 
@@ -199,6 +203,14 @@ def test_bad_engine_arguments(counter_cpu_pkg) -> None:
         ais.Engine(counter_cpu_pkg, max_sessions=0)
     with pytest.raises(ValueError, match="memory_budget must be >= 0"):
         ais.Engine(counter_cpu_pkg, memory_budget=-5)
+    with pytest.raises(ValueError, match="host_budget must be >= 0"):
+        ais.Engine(counter_cpu_pkg, host_budget=-5)
+    with pytest.raises(TypeError, match="host_budget must be an int"):
+        ais.Engine(counter_cpu_pkg, host_budget=2.5)
+    with pytest.raises(ValueError, match="idle_timeout must be > 0"):
+        ais.Engine(counter_cpu_pkg, idle_timeout=0)
+    with pytest.raises(ValueError, match="idle_action must be"):
+        ais.Engine(counter_cpu_pkg, idle_timeout=1, idle_action="drop")
     with pytest.raises(TypeError, match="max_sessions must be an int"):
         ais.Engine(counter_cpu_pkg, max_sessions=1.5)
     with pytest.raises(TypeError, match="not a single string"):

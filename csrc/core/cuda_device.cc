@@ -109,6 +109,18 @@ class CudaDevice final : public Device {
     Check(cudaFreeAsync(ptr, ToCuda(stream)), "cudaFreeAsync");
   }
 
+  void* AllocateHost(size_t bytes) override {
+    DeviceGuard guard(spec_.index);
+    void* ptr = nullptr;
+    Check(cudaHostAlloc(&ptr, bytes == 0 ? 1 : bytes, cudaHostAllocPortable),
+          ("allocating " + std::to_string(bytes) + " bytes of pinned host memory").c_str());
+    return ptr;
+  }
+
+  void FreeHost(void* ptr) noexcept override {
+    if (cudaFreeHost(ptr) != cudaSuccess) cudaGetLastError();
+  }
+
   void Zero(void* dst, size_t bytes, StreamHandle stream) override {
     DeviceGuard guard(spec_.index);
     Check(cudaMemsetAsync(dst, 0, bytes, ToCuda(stream)), "cudaMemsetAsync");

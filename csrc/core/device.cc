@@ -18,20 +18,22 @@ namespace {
 
 constexpr size_t kAlignment = 256;
 
+void* AlignedAlloc(size_t bytes) {
+  size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  void* ptr = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+  if (ptr == nullptr) {
+    Throw(ErrorKind::kDevice, "host allocation of " + std::to_string(bytes) + " bytes failed");
+  }
+  return ptr;
+}
+
 class CpuDevice final : public Device {
  public:
   CpuDevice() : Device(DeviceSpec{DeviceKind::kCpu, 0}) {}
 
   int32_t torch_device_type() const override { return Shim().device_type_cpu; }
 
-  void* Allocate(size_t bytes, StreamHandle) override {
-    size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-    void* ptr = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
-    if (ptr == nullptr) {
-      Throw(ErrorKind::kDevice, "host allocation of " + std::to_string(bytes) + " bytes failed");
-    }
-    return ptr;
-  }
+  void* Allocate(size_t bytes, StreamHandle) override { return AlignedAlloc(bytes); }
   void Free(void* ptr, StreamHandle) override { std::free(ptr); }
   void Zero(void* dst, size_t bytes, StreamHandle) override { std::memset(dst, 0, bytes); }
   void Copy(void* dst, const void* src, size_t bytes, StreamHandle) override {
@@ -61,6 +63,10 @@ std::string DeviceSpec::ToString() const {
   if (kind == DeviceKind::kCpu) return "cpu";
   return index < 0 ? "cuda" : "cuda:" + std::to_string(index);
 }
+
+void* Device::AllocateHost(size_t bytes) { return AlignedAlloc(bytes); }
+
+void Device::FreeHost(void* ptr) noexcept { std::free(ptr); }
 
 bool Device::IsZero(const void* src, size_t bytes, StreamHandle stream) {
   std::vector<unsigned char> host(bytes);

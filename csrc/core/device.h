@@ -41,6 +41,11 @@ class Device {
   // Frees `ptr` once the work queued on `stream` so far has finished, without
   // blocking the host.
   virtual void Free(void* ptr, StreamHandle stream) = 0;
+  // Host memory that copies to and from the device run at full speed (CUDA:
+  // pinned); the second tier of session state. Throws kDevice on failure.
+  virtual void* AllocateHost(size_t bytes);
+  // Frees AllocateHost memory; no work may be queued on it any more.
+  virtual void FreeHost(void* ptr) noexcept;
   // Queues `dst[0:bytes] = 0` on `stream`.
   virtual void Zero(void* dst, size_t bytes, StreamHandle stream) = 0;
   // Queues a copy on `stream`; either side may be host or device memory.

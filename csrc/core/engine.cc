@@ -77,10 +77,14 @@ std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
                                        const EngineOptions& options) {
   std::shared_ptr<Engine> engine(new Engine());
   engine->Load(methods, options);
+  engine->StartReaper();
   return engine;
 }
 
 Engine::~Engine() {
+  StopReaper();
+  for (void* block : spare_host_) device_->FreeHost(block);
+  spare_host_.clear();
   methods_.clear();
   weights_.reset();
   parking_tensors_.clear();
@@ -101,6 +105,14 @@ void Engine::Load(const std::vector<MethodSource>& sources, const EngineOptions&
   if (options.memory_budget < -1) {
     Throw(ErrorKind::kInvalidArgument,
           "memory_budget must be >= 0 bytes, got " + std::to_string(options.memory_budget));
+  }
+  if (options.host_budget < -1) {
+    Throw(ErrorKind::kInvalidArgument,
+          "host_budget must be >= 0 bytes, got " + std::to_string(options.host_budget));
+  }
+  if (!(options.idle_timeout_seconds >= 0)) {
+    Throw(ErrorKind::kInvalidArgument, "idle_timeout must be >= 0 seconds, got " +
+                                           std::to_string(options.idle_timeout_seconds));
   }
   options_ = options;
   device_ = OpenDevice(DeviceSpec::Parse(options.device));
@@ -124,6 +136,7 @@ void Engine::Load(const std::vector<MethodSource>& sources, const EngineOptions&
     }
     Method method;
     method.name = source.name;
+    method.library_path = source.library_path;
     method.container =
         std::make_unique<Container>(library, spec, source.cubin_dir, options.reclaim_bind_handles);
     if (source.inputs && source.inputs->size() != method.container->num_inputs()) {
@@ -306,12 +319,33 @@ size_t Engine::buffer_index(const std::string& fqn) const {
 
 EngineStats Engine::stats() const {
   EngineStats s;
+  std::vector<std::shared_ptr<Session>> open;  // released after the lock
   {
     std::lock_guard<std::mutex> lock(sessions_mutex_);
     s.live_sessions = live_sessions_;
-    s.live_bytes = live_bytes_;
+    s.device_bytes = device_bytes_;
+    s.host_bytes = host_bytes_;
+    s.live_bytes = device_bytes_ + host_bytes_;
+    s.offloaded_sessions = offloaded_sessions_;
+    s.resident_sessions = live_sessions_ - offloaded_sessions_;
     s.sessions_created = sessions_created_;
+    open = OpenSessionsLocked();
   }
+  for (const auto& session : open) {
+    s.sessions.push_back({session->id(), session->resident(),
+                          static_cast<int64_t>(block_bytes_), session->last_use_ns()});
+  }
+  {
+    std::lock_guard<std::mutex> lock(host_mutex_);
+    s.host_spare_bytes = static_cast<int64_t>(spare_host_.size() * block_bytes_);
+  }
+  s.offloads = offloads_.load();
+  s.evictions = evictions_.load();
+  s.idle_offloads = idle_offloads_.load();
+  s.idle_closes = idle_closes_.load();
+  s.restores = restores_.load();
+  s.saves = saves_.load();
+  s.loads = loads_.load();
   s.runs = runs_.load();
   s.binds = binds_.load();
   s.bind_nanoseconds = bind_nanoseconds_.load();
@@ -328,7 +362,8 @@ std::shared_ptr<Session> Engine::NewSession(StreamHandle stream) {
   return CreateSession(stream, nullptr);
 }
 
-std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, const void* copy_from) {
+std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, const void* copy_from,
+                                               bool from_host, const Session* held) {
   uint64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(sessions_mutex_);
@@ -338,17 +373,15 @@ std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, const void* 
                                       " reached: " + std::to_string(live_sessions_) +
                                       " sessions are open");
     }
-    int64_t need = static_cast<int64_t>(block_bytes_);
-    if (options_.memory_budget >= 0 && live_bytes_ + need > options_.memory_budget) {
-      Throw(ErrorKind::kCapacity,
-            "memory_budget=" + std::to_string(options_.memory_budget) + " bytes exceeded: " +
-                std::to_string(live_sessions_) + " sessions hold " + std::to_string(live_bytes_) +
-                " bytes and a new one needs " + std::to_string(need));
-    }
     ++live_sessions_;
-    live_bytes_ += need;
-    RetainLocked();
     id = next_session_id_++;
+  }
+  try {
+    ReserveDevice(held, stream);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(sessions_mutex_);
+    --live_sessions_;
+    throw;
   }
   void* block = nullptr;
   std::shared_ptr<Session> session;
@@ -357,11 +390,13 @@ std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, const void* 
       block = device_->Allocate(block_bytes_, stream);
       if (copy_from != nullptr) {
         device_->Copy(block, copy_from, block_bytes_, stream);
+        // The host source may be reused once the caller lets go of it.
+        if (from_host) device_->Synchronize(stream);
       } else {
         InitializeBlock(block, stream);
       }
     }
-    session.reset(new Session(shared_from_this(), id, block, stream));
+    session.reset(new Session(shared_from_this(), id, block, stream, next_bind_key_++));
   } catch (...) {
     // Nothing was handed to a session: release the block and the reservation.
     if (block != nullptr) {
@@ -370,7 +405,7 @@ std::shared_ptr<Session> Engine::CreateSession(StreamHandle stream, const void* 
       } catch (...) {
       }
     }
-    Forget(id);
+    Forget(id, true);
     throw;
   }
   {
@@ -399,42 +434,49 @@ void Engine::InitializeBlock(void* block, StreamHandle stream) {
 
 void Engine::ReleaseSession(Session& session) {
   session.tensors_.clear();
-  void* block = session.block_;
-  session.block_ = nullptr;
+  const bool resident = session.resident_;
+  session.resident_ = false;
+  void* block = std::exchange(session.block_, nullptr);
+  GiveHostBlock(std::exchange(session.host_block_, nullptr));
   try {
     // Freed in the order of the last stream that used it: after its runs finish.
     if (block != nullptr) device_->Free(block, session.stream_.last());
   } catch (...) {
-    Forget(session.id_);
+    Forget(session.id_, resident);
     throw;
   }
-  Forget(session.id_);
+  Forget(session.id_, resident);
 }
 
-void Engine::Forget(uint64_t session_id) {
+void Engine::Forget(uint64_t session_id, bool resident) {
   std::lock_guard<std::mutex> lock(sessions_mutex_);
   sessions_.erase(session_id);
   --live_sessions_;
-  live_bytes_ -= static_cast<int64_t>(block_bytes_);
+  if (resident) {
+    device_bytes_ -= static_cast<int64_t>(block_bytes_);
+  } else {
+    host_bytes_ -= static_cast<int64_t>(block_bytes_);
+    --offloaded_sessions_;
+  }
   RetainLocked();
 }
 
 void Engine::RetainLocked() {
-  // The device keeps what live sessions and templates use plus one spare
-  // block, so churn (close one, create one) costs a memset or a copy, not a
-  // fresh mapping of device memory; anything beyond goes back to the device.
-  device_->Retain(static_cast<size_t>(live_bytes_) + template_bytes_ + block_bytes_);
+  // The device keeps what weights, live sessions and templates use plus one
+  // spare block, so churn (close one, create one) costs a memset or a copy,
+  // not a fresh mapping of device memory; anything beyond goes back.
+  device_->Retain(weight_bytes() + parking_bytes_ + static_cast<size_t>(device_bytes_) +
+                  template_bytes_ + block_bytes_);
 }
 
 void Engine::Close() {
   std::vector<std::shared_ptr<Session>> open;
+  StopReaper();
   {
     std::lock_guard<std::mutex> lock(sessions_mutex_);
     if (closed_) return;
     closed_ = true;
-    for (auto& [id, weak] : sessions_) {
-      if (auto s = weak.lock()) open.push_back(std::move(s));
-    }
+    open = OpenSessionsLocked();
   }
   // Close everything even if one session fails; report the first failure.
   std::exception_ptr first;
@@ -517,16 +559,16 @@ std::vector<OwnedTensor> Engine::RunLocked(Session& session, size_t method_index
     explicit DeviceScope(Device& d) : device(d), previous(d.Enter()) {}
     ~DeviceScope() { device.Leave(previous); }
   } scope(*device_);
-  if (method.bound_session != session.id_) {
+  if (method.bound_key != session.bind_key_) {
     auto start = std::chrono::steady_clock::now();
-    method.bound_session = 0;  // unknown until the bind succeeds
+    method.bound_key = 0;  // unknown until the bind succeeds
     std::vector<AOTInductorConstantMapEntry> pairs;
     pairs.reserve(method.bindings.size());
     for (const auto& [buffer, name] : method.bindings) {
       pairs.push_back({name.c_str(), session.tensors_[buffer].get()});
     }
     if (!pairs.empty()) method.container->BindUserManaged(pairs);
-    method.bound_session = session.id_;
+    method.bound_key = session.bind_key_;
     binds_.fetch_add(1, std::memory_order_relaxed);
     bind_nanoseconds_.fetch_add(ElapsedNanoseconds(start), std::memory_order_relaxed);
   }
@@ -717,7 +759,12 @@ MemoryReport Engine::memory_report() const {
   r.templates = template_bytes_;
   {
     std::lock_guard<std::mutex> lock(sessions_mutex_);
-    r.sessions = static_cast<size_t>(live_bytes_);
+    r.sessions = static_cast<size_t>(device_bytes_);
+    r.offloaded = static_cast<size_t>(host_bytes_);
+  }
+  {
+    std::lock_guard<std::mutex> lock(host_mutex_);
+    r.host_spare = spare_host_.size() * block_bytes_;
   }
   r.containers = parking_bytes_;
   for (const Method& method : methods_) {

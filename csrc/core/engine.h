@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -12,10 +13,12 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "container.h"
 #include "device.h"
+#include "state_file.h"
 #include "torch_shim.h"
 #include "weights.h"
 
@@ -49,8 +52,18 @@ struct EngineOptions {
   // FQNs the exported program is known to mutate; each must be in the selected
   // set, so that no mutated buffer is ever shared between sessions.
   std::vector<std::string> known_mutated;
-  int64_t max_sessions = -1;   // -1: unlimited
-  int64_t memory_budget = -1;  // bytes of session state; -1: unlimited
+  int64_t max_sessions = -1;   // -1: unlimited (resident and offloaded sessions)
+  // Bytes of session state in device memory; -1: unlimited. When a session
+  // must be created or restored beyond it, the least recently used idle
+  // session is offloaded to host memory first.
+  int64_t memory_budget = -1;
+  // Bytes of offloaded session state in host memory; -1: unlimited, 0: never
+  // offload (a full memory_budget then refuses new sessions).
+  int64_t host_budget = -1;
+  // Sessions idle this long are offloaded (or closed, with idle_close) by a
+  // background thread; 0: never.
+  double idle_timeout_seconds = 0;
+  bool idle_close = false;
   // Delete the handle torch leaks on every user-managed bind. Right for every
   // torch released up to 2.14.1; must be false on a torch that frees those
   // handles itself (pytorch PR #194480), or binds double free. The Python
@@ -67,6 +80,10 @@ struct MemoryReport {
   size_t templates = 0;   // initial values that are not all zero
   size_t sessions = 0;    // session blocks
   size_t containers = 0;  // held by containers beyond shared weights, plus parking
+  // Host memory: offloaded session state, and spare blocks kept for the next
+  // offload or save (on a CPU engine both tiers are host memory).
+  size_t offloaded = 0;
+  size_t host_spare = 0;
 };
 
 // A new value for one weight: CPU memory with the held weight's layout.
@@ -85,10 +102,30 @@ struct MutableBuffer {
   std::vector<std::string> methods;  // methods that have this FQN
 };
 
+struct SessionStats {
+  uint64_t id = 0;
+  bool resident = false;
+  int64_t bytes = 0;
+  int64_t last_use_ns = 0;  // steady clock (CLOCK_MONOTONIC)
+};
+
 struct EngineStats {
-  int64_t live_sessions = 0;
-  int64_t live_bytes = 0;
+  int64_t live_sessions = 0;  // open sessions, resident or offloaded
+  int64_t live_bytes = 0;     // their state, in both tiers
+  int64_t resident_sessions = 0;
+  int64_t offloaded_sessions = 0;
+  int64_t device_bytes = 0;   // state of resident sessions (plus creations in flight)
+  int64_t host_bytes = 0;     // state of offloaded sessions
+  int64_t host_spare_bytes = 0;
   int64_t sessions_created = 0;
+  int64_t offloads = 0;       // every move to host memory, whatever the cause
+  int64_t evictions = 0;      // offloads to make room on the device
+  int64_t idle_offloads = 0;  // offloads by idle_timeout
+  int64_t idle_closes = 0;    // closes by idle_timeout
+  int64_t restores = 0;
+  int64_t saves = 0;
+  int64_t loads = 0;
+  std::vector<SessionStats> sessions;
   int64_t runs = 0;
   int64_t binds = 0;
   int64_t bind_nanoseconds = 0;     // rebinding the containers (on the run path)
@@ -140,8 +177,19 @@ class Engine : public std::enable_shared_from_this<Engine> {
   EngineStats stats() const;
 
   // A new session, its state initialised from the templates. Throws kCapacity
-  // (with the numbers) when max_sessions or memory_budget would be exceeded.
+  // (with the numbers) when max_sessions would be exceeded, or memory_budget
+  // and no idle session can be offloaded.
   std::shared_ptr<Session> NewSession(StreamHandle stream = nullptr);
+  // A new session with the state saved in a session file. The whole file is
+  // checked (header, the engine's fingerprint, every buffer's checksum) before
+  // a session is made: kFileNotFound, kSessionFile (truncated, corrupted, not
+  // a session file, other format version) or kModelMismatch (other buffers,
+  // or with `strict` other model files) leave the engine as it was.
+  std::shared_ptr<Session> LoadSession(const std::string& path, bool strict,
+                                       StreamHandle stream = nullptr);
+  // What a session file records of this engine: per method its name and the
+  // hashes of its library and weights file (computed once, on first use).
+  const std::vector<StateFileMethod>& fingerprint();
 
   // Closes every session (waiting for their runs) and releases the model.
   // Later calls on the engine or its sessions throw kSessionClosed.
@@ -158,7 +206,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
     size_t num_inputs = 0;
     // (buffer index, internal constant name) for every mutable FQN it has.
     std::vector<std::pair<size_t, std::string>> bindings;
-    uint64_t bound_session = 0;  // session id whose buffers are bound; 0: none
+    std::string library_path;
+    uint64_t bound_key = 0;  // Session::bind_key_ of the bound buffers; 0: none
     std::optional<WeightsFile> weights_file;
     // (held weight, internal constant name) for every weight it reads.
     std::vector<std::pair<HeldWeight*, std::string>> weight_bindings;
@@ -172,9 +221,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   };
 
   Engine() = default;
-  // NewSession; the state is a copy of the block at `copy_from` if given (a
-  // fork), else the templates. Registered only once complete.
-  std::shared_ptr<Session> CreateSession(StreamHandle stream, const void* copy_from);
+  // NewSession; the state is a copy of the block at `copy_from` (device or,
+  // with `from_host`, host memory) if given, else the templates. `held` is a
+  // session whose lock the caller holds (never evicted meanwhile). Registered
+  // only once complete.
+  std::shared_ptr<Session> CreateSession(StreamHandle stream, const void* copy_from,
+                                         bool from_host = false, const Session* held = nullptr);
   void Load(const std::vector<MethodSource>& sources, const EngineOptions& options);
   void SelectMutable(const EngineOptions& options);
   void CaptureTemplates();
@@ -202,7 +254,47 @@ class Engine : public std::enable_shared_from_this<Engine> {
                                      std::vector<OwnedTensor>&& inputs, StreamHandle stream);
   void InitializeBlock(void* block, StreamHandle stream);
   void ReleaseSession(Session& session);
-  void Forget(uint64_t session_id);
+  void Forget(uint64_t session_id, bool resident);
+
+  // ---- tiers (lifecycle.cc)
+  enum class OffloadCause { kRequest, kEviction, kIdle };
+  // A block of host memory for one session's state, from a small pool of
+  // spare blocks (pinned allocations are slow); back to the pool when done.
+  class HostBlock {
+   public:
+    explicit HostBlock(Engine& engine) : engine_(engine), ptr_(engine.TakeHostBlock()) {}
+    ~HostBlock() { engine_.GiveHostBlock(ptr_); }
+    HostBlock(const HostBlock&) = delete;
+    HostBlock& operator=(const HostBlock&) = delete;
+    void* get() const { return ptr_; }
+    void* release() { return std::exchange(ptr_, nullptr); }
+
+   private:
+    Engine& engine_;
+    void* ptr_;
+  };
+  void* TakeHostBlock();
+  void GiveHostBlock(void* block) noexcept;
+  // Moves the session's state to a host block; the caller holds its lock.
+  void OffloadLocked(Session& session, StreamHandle stream, OffloadCause cause);
+  // Brings it back, making room first; the caller holds its lock.
+  void RestoreLocked(Session& session, StreamHandle stream);
+  // Reserves device bytes for one session under memory_budget: offloads the
+  // least recently used idle resident session (never `held`) while needed,
+  // and waits for a session in use to finish when all are busy. Throws
+  // kCapacity when room cannot be made.
+  void ReserveDevice(const Session* held, StreamHandle stream);
+  void UnreserveDevice();
+  // Offloads `victim` if it is idle (its lock is free); false if it is busy.
+  bool TryEvict(Session& victim, StreamHandle stream);
+  // Every registered session still alive; sessions_mutex_ held.
+  std::vector<std::shared_ptr<Session>> OpenSessionsLocked() const;
+  // A session operation ended: wake creators waiting for an idle session.
+  void NotifyIdle();
+  void WriteSessionFile(const std::string& path, const void* state);
+  void StartReaper();
+  void StopReaper() noexcept;
+  void ExpireIdle();
 
   std::unique_ptr<Device> device_;
   std::vector<Method> methods_;
@@ -219,6 +311,19 @@ class Engine : public std::enable_shared_from_this<Engine> {
   size_t parking_bytes_ = 0;
   std::vector<OwnedTensor> parking_tensors_;
   std::vector<StreamHandle> run_streams_;  // streams runs were queued on; run_mutex_
+  // Spare host blocks (each block_bytes_), under host_mutex_.
+  mutable std::mutex host_mutex_;
+  std::vector<void*> spare_host_;
+  std::atomic<uint64_t> next_bind_key_{1};
+  // Fingerprint for session files, computed on first use.
+  std::mutex fingerprint_mutex_;
+  std::optional<std::vector<StateFileMethod>> fingerprint_;
+  // Creators waiting for a resident session to become idle.
+  std::condition_variable capacity_cv_;
+  std::atomic<int> capacity_waiters_{0};
+  // The idle_timeout thread; its state outlives the engine (see StartReaper).
+  struct Reaper;
+  std::shared_ptr<Reaper> reaper_;
   size_t template_bytes_ = 0;
   // Templates of the buffers whose initial value is not all zero, laid out as in
   // a session block; buffers are ordered so they form one prefix of the block.
@@ -236,9 +341,18 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Tells the device how much freed memory to keep; sessions_mutex_ held.
   void RetainLocked();
   int64_t live_sessions_ = 0;
-  int64_t live_bytes_ = 0;
+  int64_t device_bytes_ = 0;  // resident sessions, plus reservations in flight
+  int64_t host_bytes_ = 0;    // offloaded sessions, plus reservations in flight
+  int64_t offloaded_sessions_ = 0;
   int64_t sessions_created_ = 0;
   bool closed_ = false;
+  std::atomic<int64_t> offloads_{0};
+  std::atomic<int64_t> evictions_{0};
+  std::atomic<int64_t> idle_offloads_{0};
+  std::atomic<int64_t> idle_closes_{0};
+  std::atomic<int64_t> restores_{0};
+  std::atomic<int64_t> saves_{0};
+  std::atomic<int64_t> loads_{0};
 
   std::atomic<int64_t> runs_{0};
   std::atomic<int64_t> binds_{0};

@@ -11,10 +11,13 @@ enum class ErrorKind {
   kInvalidArgument,  // a wrong value from the caller (Python ValueError)
   kTypeMismatch,     // a wrong type or dtype from the caller (Python TypeError)
   kPackage,          // a model library or package that cannot be loaded
-  kCapacity,         // max_sessions / memory_budget would be exceeded
+  kCapacity,         // max_sessions / memory budgets would be exceeded
   kSessionClosed,    // the session (or its engine) was closed
   kRun,              // the compiled model reported a failure while running
   kDevice,           // the device runtime (allocation, copy, CUDA) failed
+  kSessionFile,      // a session file that is truncated, corrupted or not one
+  kFileNotFound,     // a session file that does not exist
+  kModelMismatch,    // a session file saved from another model
   kInternal,         // a broken invariant of this library
 };
 

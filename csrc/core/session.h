@@ -1,6 +1,8 @@
-// A session: one conversation's mutable state (a block of device memory with
-// every mutable buffer of the engine's model) and the operations on it. Every
-// method of the engine runs against the same session state.
+// A session: one conversation's mutable state (a block of memory with every
+// mutable buffer of the engine's model) and the operations on it. Every method
+// of the engine runs against the same session state. The block lives in one of
+// two tiers: resident (device memory, ready to run) or offloaded (host memory,
+// pinned on CUDA); a run brings an offloaded session back first.
 #pragma once
 
 #include <atomic>
@@ -28,8 +30,13 @@ class Session {
   bool closed() const;
   const std::shared_ptr<Engine>& engine() const { return engine_; }
   // Device address of this session's state block (diagnostics; nullptr once
-  // closed or when the model has no mutable state).
+  // closed, while offloaded, or when the model has no mutable state).
   const void* address() const;
+  // Whether the state is in device memory (false while offloaded or closed).
+  bool resident() const { return resident_.load(); }
+  // When the session was last used (created, run, reset, written, restored),
+  // in nanoseconds of the steady clock (CLOCK_MONOTONIC).
+  int64_t last_use_ns() const { return last_use_ns_.load(); }
 
   // Runs method `method` (Engine::method_index) on this session's state. Inputs
   // are consumed. Throws kInvalidArgument / kTypeMismatch for inputs that do
@@ -48,24 +55,50 @@ class Session {
   // order, each checked like ReadBuffer's `dst`). Nothing is written unless all
   // of them are valid.
   void WriteBuffers(const std::vector<AtenTensorHandle>& sources, StreamHandle stream = nullptr);
+  // Moves the state to host memory and releases its device memory; waits for
+  // this session's work in flight. Throws kCapacity if host_budget is full.
+  // No-op when already offloaded.
+  void Offload(StreamHandle stream = nullptr);
+  // Brings the state back to device memory, offloading idle sessions first if
+  // memory_budget requires it. No-op when resident.
+  void Restore(StreamHandle stream = nullptr);
+  // Writes the state to a session file at `path` (see state_file.h),
+  // atomically. The session is locked only while its state is copied out.
+  void Save(const std::string& path, StreamHandle stream = nullptr);
   // Releases the state once the work queued on it has finished, without
   // blocking. Waits for a run of this session in flight; idempotent.
   void Close();
 
  private:
   friend class Engine;
-  Session(std::shared_ptr<Engine> engine, uint64_t id, void* block, StreamHandle stream);
+  class OpLock;
+  Session(std::shared_ptr<Engine> engine, uint64_t id, void* block, StreamHandle stream,
+          uint64_t bind_key);
   // Orders `stream` after this session's previous work; caller holds mutex_.
   void Use(StreamHandle stream);
   // Throws kSessionClosed if closed. Caller holds mutex_.
   void CheckOpen() const;
   void CheckBufferTensor(size_t buffer, AtenTensorHandle tensor, const char* role) const;
+  // Makes the tensors alias the device block (after it was (re)allocated).
+  void AliasBlock();
+  void Touch();
+  // Closes with the lock held; `reason` (if any) is named by later errors.
+  void CloseLocked(const std::string& reason);
+  // Where the state is now: the device block or the host block.
+  char* state() const { return static_cast<char*>(resident_ ? block_ : host_block_); }
 
   std::shared_ptr<Engine> engine_;
   const uint64_t id_;
   mutable std::mutex mutex_;  // serialises this session's runs and state operations
   std::atomic<bool> closed_{false};  // written under mutex_, read without
-  void* block_ = nullptr;     // device memory of all buffers (nullptr if none)
+  std::string closed_reason_;        // under mutex_
+  void* block_ = nullptr;     // device memory of all buffers (nullptr if none or offloaded)
+  void* host_block_ = nullptr;  // host memory of all buffers while offloaded
+  std::atomic<bool> resident_{true};  // written under mutex_, read without
+  std::atomic<int64_t> last_use_ns_{0};
+  // Identifies this session's current device block to the method containers:
+  // a fresh one after every restore, so a stale binding is never reused.
+  uint64_t bind_key_ = 0;
   StreamTracker stream_;      // the stream that last used the block
   // One tensor per mutable buffer, aliasing the block (what binds hand over).
   std::vector<OwnedTensor> tensors_;

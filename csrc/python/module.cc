@@ -74,6 +74,9 @@ void TranslateError(const Error& e) {
     case ErrorKind::kSessionClosed: name = "SessionClosedError"; break;
     case ErrorKind::kRun: name = "RunError"; break;
     case ErrorKind::kDevice: name = "DeviceError"; break;
+    case ErrorKind::kSessionFile: name = "SessionFileError"; break;
+    case ErrorKind::kFileNotFound: name = "SessionFileNotFoundError"; break;
+    case ErrorKind::kModelMismatch: name = "ModelMismatchError"; break;
     case ErrorKind::kInternal: name = "Error"; break;
   }
   PyErr_SetString(ErrorClass(name).ptr(), e.what());
@@ -161,7 +164,21 @@ PYBIND11_MODULE(_core, m) {
             py::gil_scoped_release release;  // waits for a run of this session in flight
             return reinterpret_cast<uintptr_t>(s.address());
           },
-          "Device address of the session's state block (0 once closed).")
+          "Device address of the session's state block (0 once closed or offloaded).")
+      .def_property_readonly("resident", &Session::resident)
+      .def_property_readonly(
+          "last_use", [](const Session& s) { return static_cast<double>(s.last_use_ns()) * 1e-9; },
+          "Last use, in seconds of time.monotonic().")
+      .def(
+          "offload", [](Session& s, uintptr_t stream) { s.Offload(ToStream(stream)); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "restore", [](Session& s, uintptr_t stream) { s.Restore(ToStream(stream)); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "save",
+          [](Session& s, const std::string& path, uintptr_t stream) { s.Save(path, ToStream(stream)); },
+          py::arg("path"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "run",
           [](Session& s, size_t method, const CapsuleList& inputs, uintptr_t stream) {
@@ -204,7 +221,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::vector<MethodSource>& methods, const std::string& device,
                        std::optional<std::vector<std::string>> mutable_patterns,
                        std::vector<std::string> known_mutated, int64_t max_sessions,
-                       int64_t memory_budget, bool reclaim_bind_handles, bool strict_weights) {
+                       int64_t memory_budget, bool reclaim_bind_handles, bool strict_weights,
+                       int64_t host_budget, double idle_timeout, bool idle_close) {
              EngineOptions options;
              options.device = device;
              options.mutable_patterns = std::move(mutable_patterns);
@@ -213,13 +231,17 @@ PYBIND11_MODULE(_core, m) {
              options.memory_budget = memory_budget;
              options.reclaim_bind_handles = reclaim_bind_handles;
              options.strict_weights = strict_weights;
+             options.host_budget = host_budget;
+             options.idle_timeout_seconds = idle_timeout;
+             options.idle_close = idle_close;
              py::gil_scoped_release release;
              return Engine::Create(methods, options);
            }),
            py::arg("methods"), py::arg("device"), py::arg("mutable_patterns"),
            py::arg("known_mutated"), py::arg("max_sessions") = -1,
            py::arg("memory_budget") = -1, py::arg("reclaim_bind_handles") = true,
-           py::arg("strict_weights") = false)
+           py::arg("strict_weights") = false, py::arg("host_budget") = -1,
+           py::arg("idle_timeout") = 0.0, py::arg("idle_close") = false)
       .def_property_readonly("device", [](const Engine& e) { return e.device().ToString(); })
       .def_property_readonly("method_names", &Engine::method_names)
       .def("method_index", &Engine::method_index, py::arg("name"))
@@ -243,6 +265,8 @@ PYBIND11_MODULE(_core, m) {
              d["templates"] = r.templates;
              d["sessions"] = r.sessions;
              d["containers"] = r.containers;
+             d["offloaded"] = r.offloaded;
+             d["host_spare"] = r.host_spare;
              return d;
            })
       .def("weights",
@@ -280,16 +304,45 @@ PYBIND11_MODULE(_core, m) {
              InfoDict d;
              d["live_sessions"] = s.live_sessions;
              d["live_bytes"] = s.live_bytes;
+             d["resident_sessions"] = s.resident_sessions;
+             d["offloaded_sessions"] = s.offloaded_sessions;
+             d["device_bytes"] = s.device_bytes;
+             d["host_bytes"] = s.host_bytes;
+             d["host_spare_bytes"] = s.host_spare_bytes;
              d["sessions_created"] = s.sessions_created;
+             d["offloads"] = s.offloads;
+             d["evictions"] = s.evictions;
+             d["idle_offloads"] = s.idle_offloads;
+             d["idle_closes"] = s.idle_closes;
+             d["restores"] = s.restores;
+             d["saves"] = s.saves;
+             d["loads"] = s.loads;
              d["runs"] = s.runs;
              d["binds"] = s.binds;
              d["bind_seconds"] = static_cast<double>(s.bind_nanoseconds) * 1e-9;
              d["reclaim_seconds"] = static_cast<double>(s.reclaim_nanoseconds) * 1e-9;
+             py::typing::List<InfoDict> sessions;
+             for (const SessionStats& one : s.sessions) {
+               InfoDict entry;
+               entry["id"] = one.id;
+               entry["resident"] = one.resident;
+               entry["bytes"] = one.bytes;
+               entry["last_use"] = static_cast<double>(one.last_use_ns) * 1e-9;
+               sessions.append(entry);
+             }
+             d["sessions"] = sessions;
              return d;
            })
       .def(
           "new_session", [](Engine& e, uintptr_t stream) { return e.NewSession(ToStream(stream)); },
           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "load_session",
+          [](Engine& e, const std::string& path, bool strict, uintptr_t stream) {
+            return e.LoadSession(path, strict, ToStream(stream));
+          },
+          py::arg("path"), py::arg("strict") = true, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::Close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Engine::closed);
 }

@@ -30,9 +30,12 @@ from .errors import (
     CapacityError,
     DeviceError,
     Error,
+    ModelMismatchError,
     PackageError,
     RunError,
     SessionClosedError,
+    SessionFileError,
+    SessionFileNotFoundError,
 )
 
 __all__ = ["Engine", "Method", "Session", "compile", "errors", *errors.__all__]

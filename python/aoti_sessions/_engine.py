@@ -131,8 +131,18 @@ class Engine(_Closable):
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; must match the packages.
         mutable: FQNs or glob patterns of the per-session state. Default: what
             ``ais.compile`` recorded in the package, else every buffer (logged).
-        max_sessions: at most this many open sessions.
-        memory_budget: at most this many bytes of session state.
+        max_sessions: at most this many open sessions (resident or offloaded).
+        memory_budget: at most this many bytes of session state on the device.
+            Creating or restoring a session beyond it first offloads the least
+            recently used idle session to host memory; a session in use (a
+            call on it in progress) is never evicted, the caller waits for one
+            to finish instead.
+        host_budget: at most this many bytes of offloaded state in host memory
+            (pinned on CUDA). ``None``: unlimited; ``0``: never offload, so a
+            full ``memory_budget`` raises :class:`CapacityError`.
+        idle_timeout: seconds after which an idle session is offloaded (or
+            closed, with ``idle_action="close"``) by a background thread.
+        idle_action: ``"offload"`` or ``"close"``.
         strict_weights: refuse methods that disagree on a weight (same FQN,
             other layout or content) instead of keeping both copies (logged).
 
@@ -151,6 +161,9 @@ class Engine(_Closable):
         max_sessions: int | None = None,
         memory_budget: int | None = None,
         strict_weights: bool = False,
+        host_budget: int | None = None,
+        idle_timeout: float | None = None,
+        idle_action: str = "offload",
     ) -> None:
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None and torch.cuda.is_available():
@@ -158,9 +171,17 @@ class Engine(_Closable):
         device_str = str(self._device)
         if isinstance(mutable, str):
             raise TypeError("mutable must be a sequence of FQNs or patterns, not a single string")
-        for name, value in (("max_sessions", max_sessions), ("memory_budget", memory_budget)):
+        for name, value in (("max_sessions", max_sessions), ("memory_budget", memory_budget),
+                            ("host_budget", host_budget)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+        if idle_timeout is not None:
+            if not isinstance(idle_timeout, (int, float)) or isinstance(idle_timeout, bool):
+                raise TypeError(f"idle_timeout must be a number of seconds or None, got {type(idle_timeout).__name__}")
+            if not idle_timeout > 0:
+                raise ValueError(f"idle_timeout must be > 0 seconds, got {idle_timeout}")
+        if idle_action not in ("offload", "close"):
+            raise ValueError(f"idle_action must be 'offload' or 'close', got {idle_action!r}")
         files = _resolve_methods(model)
         docs = [f.sessions_metadata() for f in files]
         for f in files:
@@ -200,6 +221,9 @@ class Engine(_Closable):
             -1 if memory_budget is None else memory_budget,
             _torch_leaks_bind_handles(),
             bool(strict_weights),
+            -1 if host_budget is None else host_budget,
+            0.0 if idle_timeout is None else float(idle_timeout),
+            idle_action == "close",
         )
         for note in self._core.load_notes:
             log.warning("%s", note)
@@ -258,13 +282,18 @@ class Engine(_Closable):
         return [dict(w) for w in self._core.weights()]
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes by holder (weights, templates, sessions, containers) in device
-        and host memory. On a CPU engine the device is host memory: all is host."""
+        """Bytes by holder in device and host memory: weights, templates,
+        sessions (resident state), containers; offloaded (state moved to the
+        host) and host_spare (host blocks kept for the next offload or save).
+        On a CPU engine the device is host memory: all is host."""
         here = {k: int(v) for k, v in self._core.memory_report().items()}
         zero = dict.fromkeys(here, 0)
         if self._device.type == "cpu":
             return {"device": zero, "host": here}
-        return {"device": here, "host": zero}
+        host_only = ("offloaded", "host_spare")
+        device = {k: (0 if k in host_only else v) for k, v in here.items()}
+        host = {k: (v if k in host_only else 0) for k, v in here.items()}
+        return {"device": device, "host": host}
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, double_buffer: bool = False) -> None:
         """Copy new weight values from CPU tensors (pinned or pageable) into the
@@ -292,7 +321,19 @@ class Engine(_Closable):
         return [dict(b) for b in self._buffers]
 
     def stats(self) -> dict[str, Any]:
-        """Counters: live_sessions, live_bytes, sessions_created, runs, binds, bind_seconds."""
+        """Counters and where every session is; cheap (no session is waited for).
+
+        - ``live_sessions`` = ``resident_sessions`` + ``offloaded_sessions``;
+          ``live_bytes`` = ``device_bytes`` + ``host_bytes`` (state in each tier;
+          ``device_bytes`` includes creations and restores in flight);
+          ``host_spare_bytes``: host blocks kept for reuse.
+        - ``offloads`` (every move to the host) of which ``evictions`` (to make
+          room) and ``idle_offloads``; ``idle_closes``; ``restores``; ``saves``;
+          ``loads``; ``sessions_created``; ``runs``; ``binds``, ``bind_seconds``,
+          ``reclaim_seconds``.
+        - ``sessions``: per open session ``id``, ``resident``, ``bytes`` and
+          ``last_use`` (seconds of :func:`time.monotonic`).
+        """
         return dict(self._core.stats())
 
     @property
@@ -309,6 +350,19 @@ class Engine(_Closable):
     def new_session(self) -> Session:
         """A new session in the initial state. Raises CapacityError when full."""
         return Session(self, self._core.new_session(self._stream()))
+
+    def load_session(self, path: str | os.PathLike[str], *, strict: bool = True) -> Session:
+        """A new session holding the state saved by :meth:`Session.save`.
+
+        The whole file is checked (header, every buffer's checksum, and that it
+        was saved from this model) before anything is allocated. Raises
+        :class:`SessionFileNotFoundError`, :class:`SessionFileError` (truncated,
+        corrupted, not a session file, other format version) or
+        :class:`ModelMismatchError` (other buffers; with ``strict`` also other
+        compiled libraries or weights: ``strict=False`` accepts any model whose
+        buffers have the same FQNs, dtypes and shapes).
+        """
+        return Session(self, self._core.load_session(os.fspath(path), bool(strict), self._stream()))
 
     def close(self) -> None:
         """Close every session (waiting for runs in flight) and release the model."""
@@ -341,6 +395,35 @@ class Session(_Closable):
     @property
     def closed(self) -> bool:
         return bool(self._core.closed)
+
+    @property
+    def resident(self) -> bool:
+        """Whether the state is in device memory (False while offloaded, or closed)."""
+        return bool(self._core.resident)
+
+    @property
+    def last_use(self) -> float:
+        """When the session was last used (created, run, reset, written,
+        restored), in seconds of :func:`time.monotonic`."""
+        return float(self._core.last_use)
+
+    def offload(self) -> None:
+        """Move the state to host memory (pinned on CUDA) and release its
+        device memory. The next run, or :meth:`restore`, brings it back
+        bit-identical. Raises CapacityError if ``host_budget`` is full."""
+        self._core.offload(self._engine._stream())
+
+    def restore(self) -> None:
+        """Bring an offloaded state back to device memory (offloading idle
+        sessions first if ``memory_budget`` requires it). No-op if resident."""
+        self._core.restore(self._engine._stream())
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the state to ``path`` for :meth:`Engine.load_session`, in any
+        process. Atomic: a temporary file is written, fsynced and renamed over
+        ``path``. Every buffer is checksummed and the header fingerprints the
+        model (buffer FQNs, dtypes, shapes; each method's library and weights)."""
+        self._core.save(os.fspath(path), self._engine._stream())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the engine's only method."""
@@ -455,4 +538,5 @@ class Session(_Closable):
         self._core.close()
 
     def __repr__(self) -> str:
-        return f"Session(id={self.id}, closed={self.closed})"
+        where = "closed" if self.closed else ("resident" if self.resident else "offloaded")
+        return f"Session(id={self.id}, {where})"

@@ -16,6 +16,9 @@ kCapacity           CapacityError
 kSessionClosed      SessionClosedError
 kRun                RunError
 kDevice             DeviceError
+kSessionFile        SessionFileError
+kFileNotFound       SessionFileNotFoundError
+kModelMismatch      ModelMismatchError
 kInternal           Error
 ==================  ==========================
 """
@@ -29,6 +32,9 @@ __all__ = [
     "SessionClosedError",
     "RunError",
     "DeviceError",
+    "SessionFileError",
+    "SessionFileNotFoundError",
+    "ModelMismatchError",
 ]
 
 
@@ -41,7 +47,9 @@ class PackageError(Error):
 
 
 class CapacityError(Error):
-    """A new session would exceed ``max_sessions`` or ``memory_budget``; nothing was allocated."""
+    """No room for a session: ``max_sessions`` reached, or ``memory_budget`` full
+    with no idle session to offload (``host_budget`` full, or every resident
+    session in use). Nothing was allocated."""
 
 
 class SessionClosedError(Error):
@@ -54,3 +62,17 @@ class RunError(Error):
 
 class DeviceError(Error):
     """The device runtime failed (allocation, copy)."""
+
+
+class SessionFileError(Error):
+    """A session file is truncated, corrupted, not a session file, or of another
+    format version; nothing was allocated."""
+
+
+class SessionFileNotFoundError(SessionFileError, FileNotFoundError):
+    """A session file does not exist."""
+
+
+class ModelMismatchError(SessionFileError):
+    """A session file was saved from another model (other buffers, or with
+    ``strict=True`` other compiled libraries or weights)."""

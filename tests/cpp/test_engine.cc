@@ -212,6 +212,7 @@ TEST(Capacity, MaxSessionsAndBudget) {
 
   options.max_sessions = -1;
   options.memory_budget = 1024;  // two 512-byte sessions
+  options.host_budget = 0;       // nothing may be offloaded to make room
   auto budgeted = CounterEngine(options);
   auto c = budgeted->NewSession();
   auto d = budgeted->NewSession();

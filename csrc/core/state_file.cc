@@ -1,0 +1,305 @@
+// Session file encoding, atomic writing and checked reading.
+#include "state_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "checksum.h"
+#include "errors.h"
+
+namespace aoti_sessions {
+namespace {
+
+constexpr char kMagic[8] = {'A', 'I', 'S', 'S', 'T', 'A', 'T', 'E'};
+constexpr uint64_t kAlign = 64;
+constexpr size_t kPrefix = 24;  // magic, version, reserved, header length
+// A header longer than this is not one of ours (a buffer is ~100 bytes).
+constexpr uint64_t kMaxHeader = 64ull << 20;
+
+uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+std::string Errno() { return std::strerror(errno); }
+
+class Encoder {
+ public:
+  template <typename T>
+  void Put(T v) {
+    const auto* p = reinterpret_cast<const char*>(&v);
+    out_.append(p, sizeof v);
+  }
+  void PutString(const std::string& s) {
+    Put(static_cast<uint32_t>(s.size()));
+    out_ += s;
+  }
+  std::string& bytes() { return out_; }
+
+ private:
+  std::string out_;
+};
+
+class Decoder {
+ public:
+  Decoder(const std::string& in, const std::string& path) : in_(in), path_(path) {}
+  template <typename T>
+  T Get() {
+    Need(sizeof(T));
+    T v;
+    std::memcpy(&v, in_.data() + pos_, sizeof v);
+    pos_ += sizeof v;
+    return v;
+  }
+  std::string GetString() {
+    auto n = Get<uint32_t>();
+    Need(n);
+    std::string s = in_.substr(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  uint32_t GetCount(size_t min_item_bytes) {
+    auto n = Get<uint32_t>();
+    if (static_cast<uint64_t>(n) * min_item_bytes > in_.size() - pos_) Malformed();
+    return n;
+  }
+  bool done() const { return pos_ == in_.size(); }
+  [[noreturn]] void Malformed() const {
+    Throw(ErrorKind::kSessionFile, "session file " + path_ + " has a malformed header");
+  }
+
+ private:
+  void Need(size_t n) const {
+    if (n > in_.size() - pos_) Malformed();
+  }
+  const std::string& in_;
+  const std::string& path_;
+  size_t pos_ = 0;
+};
+
+std::string EncodeHeader(const StateFileHeader& h) {
+  Encoder e;
+  e.Put(h.payload_bytes);
+  e.Put(static_cast<uint32_t>(h.methods.size()));
+  for (const StateFileMethod& m : h.methods) {
+    e.PutString(m.name);
+    e.Put(m.library_hash);
+    e.Put(m.weights_hash);
+  }
+  e.Put(static_cast<uint32_t>(h.buffers.size()));
+  for (const StateFileBuffer& b : h.buffers) {
+    e.PutString(b.fqn);
+    e.PutString(b.dtype);
+    e.Put(static_cast<uint32_t>(b.sizes.size()));
+    for (int64_t s : b.sizes) e.Put(s);
+    for (int64_t s : b.strides) e.Put(s);
+    e.Put(b.offset);
+    e.Put(b.bytes);
+    e.Put(b.checksum);
+  }
+  return std::move(e.bytes());
+}
+
+StateFileHeader DecodeHeader(const std::string& in, const std::string& path) {
+  Decoder d(in, path);
+  StateFileHeader h;
+  h.payload_bytes = d.Get<uint64_t>();
+  uint32_t methods = d.GetCount(20);
+  for (uint32_t i = 0; i < methods; ++i) {
+    StateFileMethod m;
+    m.name = d.GetString();
+    m.library_hash = d.Get<uint64_t>();
+    m.weights_hash = d.Get<uint64_t>();
+    h.methods.push_back(std::move(m));
+  }
+  uint32_t buffers = d.GetCount(36);
+  for (uint32_t i = 0; i < buffers; ++i) {
+    StateFileBuffer b;
+    b.fqn = d.GetString();
+    b.dtype = d.GetString();
+    uint32_t rank = d.GetCount(16);
+    for (uint32_t k = 0; k < rank; ++k) b.sizes.push_back(d.Get<int64_t>());
+    for (uint32_t k = 0; k < rank; ++k) b.strides.push_back(d.Get<int64_t>());
+    b.offset = d.Get<uint64_t>();
+    b.bytes = d.Get<uint64_t>();
+    b.checksum = d.Get<uint64_t>();
+    if (b.offset > h.payload_bytes || b.bytes > h.payload_bytes - b.offset) d.Malformed();
+    h.buffers.push_back(std::move(b));
+  }
+  if (!d.done()) d.Malformed();
+  return h;
+}
+
+void WriteAll(int fd, const void* data, size_t bytes, const std::string& path) {
+  const auto* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    ssize_t n = ::write(fd, p, bytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) Throw(ErrorKind::kSessionFile, "writing " + path + " failed: " + Errno());
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+// Reads exactly `bytes` at `offset`; false on a short read (end of file).
+bool ReadAt(int fd, void* dst, size_t bytes, uint64_t offset, const std::string& path) {
+  auto* p = static_cast<char*>(dst);
+  while (bytes > 0) {
+    ssize_t n = ::pread(fd, p, bytes, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) Throw(ErrorKind::kSessionFile, "reading " + path + " failed: " + Errno());
+    if (n == 0) return false;
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return true;
+}
+
+std::string Folder(const std::string& path) {
+  size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+}  // namespace
+
+void WriteStateFile(const std::string& path, StateFileHeader header,
+                    const std::vector<const void*>& data) {
+  if (data.size() != header.buffers.size()) {
+    Throw(ErrorKind::kInternal, "WriteStateFile: data and buffers differ in number");
+  }
+  uint64_t offset = 0;
+  for (size_t i = 0; i < header.buffers.size(); ++i) {
+    StateFileBuffer& b = header.buffers[i];
+    b.offset = offset;
+    b.checksum = Checksum64(data[i], b.bytes);
+    offset = AlignUp(offset + b.bytes);
+  }
+  header.payload_bytes = offset;
+  std::string encoded = EncodeHeader(header);
+  std::string head(kPrefix, '\0');
+  std::memcpy(&head[0], kMagic, sizeof kMagic);
+  uint32_t version = kStateFileVersion;
+  std::memcpy(&head[8], &version, sizeof version);
+  uint64_t length = encoded.size();
+  std::memcpy(&head[16], &length, sizeof length);
+  head += encoded;
+  uint64_t checksum = Checksum64(head.data(), head.size());
+  head.append(reinterpret_cast<const char*>(&checksum), sizeof checksum);
+  head.resize(AlignUp(head.size()), '\0');
+
+  static std::atomic<uint64_t> counter{0};
+  std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
+                    std::to_string(counter.fetch_add(1));
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) Throw(ErrorKind::kSessionFile, "cannot create " + tmp + ": " + Errno());
+  try {
+    WriteAll(fd, head.data(), head.size(), tmp);
+    static const char zeros[kAlign] = {};
+    uint64_t written = 0;
+    for (size_t i = 0; i < header.buffers.size(); ++i) {
+      const StateFileBuffer& b = header.buffers[i];
+      WriteAll(fd, zeros, b.offset - written, tmp);
+      WriteAll(fd, data[i], b.bytes, tmp);
+      written = b.offset + b.bytes;
+    }
+    WriteAll(fd, zeros, header.payload_bytes - written, tmp);
+    if (::fsync(fd) != 0) Throw(ErrorKind::kSessionFile, "fsync of " + tmp + " failed: " + Errno());
+    if (::close(fd) != 0) {
+      fd = -1;
+      Throw(ErrorKind::kSessionFile, "closing " + tmp + " failed: " + Errno());
+    }
+    fd = -1;
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      Throw(ErrorKind::kSessionFile, "renaming " + tmp + " to " + path + " failed: " + Errno());
+    }
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  // Make the rename itself durable.
+  int dir = ::open(Folder(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+}
+
+StateFileReader::StateFileReader(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) {
+    ErrorKind kind = errno == ENOENT ? ErrorKind::kFileNotFound : ErrorKind::kSessionFile;
+    Throw(kind, "cannot open session file " + path + ": " + Errno());
+  }
+  try {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) Throw(ErrorKind::kSessionFile, "cannot stat " + path + ": " + Errno());
+    if (S_ISDIR(st.st_mode)) Throw(ErrorKind::kSessionFile, path + " is a folder, not a session file");
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    char prefix[kPrefix];
+    if (size < kPrefix || !ReadAt(fd_, prefix, kPrefix, 0, path) ||
+        std::memcmp(prefix, kMagic, sizeof kMagic) != 0) {
+      Throw(ErrorKind::kSessionFile, path + " is not an aoti_sessions session file (bad magic)");
+    }
+    uint32_t version = 0;
+    std::memcpy(&version, prefix + 8, sizeof version);
+    if (version != kStateFileVersion) {
+      Throw(ErrorKind::kSessionFile, "session file " + path + " has format version " +
+                                         std::to_string(version) + "; this build reads version " +
+                                         std::to_string(kStateFileVersion));
+    }
+    uint64_t length = 0;
+    std::memcpy(&length, prefix + 16, sizeof length);
+    if (length > kMaxHeader || kPrefix + length + 8 > size) {
+      Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated (" +
+                                         std::to_string(size) + " bytes, shorter than its header)");
+    }
+    std::string head(kPrefix + length, '\0');
+    uint64_t stored = 0;
+    if (!ReadAt(fd_, &head[0], head.size(), 0, path) ||
+        !ReadAt(fd_, &stored, sizeof stored, head.size(), path)) {
+      Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated");
+    }
+    if (Checksum64(head.data(), head.size()) != stored) {
+      Throw(ErrorKind::kSessionFile, "session file " + path + " is corrupted (header checksum mismatch)");
+    }
+    header_ = DecodeHeader(head.substr(kPrefix), path);
+    payload_start_ = AlignUp(head.size() + sizeof stored);
+    uint64_t want = payload_start_ + header_.payload_bytes;
+    if (size < want) {
+      Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated: " +
+                                         std::to_string(size) + " bytes, its header says " +
+                                         std::to_string(want));
+    }
+    if (size > want) {
+      Throw(ErrorKind::kSessionFile, "session file " + path + " has " +
+                                         std::to_string(size - want) +
+                                         " unexpected bytes after its payload");
+    }
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+StateFileReader::~StateFileReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void StateFileReader::ReadBuffer(size_t index, void* dst) {
+  const StateFileBuffer& b = header_.buffers.at(index);
+  if (!ReadAt(fd_, dst, b.bytes, payload_start_ + b.offset, path_)) {
+    Throw(ErrorKind::kSessionFile, "session file " + path_ + " is truncated (in buffer '" +
+                                       b.fqn + "')");
+  }
+  if (Checksum64(dst, b.bytes) != b.checksum) {
+    Throw(ErrorKind::kSessionFile, "session file " + path_ + " is corrupted: buffer '" + b.fqn +
+                                       "' fails its checksum");
+  }
+}
+
+}  // namespace aoti_sessions
