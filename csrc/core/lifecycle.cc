@@ -179,9 +179,9 @@ void Engine::ReserveDevice(const Session* held, StreamHandle stream) {
       return;
     }
     std::string full = "memory_budget=" + Bytes(budget) + " exceeded: " +
-                       std::to_string(live_sessions_ - offloaded_sessions_) +
-                       " sessions hold " + std::to_string(device_bytes_) +
-                       " bytes and a new one needs " + std::to_string(need);
+                       std::to_string(device_bytes_ / need) + " sessions hold " +
+                       std::to_string(device_bytes_) + " bytes and a new one needs " +
+                       std::to_string(need);
     if (need > budget) Throw(ErrorKind::kCapacity, full + " (the budget is below one session)");
     if (options_.host_budget >= 0 && host_bytes_ + need > options_.host_budget) {
       Throw(ErrorKind::kCapacity, full + ", and host_budget=" + Bytes(options_.host_budget) +

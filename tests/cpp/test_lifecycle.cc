@@ -1,0 +1,154 @@
+// Session lifecycle in the core: checksums, offload / restore, LRU eviction
+// under memory_budget and host_budget, session files.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <numeric>
+
+#include "core/checksum.h"
+#include "core/errors.h"
+#include "test_helpers.h"
+
+namespace aoti_sessions {
+namespace {
+
+using testing::ModelPath;
+using testing::OneMethod;
+using testing::ReadBuffer;
+using testing::RunCounter;
+
+std::shared_ptr<Engine> CounterEngine(int64_t memory_budget = -1, int64_t host_budget = -1) {
+  EngineOptions options;
+  options.mutable_patterns = std::vector<std::string>{"acc", "hits"};
+  options.memory_budget = memory_budget;
+  options.host_budget = host_budget;
+  return Engine::Create(OneMethod(ModelPath("AOTI_SESSIONS_COUNTER_SO")), options);
+}
+
+template <typename Fn>
+ErrorKind KindOf(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.kind();
+  }
+  ADD_FAILURE() << "no error thrown";
+  return ErrorKind::kInternal;
+}
+
+std::string TempPath(const std::string& name) {
+  return ::testing::TempDir() + "/ais-" + std::to_string(::getpid()) + "-" + name;
+}
+
+TEST(Checksum, MatchesTheXxh64Reference) {
+  // Reference values of XXH64 (seed 0 and 42), from the xxhash library.
+  EXPECT_EQ(Checksum64("", 0), 0xef46db3751d8e999ULL);
+  EXPECT_EQ(Checksum64("abc", 3), 0x44bc2cf5ad770999ULL);
+  EXPECT_EQ(Checksum64("abc", 3, 42), 0x13c1d910702770e6ULL);
+  std::string stripes = "0123456789abcdef0123456789abcdef0";  // 32-byte stripe + tail
+  EXPECT_EQ(Checksum64(stripes.data(), stripes.size()), 0xe87684f08d6d0816ULL);
+  std::vector<unsigned char> bytes(1280);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(i % 256);
+  EXPECT_EQ(Checksum64(bytes.data(), bytes.size()), 0xafc184ad7938a354ULL);
+  EXPECT_EQ(Checksum64(bytes.data(), bytes.size(), 42), 0x244d19fb92671adbULL);
+}
+
+TEST(Tiers, OffloadAndRestoreKeepTheStateBitForBit) {
+  auto engine = CounterEngine();
+  auto a = engine->NewSession();
+  auto reference = engine->NewSession();
+  for (int step = 0; step < 3; ++step) {
+    RunCounter(*a, 0.25f * step, step);
+    RunCounter(*reference, 0.25f * step, step);
+  }
+  a->Offload();
+  EXPECT_FALSE(a->resident());
+  EXPECT_EQ(a->address(), nullptr);
+  EXPECT_EQ(engine->stats().host_bytes, static_cast<int64_t>(engine->bytes_per_session()));
+  // Reads come from the host tier without bringing the session back.
+  EXPECT_EQ(ReadBuffer<float>(*a, "acc"), ReadBuffer<float>(*reference, "acc"));
+  EXPECT_FALSE(a->resident());
+  // A run restores it and continues exactly like the session never moved.
+  EXPECT_EQ(RunCounter(*a, 1.5f, 3), RunCounter(*reference, 1.5f, 3));
+  EXPECT_TRUE(a->resident());
+  EngineStats stats = engine->stats();
+  EXPECT_EQ(stats.offloads, 1);
+  EXPECT_EQ(stats.restores, 1);
+  EXPECT_EQ(stats.evictions, 0);
+  EXPECT_EQ(stats.host_bytes, 0);
+}
+
+TEST(Tiers, EvictsTheLeastRecentlyUsedIdleSession) {
+  auto engine = CounterEngine(/*memory_budget=*/1024);  // two 512-byte sessions
+  auto a = engine->NewSession();
+  auto b = engine->NewSession();
+  RunCounter(*a, 1.0f, 0);  // b is now the least recently used
+  auto c = engine->NewSession();
+  EXPECT_TRUE(a->resident());
+  EXPECT_FALSE(b->resident());
+  EXPECT_TRUE(c->resident());
+  EXPECT_EQ(engine->stats().evictions, 1);
+  // Running b brings it back and evicts a (used before c was created).
+  RunCounter(*b, 1.0f, 1);
+  EXPECT_FALSE(a->resident());
+  EXPECT_TRUE(b->resident());
+  EngineStats stats = engine->stats();
+  EXPECT_EQ(stats.device_bytes, 1024);
+  EXPECT_EQ(stats.resident_sessions, 2);
+  EXPECT_EQ(stats.offloaded_sessions, 1);
+  // The session a call holds is never evicted for that call.
+  auto d = CounterEngine(/*memory_budget=*/512);
+  auto only = d->NewSession();
+  EXPECT_EQ(KindOf([&] { only->Fork(); }), ErrorKind::kCapacity);
+  EXPECT_TRUE(only->resident());
+}
+
+TEST(Tiers, HostBudgetBoundsOffloading) {
+  auto engine = CounterEngine(/*memory_budget=*/512, /*host_budget=*/512);
+  auto a = engine->NewSession();
+  auto b = engine->NewSession();  // evicts a into the host budget's one slot
+  EXPECT_FALSE(a->resident());
+  EXPECT_EQ(KindOf([&] { engine->NewSession(); }), ErrorKind::kCapacity);  // both full
+  EXPECT_EQ(KindOf([&] { b->Offload(); }), ErrorKind::kCapacity);
+  EXPECT_TRUE(b->resident());
+  a->Close();  // frees the host slot
+  EXPECT_EQ(engine->stats().host_bytes, 0);
+  EXPECT_NO_THROW(engine->NewSession());
+}
+
+TEST(Files, SaveAndLoadRoundTripAndRefuseCorruption) {
+  auto engine = CounterEngine();
+  auto a = engine->NewSession();
+  RunCounter(*a, 2.0f, 1);
+  std::string path = TempPath("a.ais");
+  a->Save(path);
+  auto b = engine->LoadSession(path, /*strict=*/true);
+  EXPECT_EQ(ReadBuffer<float>(*b, "acc"), ReadBuffer<float>(*a, "acc"));
+  EXPECT_EQ(ReadBuffer<int64_t>(*b, "hits"), ReadBuffer<int64_t>(*a, "hits"));
+  EXPECT_EQ(RunCounter(*b, 1.0f, 2), RunCounter(*a, 1.0f, 2));
+
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto write = [&](const std::string& content) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << content;
+  };
+  int64_t live = engine->stats().live_sessions;
+  std::string flipped = bytes;
+  // The payload is acc (128 bytes) then hits at 128, padded to 192 bytes.
+  flipped[flipped.size() - 192 + 5] ^= 0x10;
+  write(flipped);
+  EXPECT_EQ(KindOf([&] { engine->LoadSession(path, true); }), ErrorKind::kSessionFile);
+  write(bytes.substr(0, bytes.size() - 1));
+  EXPECT_EQ(KindOf([&] { engine->LoadSession(path, true); }), ErrorKind::kSessionFile);
+  write("not a session file at all");
+  EXPECT_EQ(KindOf([&] { engine->LoadSession(path, true); }), ErrorKind::kSessionFile);
+  std::remove(path.c_str());
+  EXPECT_EQ(KindOf([&] { engine->LoadSession(path, true); }), ErrorKind::kFileNotFound);
+  EXPECT_EQ(engine->stats().live_sessions, live);
+}
+
+}  // namespace
+}  // namespace aoti_sessions
