@@ -21,7 +21,7 @@ fi
 if [ -d .deps/gtest ]; then
   export CMAKE_PREFIX_PATH=$PWD/.deps/gtest/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
 fi
-stage=${1:-all}  # all | test | bench | weights
+stage=${1:-all}  # all | test | bench | weights | lifecycle
 status=0
 
 {
@@ -43,5 +43,12 @@ fi
 if [ "$stage" = all ] || [ "$stage" = weights ]; then
   python3 bench/bench_weights.py --out bench/RESULTS_weights.md 2>&1 | tee "$OUT/bench_weights.txt" || status=$?
   cp bench/RESULTS_weights.md "$OUT/" 2>/dev/null || true
+fi
+if [ "$stage" = all ] || [ "$stage" = lifecycle ]; then
+  # Session files go to the repository's disk, not a RAM-backed /tmp.
+  mkdir -p build/disk
+  python3 bench/bench_lifecycle.py --disk-dir build/disk --out bench/RESULTS_lifecycle.md 2>&1 \
+    | tee "$OUT/bench_lifecycle.txt" || status=$?
+  cp bench/RESULTS_lifecycle.md "$OUT/" 2>/dev/null || true
 fi
 exit $status
