@@ -335,6 +335,8 @@ EngineStats Engine::stats() const {
     s.sessions.push_back({session->id(), session->resident(),
                           static_cast<int64_t>(block_bytes_), session->last_use_ns()});
   }
+  std::sort(s.sessions.begin(), s.sessions.end(),
+            [](const SessionStats& a, const SessionStats& b) { return a.id < b.id; });
   {
     std::lock_guard<std::mutex> lock(host_mutex_);
     s.host_spare_bytes = static_cast<int64_t>(spare_host_.size() * block_bytes_);
