@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <numeric>
+#include <thread>
 
 #include "core/checksum.h"
 #include "core/errors.h"
@@ -19,11 +22,13 @@ using testing::OneMethod;
 using testing::ReadBuffer;
 using testing::RunCounter;
 
-std::shared_ptr<Engine> CounterEngine(int64_t memory_budget = -1, int64_t host_budget = -1) {
+std::shared_ptr<Engine> CounterEngine(int64_t memory_budget = -1, int64_t host_budget = -1,
+                                      double idle_timeout = 0) {
   EngineOptions options;
   options.mutable_patterns = std::vector<std::string>{"acc", "hits"};
   options.memory_budget = memory_budget;
   options.host_budget = host_budget;
+  options.idle_timeout_seconds = idle_timeout;
   return Engine::Create(OneMethod(ModelPath("AOTI_SESSIONS_COUNTER_SO")), options);
 }
 
@@ -148,6 +153,49 @@ TEST(Files, SaveAndLoadRoundTripAndRefuseCorruption) {
   std::remove(path.c_str());
   EXPECT_EQ(KindOf([&] { engine->LoadSession(path, true); }), ErrorKind::kFileNotFound);
   EXPECT_EQ(engine->stats().live_sessions, live);
+}
+
+TEST(Tiers, ThreadsRaceEvictionsExpiryAndExplicitMoves) {
+  // Budget of two sessions, an idle timer firing constantly, four threads
+  // running their own sessions and one moving everyone's state at random:
+  // every session ends exactly like the same runs done alone.
+  auto engine = CounterEngine(/*memory_budget=*/1024, -1, /*idle_timeout=*/0.002);
+  constexpr int kThreads = 4, kSteps = 60;
+  std::vector<std::shared_ptr<Session>> sessions;
+  for (int t = 0; t < kThreads; ++t) sessions.push_back(engine->NewSession());
+  std::atomic<bool> stop{false};
+  std::vector<std::vector<float>> last(kThreads);
+  std::vector<std::thread> workers;
+  for (int t = 0; t < kThreads; ++t) {
+    workers.emplace_back([&, t] {
+      for (int step = 0; step < kSteps; ++step) last[t] = RunCounter(*sessions[t], 0.5f * t, step % 4);
+    });
+  }
+  std::thread meddler([&] {
+    unsigned k = 0;
+    while (!stop) {
+      Session& s = *sessions[k++ % kThreads];
+      if (k % 3 == 0) s.Restore(); else s.Offload();
+    }
+  });
+  for (auto& w : workers) w.join();
+  stop = true;
+  meddler.join();
+  auto solo_engine = CounterEngine();
+  for (int t = 0; t < kThreads; ++t) {
+    auto solo = solo_engine->NewSession();
+    std::vector<float> want;
+    for (int step = 0; step < kSteps; ++step) want = RunCounter(*solo, 0.5f * t, step % 4);
+    EXPECT_EQ(last[t], want) << t;
+    EXPECT_EQ(ReadBuffer<int64_t>(*sessions[t], "hits"), ReadBuffer<int64_t>(*solo, "hits")) << t;
+  }
+  EngineStats stats = engine->stats();
+  EXPECT_GT(stats.evictions + stats.idle_offloads, 0);
+  EXPECT_EQ(stats.offloads - stats.restores, stats.offloaded_sessions);
+  EXPECT_LE(stats.device_bytes, 1024);
+  // Engine and sessions released while the idle timer may be mid-check.
+  sessions.clear();
+  engine.reset();
 }
 
 }  // namespace
