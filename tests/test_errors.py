@@ -209,6 +209,8 @@ def test_bad_engine_arguments(counter_cpu_pkg) -> None:
         ais.Engine(counter_cpu_pkg, host_budget=2.5)
     with pytest.raises(ValueError, match="idle_timeout must be > 0"):
         ais.Engine(counter_cpu_pkg, idle_timeout=0)
+    with pytest.raises(ValueError, match="idle_timeout must be > 0 seconds and finite"):
+        ais.Engine(counter_cpu_pkg, idle_timeout=float("inf"))
     with pytest.raises(ValueError, match="idle_action must be"):
         ais.Engine(counter_cpu_pkg, idle_timeout=1, idle_action="drop")
     with pytest.raises(TypeError, match="max_sessions must be an int"):

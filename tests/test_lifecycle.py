@@ -188,6 +188,73 @@ def test_full_budgets_refuse_and_change_nothing(decoder_pkg: Path, device: str) 
         assert c.resident and not b.resident
 
 
+def test_a_full_host_budget_still_swaps(decoder_pkg: Path, device: str) -> None:
+    """Device and host budgets of one session each: restoring the offloaded
+    session evicts the resident one (host use unchanged), so the two keep
+    taking turns, decoding like solo runs."""
+    with ais.Engine(decoder_pkg, device=device) as plain:
+        solo = [_solo(plain, p) for p in PROMPTS[:2]]
+        per = plain.bytes_per_session
+    with ais.Engine(decoder_pkg, device=device, memory_budget=per, host_budget=per) as eng:
+        sessions = [eng.new_session(), eng.new_session()]
+        runs = [GreedyDecoding(s, p, STEPS) for s, p in zip(sessions, PROMPTS)]
+        while not runs[0].done:
+            for r in runs:
+                r.step()
+                _check_accounting(eng, per)
+                assert eng.stats()["host_bytes"] <= per
+        assert [r.generated for r in runs] == solo
+        sessions[0].restore()
+        assert sessions[0].resident and not sessions[1].resident
+
+
+def test_forks_waiting_on_each_other_fail_fast(decoder_pkg: Path, device: str) -> None:
+    """Budget of two, both resident sessions forking at once: each fork holds
+    its session, so neither can be evicted for the other. No call may wait
+    for the other for the full capacity timeout."""
+    with ais.Engine(decoder_pkg, device=device) as plain:
+        per = plain.bytes_per_session
+    with ais.Engine(decoder_pkg, device=device, memory_budget=2 * per) as eng:
+        for _ in range(20):
+            a, b = eng.new_session(), eng.new_session()
+            outcome: list[object] = []
+            start = threading.Barrier(2)
+
+            def fork(s: ais.Session) -> None:
+                start.wait()
+                try:
+                    outcome.append(s.fork())
+                except ais.CapacityError as e:
+                    outcome.append(e)
+
+            began = time.monotonic()
+            workers = [threading.Thread(target=fork, args=(s,)) for s in (a, b)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(timeout=30)
+            assert not any(w.is_alive() for w in workers)
+            assert time.monotonic() - began < 10
+            for x in [*outcome, a, b]:
+                if isinstance(x, ais.Session):
+                    x.close()
+            _check_accounting(eng, 2 * per)
+        assert eng.stats()["live_sessions"] == 0
+
+
+def test_concurrent_closes_of_an_engine_with_an_idle_timer(decoder_pkg: Path, device: str) -> None:
+    for _ in range(10):
+        eng = ais.Engine(decoder_pkg, device=device, idle_timeout=0.01)
+        s = eng.new_session()
+        closers = [threading.Thread(target=eng.close) for _ in range(3)]
+        for c in closers:
+            c.start()
+        for c in closers:
+            c.join(timeout=30)
+        assert not any(c.is_alive() for c in closers)
+        assert eng.closed and s.closed
+
+
 # ---------------------------------------------------------------- idle expiry
 
 def test_idle_sessions_are_offloaded_and_come_back(decoder_pkg: Path, device: str) -> None:
@@ -423,12 +490,16 @@ def test_corrupt_files_are_refused_and_change_nothing(decoder_engine: ais.Engine
             assert _same_state(loaded.state(), state)
 
 
-def test_missing_files_and_folders(decoder_engine: ais.Engine, tmp_path: Path) -> None:
+def test_missing_files_folders_and_pipes(decoder_engine: ais.Engine, tmp_path: Path) -> None:
     with pytest.raises(ais.SessionFileNotFoundError, match="nothere.ais") as info:
         decoder_engine.load_session(tmp_path / "nothere.ais")
     assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, ais.Error)
     with pytest.raises(ais.SessionFileError, match="folder"):
         decoder_engine.load_session(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # opening it for reading must not block
+    with pytest.raises(ais.SessionFileError, match="not a regular file"):
+        decoder_engine.load_session(fifo)
 
 
 def test_saves_are_atomic(decoder_engine: ais.Engine, tmp_path: Path) -> None:
@@ -464,6 +535,21 @@ def test_files_from_another_model_are_refused(decoder_engine: ais.Engine, saved,
             prefill.load_session(path)
         with prefill.load_session(path, strict=False) as s:
             assert _same_state(s.state(), state)
+
+
+def test_model_files_changed_after_load_are_not_fingerprinted(counter_cpu_pkg: Path, tmp_path: Path) -> None:
+    """The fingerprint hashes the model files on first use: they must still be
+    the ones loaded, or a save would vouch for another model."""
+    from aoti_sessions._package import open_model
+    library = tmp_path / "model.so"
+    library.write_bytes(Path(open_model(counter_cpu_pkg)[0].library).read_bytes())
+    with ais.Engine(library, mutable=["acc", "hits"]) as eng, eng.new_session() as s:
+        replacement = tmp_path / "other.so"
+        replacement.write_bytes(library.read_bytes() + b"\0")
+        os.replace(replacement, library)  # a new file at the same path
+        with pytest.raises(ais.PackageError, match="changed or removed since the engine loaded it"):
+            s.save(tmp_path / "s.ais")
+        assert not list(tmp_path.glob("s.ais*"))
 
 
 def test_files_from_other_weights_are_refused(decoder_methods_pkg: Path, device: str, tmp_path: Path) -> None:

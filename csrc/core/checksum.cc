@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <vector>
@@ -89,6 +90,19 @@ uint64_t Checksum64(const void* data, size_t bytes, uint64_t seed) {
   h *= kP3;
   h ^= h >> 32;
   return h;
+}
+
+FileStamp StampFile(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    Throw(ErrorKind::kPackage, "cannot stat " + path + ": " + std::strerror(errno));
+  }
+  FileStamp stamp;
+  stamp.device = static_cast<uint64_t>(st.st_dev);
+  stamp.inode = static_cast<uint64_t>(st.st_ino);
+  stamp.size = static_cast<uint64_t>(st.st_size);
+  stamp.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  return stamp;
 }
 
 uint64_t HashFile(const std::string& path) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <set>
 #include <unordered_set>
@@ -110,7 +111,7 @@ void Engine::Load(const std::vector<MethodSource>& sources, const EngineOptions&
     Throw(ErrorKind::kInvalidArgument,
           "host_budget must be >= 0 bytes, got " + std::to_string(options.host_budget));
   }
-  if (!(options.idle_timeout_seconds >= 0)) {
+  if (!(options.idle_timeout_seconds >= 0) || !std::isfinite(options.idle_timeout_seconds)) {
     Throw(ErrorKind::kInvalidArgument, "idle_timeout must be >= 0 seconds, got " +
                                            std::to_string(options.idle_timeout_seconds));
   }
@@ -156,6 +157,8 @@ void Engine::Load(const std::vector<MethodSource>& sources, const EngineOptions&
     }
     method.inputs = source.inputs;
     method.weights_file = source.weights;
+    file_stamps_.emplace(source.library_path, StampFile(source.library_path));
+    if (source.weights) file_stamps_.emplace(source.weights->path, StampFile(source.weights->path));
     method.call_spec = {method.container->in_spec(), method.container->out_spec()};
     method.num_inputs = method.container->num_inputs();
     methods_.push_back(std::move(method));
@@ -473,13 +476,13 @@ void Engine::RetainLocked() {
 
 void Engine::Close() {
   std::vector<std::shared_ptr<Session>> open;
-  StopReaper();
   {
     std::lock_guard<std::mutex> lock(sessions_mutex_);
     if (closed_) return;
     closed_ = true;
     open = OpenSessionsLocked();
   }
+  StopReaper();
   // Close everything even if one session fails; report the first failure.
   std::exception_ptr first;
   for (auto& session : open) {

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "checksum.h"
 #include "container.h"
 #include "device.h"
 #include "state_file.h"
@@ -276,7 +277,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void* TakeHostBlock();
   void GiveHostBlock(void* block) noexcept;
   // Moves the session's state to a host block; the caller holds its lock.
-  void OffloadLocked(Session& session, StreamHandle stream, OffloadCause cause);
+  // `host_credit`: host bytes the caller is about to release (a restore that
+  // evicts: the swap leaves host use unchanged), allowed over host_budget.
+  void OffloadLocked(Session& session, StreamHandle stream, OffloadCause cause,
+                     int64_t host_credit = 0);
   // Brings it back, making room first; the caller holds its lock.
   void RestoreLocked(Session& session, StreamHandle stream);
   // Reserves device bytes for one session under memory_budget: offloads the
@@ -286,7 +290,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void ReserveDevice(const Session* held, StreamHandle stream);
   void UnreserveDevice();
   // Offloads `victim` if it is idle (its lock is free); false if it is busy.
-  bool TryEvict(Session& victim, StreamHandle stream);
+  bool TryEvict(Session& victim, StreamHandle stream, int64_t host_credit);
   // Every registered session still alive; sessions_mutex_ held.
   std::vector<std::shared_ptr<Session>> OpenSessionsLocked() const;
   // A session operation ended: wake creators waiting for an idle session.
@@ -315,9 +319,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   mutable std::mutex host_mutex_;
   std::vector<void*> spare_host_;
   std::atomic<uint64_t> next_bind_key_{1};
-  // Fingerprint for session files, computed on first use.
+  // Fingerprint for session files, computed on first use, of the model files
+  // as they were at load (their stamps then).
   std::mutex fingerprint_mutex_;
   std::optional<std::vector<StateFileMethod>> fingerprint_;
+  std::unordered_map<std::string, FileStamp> file_stamps_;
   // Creators waiting for a resident session to become idle.
   std::condition_variable capacity_cv_;
   std::atomic<int> capacity_waiters_{0};

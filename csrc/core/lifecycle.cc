@@ -75,12 +75,13 @@ void Engine::GiveHostBlock(void* block) noexcept {
 
 // ---------------------------------------------------------------- tiers
 
-void Engine::OffloadLocked(Session& session, StreamHandle stream, OffloadCause cause) {
+void Engine::OffloadLocked(Session& session, StreamHandle stream, OffloadCause cause,
+                           int64_t host_credit) {
   if (!session.resident_) return;
   const auto need = static_cast<int64_t>(block_bytes_);
   {
     std::lock_guard<std::mutex> lock(sessions_mutex_);
-    if (options_.host_budget >= 0 && host_bytes_ + need > options_.host_budget) {
+    if (options_.host_budget >= 0 && host_bytes_ + need - host_credit > options_.host_budget) {
       Throw(ErrorKind::kCapacity,
             "host_budget=" + Bytes(options_.host_budget) + " is full: " +
                 std::to_string(offloaded_sessions_) + " offloaded sessions hold " +
@@ -129,6 +130,7 @@ void Engine::RestoreLocked(Session& session, StreamHandle stream) {
   if (session.resident_) return;
   ReserveDevice(&session, stream);
   void* block = nullptr;
+  std::vector<OwnedTensor> tensors;
   try {
     if (block_bytes_ > 0) {
       block = device_->Allocate(block_bytes_, stream);
@@ -137,7 +139,9 @@ void Engine::RestoreLocked(Session& session, StreamHandle stream) {
       // The host block goes back to the pool right after.
       device_->Synchronize(stream);
     }
+    tensors = session.AliasTensors(block);
   } catch (...) {
+    // The session stays offloaded, its host block untouched.
     if (block != nullptr) {
       try {
         device_->Free(block, stream);
@@ -149,7 +153,7 @@ void Engine::RestoreLocked(Session& session, StreamHandle stream) {
   }
   GiveHostBlock(std::exchange(session.host_block_, nullptr));
   session.block_ = block;
-  session.AliasBlock();
+  session.tensors_ = std::move(tensors);
   session.bind_key_ = next_bind_key_++;
   session.resident_ = true;
   {
@@ -170,6 +174,18 @@ void Engine::ReserveDevice(const Session* held, StreamHandle stream) {
   const auto need = static_cast<int64_t>(block_bytes_);
   const int64_t budget = options_.memory_budget;
   const auto deadline = std::chrono::steady_clock::now() + kCapacityWait;
+  // A restore releases its own host block right after evicting: the swap
+  // leaves host use unchanged, so a full host budget does not stop it.
+  const int64_t host_credit = held != nullptr && !held->resident_ ? need : 0;
+  struct Waiting {  // marks `held` (if resident) as busy until room is made
+    const Session* session;
+    explicit Waiting(const Session* s) : session(s && s->resident_ ? s : nullptr) {
+      if (session) const_cast<Session*>(session)->waiting_for_room_ = true;
+    }
+    ~Waiting() {
+      if (session) const_cast<Session*>(session)->waiting_for_room_ = false;
+    }
+  } waiting(held);
   std::unique_lock<std::mutex> lock(sessions_mutex_);
   for (;;) {
     if (closed_) Throw(ErrorKind::kSessionClosed, "the engine is closed");
@@ -183,17 +199,25 @@ void Engine::ReserveDevice(const Session* held, StreamHandle stream) {
                        std::to_string(device_bytes_) + " bytes and a new one needs " +
                        std::to_string(need);
     if (need > budget) Throw(ErrorKind::kCapacity, full + " (the budget is below one session)");
-    if (options_.host_budget >= 0 && host_bytes_ + need > options_.host_budget) {
+    if (options_.host_budget >= 0 && host_bytes_ + need - host_credit > options_.host_budget) {
       Throw(ErrorKind::kCapacity, full + ", and host_budget=" + Bytes(options_.host_budget) +
                                       " cannot take an offloaded session (" +
                                       Bytes(host_bytes_) + " offloaded)");
     }
     // Idle resident sessions, least recently used first.
     std::vector<std::shared_ptr<Session>> candidates = OpenSessionsLocked();
+    // Device bytes reserved by creations and restores in flight (or held by
+    // sessions being destroyed): they become idle or free soon.
+    int64_t resident = 0;
+    for (const auto& s : candidates) resident += s->resident_ ? 1 : 0;
+    const bool in_flight = device_bytes_ > resident * need;
     lock.unlock();
+    // Sessions held by calls that are themselves waiting for room never
+    // become idle before this call proceeds: waiting for them is futile.
     candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
                                     [&](const auto& s) {
-                                      return s.get() == held || !s->resident_ || s->closed_;
+                                      return s.get() == held || !s->resident_ || s->closed_ ||
+                                             s->waiting_for_room_;
                                     }),
                      candidates.end());
     std::sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
@@ -203,7 +227,7 @@ void Engine::ReserveDevice(const Session* held, StreamHandle stream) {
     const bool any = !candidates.empty();
     try {
       for (const auto& candidate : candidates) {
-        if (TryEvict(*candidate, stream)) {
+        if (TryEvict(*candidate, stream, host_credit)) {
           evicted = true;
           break;
         }
@@ -219,6 +243,10 @@ void Engine::ReserveDevice(const Session* held, StreamHandle stream) {
     if (!any && device_bytes_ <= ours) {
       Throw(ErrorKind::kCapacity, full + "; the only resident session is the one this call uses");
     }
+    if (!any && !in_flight) {
+      Throw(ErrorKind::kCapacity,
+            full + "; every resident session is held by a call waiting for room itself");
+    }
     if (std::chrono::steady_clock::now() >= deadline) {
       Throw(ErrorKind::kCapacity, full + "; every resident session stayed in use for " +
                                       std::to_string(kCapacityWait.count()) + " s");
@@ -230,11 +258,11 @@ void Engine::ReserveDevice(const Session* held, StreamHandle stream) {
   }
 }
 
-bool Engine::TryEvict(Session& victim, StreamHandle stream) {
+bool Engine::TryEvict(Session& victim, StreamHandle stream, int64_t host_credit) {
   std::unique_lock<std::mutex> lock(victim.mutex_, std::try_to_lock);
   if (!lock.owns_lock()) return false;  // in use: never evicted
   if (!victim.closed_ && victim.resident_) {
-    OffloadLocked(victim, stream, OffloadCause::kEviction);
+    OffloadLocked(victim, stream, OffloadCause::kEviction, host_credit);
   }
   return true;  // room was made, or the session left the device meanwhile
 }
@@ -264,6 +292,7 @@ struct Engine::Reaper {
   std::mutex mutex;
   std::condition_variable cv;
   bool stop = false;
+  std::mutex join_mutex;  // one stopper joins (Close and ~Engine may race)
   std::thread thread;
 };
 
@@ -301,6 +330,7 @@ void Engine::StopReaper() noexcept {
     reaper_->stop = true;
   }
   reaper_->cv.notify_all();
+  std::lock_guard<std::mutex> lock(reaper_->join_mutex);
   if (!reaper_->thread.joinable()) return;
   if (reaper_->thread.get_id() == std::this_thread::get_id()) {
     reaper_->thread.detach();
@@ -310,7 +340,8 @@ void Engine::StopReaper() noexcept {
 }
 
 void Engine::ExpireIdle() {
-  const auto timeout_ns = static_cast<int64_t>(options_.idle_timeout_seconds * 1e9);
+  // Saturated: a timeout of centuries must not overflow.
+  const auto timeout_ns = static_cast<int64_t>(std::min(options_.idle_timeout_seconds, 1e9) * 1e9);
   const int64_t limit = NowNs() - timeout_ns;
   std::vector<std::shared_ptr<Session>> open;
   {
@@ -329,7 +360,7 @@ void Engine::ExpireIdle() {
                              std::to_string(options_.idle_timeout_seconds) + " s");
         idle_closes_.fetch_add(1);
       } else {
-        OffloadLocked(*session, nullptr, OffloadCause::kIdle);
+        OffloadLocked(*session, session->stream_.last(), OffloadCause::kIdle);
       }
       freed = true;
     } catch (...) {
@@ -348,7 +379,20 @@ const std::vector<StateFileMethod>& Engine::fingerprint() {
     auto hash = [&](const std::string& path) {
       auto it = hashed.find(path);
       if (it != hashed.end()) return it->second;
-      return hashed[path] = HashFile(path);
+      // The files must still be what the engine loaded, before and after.
+      auto unchanged = [&] {
+        try {
+          return StampFile(path) == file_stamps_.at(path);
+        } catch (const Error&) {
+          return false;
+        }
+      };
+      std::string changed = "cannot fingerprint the engine for session files: " + path +
+                            " was changed or removed since the engine loaded it";
+      if (!unchanged()) Throw(ErrorKind::kPackage, changed);
+      uint64_t h = HashFile(path);
+      if (!unchanged()) Throw(ErrorKind::kPackage, changed);
+      return hashed[path] = h;
     };
     std::vector<StateFileMethod> methods;
     for (const Method& m : methods_) {

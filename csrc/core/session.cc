@@ -39,7 +39,7 @@ class Session::OpLock {
 Session::Session(std::shared_ptr<Engine> engine, uint64_t id, void* block, StreamHandle stream,
                  uint64_t bind_key)
     : engine_(std::move(engine)), id_(id), block_(block), bind_key_(bind_key), stream_(stream) {
-  AliasBlock();
+  tensors_ = AliasTensors(block_);
   Touch();
 }
 
@@ -51,14 +51,15 @@ Session::~Session() {
   }
 }
 
-void Session::AliasBlock() {
+std::vector<OwnedTensor> Session::AliasTensors(void* block) const {
   const Device& device = *engine_->device_;
-  auto* base = static_cast<char*>(block_);
-  tensors_.clear();
+  auto* base = static_cast<char*>(block);
+  std::vector<OwnedTensor> tensors;
   for (const MutableBuffer& buffer : engine_->buffers_) {
-    tensors_.push_back(OwnedTensor::FromBlob(base + buffer.offset, buffer.layout,
-                                             device.torch_device_type(), device.spec().index));
+    tensors.push_back(OwnedTensor::FromBlob(base + buffer.offset, buffer.layout,
+                                            device.torch_device_type(), device.spec().index));
   }
+  return tensors;
 }
 
 void Session::Touch() { last_use_ns_.store(NowNs()); }

@@ -79,8 +79,8 @@ class Session {
   // Throws kSessionClosed if closed. Caller holds mutex_.
   void CheckOpen() const;
   void CheckBufferTensor(size_t buffer, AtenTensorHandle tensor, const char* role) const;
-  // Makes the tensors alias the device block (after it was (re)allocated).
-  void AliasBlock();
+  // One tensor per buffer aliasing `block` (device memory).
+  std::vector<OwnedTensor> AliasTensors(void* block) const;
   void Touch();
   // Closes with the lock held; `reason` (if any) is named by later errors.
   void CloseLocked(const std::string& reason);
@@ -96,6 +96,9 @@ class Session {
   void* host_block_ = nullptr;  // host memory of all buffers while offloaded
   std::atomic<bool> resident_{true};  // written under mutex_, read without
   std::atomic<int64_t> last_use_ns_{0};
+  // Set while the call holding this session waits in Engine::ReserveDevice:
+  // it will not become idle before that call gets room.
+  std::atomic<bool> waiting_for_room_{false};
   // Identifies this session's current device block to the method containers:
   // a fresh one after every restore, so a stale binding is never reused.
   uint64_t bind_key_ = 0;

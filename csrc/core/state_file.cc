@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "checksum.h"
@@ -230,7 +231,8 @@ void WriteStateFile(const std::string& path, StateFileHeader header,
 }
 
 StateFileReader::StateFileReader(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking: opening a FIFO must not hang (only regular files pass below).
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd_ < 0) {
     ErrorKind kind = errno == ENOENT ? ErrorKind::kFileNotFound : ErrorKind::kSessionFile;
     Throw(kind, "cannot open session file " + path + ": " + Errno());
@@ -239,6 +241,9 @@ StateFileReader::StateFileReader(const std::string& path) : path_(path) {
     struct stat st {};
     if (::fstat(fd_, &st) != 0) Throw(ErrorKind::kSessionFile, "cannot stat " + path + ": " + Errno());
     if (S_ISDIR(st.st_mode)) Throw(ErrorKind::kSessionFile, path + " is a folder, not a session file");
+    if (!S_ISREG(st.st_mode)) {
+      Throw(ErrorKind::kSessionFile, path + " is not a regular file, so not a session file");
+    }
     const uint64_t size = static_cast<uint64_t>(st.st_size);
     char prefix[kPrefix];
     if (size < kPrefix || !ReadAt(fd_, prefix, kPrefix, 0, path) ||
@@ -254,7 +259,11 @@ StateFileReader::StateFileReader(const std::string& path) : path_(path) {
     }
     uint64_t length = 0;
     std::memcpy(&length, prefix + 16, sizeof length);
-    if (length > kMaxHeader || kPrefix + length + 8 > size) {
+    if (length > kMaxHeader) {
+      Throw(ErrorKind::kSessionFile, "session file " + path + " has a malformed header (length " +
+                                         std::to_string(length) + ")");
+    }
+    if (kPrefix + length + 8 > size) {
       Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated (" +
                                          std::to_string(size) + " bytes, shorter than its header)");
     }
@@ -269,15 +278,17 @@ StateFileReader::StateFileReader(const std::string& path) : path_(path) {
     }
     header_ = DecodeHeader(head.substr(kPrefix), path);
     payload_start_ = AlignUp(head.size() + sizeof stored);
-    uint64_t want = payload_start_ + header_.payload_bytes;
-    if (size < want) {
+    // Compared without forming payload_start_ + payload_bytes (it could wrap).
+    if (header_.payload_bytes > size || size - header_.payload_bytes < payload_start_) {
+      std::string want = header_.payload_bytes > UINT64_MAX - payload_start_
+                             ? std::string("more than 2^64")
+                             : std::to_string(payload_start_ + header_.payload_bytes);
       Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated: " +
-                                         std::to_string(size) + " bytes, its header says " +
-                                         std::to_string(want));
+                                         std::to_string(size) + " bytes, its header says " + want);
     }
-    if (size > want) {
+    if (size - header_.payload_bytes > payload_start_) {
       Throw(ErrorKind::kSessionFile, "session file " + path + " has " +
-                                         std::to_string(size - want) +
+                                         std::to_string(size - header_.payload_bytes - payload_start_) +
                                          " unexpected bytes after its payload");
     }
   } catch (...) {

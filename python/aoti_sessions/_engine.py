@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -178,8 +179,8 @@ class Engine(_Closable):
         if idle_timeout is not None:
             if not isinstance(idle_timeout, (int, float)) or isinstance(idle_timeout, bool):
                 raise TypeError(f"idle_timeout must be a number of seconds or None, got {type(idle_timeout).__name__}")
-            if not idle_timeout > 0:
-                raise ValueError(f"idle_timeout must be > 0 seconds, got {idle_timeout}")
+            if not (idle_timeout > 0 and math.isfinite(idle_timeout)):
+                raise ValueError(f"idle_timeout must be > 0 seconds and finite, got {idle_timeout}")
         if idle_action not in ("offload", "close"):
             raise ValueError(f"idle_action must be 'offload' or 'close', got {idle_action!r}")
         files = _resolve_methods(model)

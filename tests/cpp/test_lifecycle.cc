@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <numeric>
 #include <thread>
@@ -147,6 +148,17 @@ TEST(Files, SaveAndLoadRoundTripAndRefuseCorruption) {
   write(flipped);
   EXPECT_EQ(KindOf([&] { engine->LoadSession(path, true); }), ErrorKind::kSessionFile);
   write(bytes.substr(0, bytes.size() - 1));
+  EXPECT_EQ(KindOf([&] { engine->LoadSession(path, true); }), ErrorKind::kSessionFile);
+  // A header (with a valid checksum) whose payload length would wrap the
+  // file size computation around.
+  std::string forged = bytes;
+  uint64_t header_length = 0;
+  std::memcpy(&header_length, forged.data() + 16, sizeof header_length);
+  uint64_t huge = ~uint64_t{0} - 100;
+  std::memcpy(&forged[24], &huge, sizeof huge);  // the header starts with the payload length
+  uint64_t sum = Checksum64(forged.data(), 24 + header_length);
+  std::memcpy(&forged[24 + header_length], &sum, sizeof sum);
+  write(forged);
   EXPECT_EQ(KindOf([&] { engine->LoadSession(path, true); }), ErrorKind::kSessionFile);
   write("not a session file at all");
   EXPECT_EQ(KindOf([&] { engine->LoadSession(path, true); }), ErrorKind::kSessionFile);
