@@ -482,9 +482,21 @@ std::shared_ptr<Session> Engine::LoadSession(const std::string& path, bool stric
   }
   // Every byte is read and checked before a session is made.
   HostBlock staging(*this);
-  if (block_bytes_ > 0) std::memset(staging.get(), 0, block_bytes_);
+  auto* base = static_cast<char*>(staging.get());
+  // Each buffer is read into place; only the alignment padding between them
+  // is zeroed (a session block's padding is zero, as a fresh one's is).
+  std::vector<const MutableBuffer*> by_offset;
+  for (const MutableBuffer& b : buffers_) by_offset.push_back(&b);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const MutableBuffer* a, const MutableBuffer* b) { return a->offset < b->offset; });
+  size_t end = 0;
+  for (const MutableBuffer* b : by_offset) {
+    std::memset(base + end, 0, b->offset - end);
+    end = b->offset + b->bytes;
+  }
+  if (block_bytes_ > end) std::memset(base + end, 0, block_bytes_ - end);
   for (size_t i = 0; i < buffers_.size(); ++i) {
-    reader.ReadBuffer(source[i], static_cast<char*>(staging.get()) + buffers_[i].offset);
+    reader.ReadBuffer(source[i], base + buffers_[i].offset);
   }
   auto session = CreateSession(stream, staging.get(), /*from_host=*/true);
   loads_.fetch_add(1);
