@@ -180,10 +180,10 @@ void Engine::ReserveDevice(const Session* held, StreamHandle stream) {
   struct Waiting {  // marks `held` (if resident) as busy until room is made
     const Session* session;
     explicit Waiting(const Session* s) : session(s && s->resident_ ? s : nullptr) {
-      if (session) const_cast<Session*>(session)->waiting_for_room_ = true;
+      if (session) session->waiting_for_room_ = true;
     }
     ~Waiting() {
-      if (session) const_cast<Session*>(session)->waiting_for_room_ = false;
+      if (session) session->waiting_for_room_ = false;
     }
   } waiting(held);
   std::unique_lock<std::mutex> lock(sessions_mutex_);

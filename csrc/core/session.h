@@ -98,7 +98,7 @@ class Session {
   std::atomic<int64_t> last_use_ns_{0};
   // Set while the call holding this session waits in Engine::ReserveDevice:
   // it will not become idle before that call gets room.
-  std::atomic<bool> waiting_for_room_{false};
+  mutable std::atomic<bool> waiting_for_room_{false};
   // Identifies this session's current device block to the method containers:
   // a fresh one after every restore, so a stale binding is never reused.
   uint64_t bind_key_ = 0;
