@@ -518,7 +518,8 @@ def test_saves_are_atomic(decoder_engine: ais.Engine, tmp_path: Path) -> None:
 
 
 def test_files_from_another_model_are_refused(decoder_engine: ais.Engine, saved, counter_pkg: Path,
-                                              prefill_pkg: Path, device: str, tmp_path: Path) -> None:
+                                              counter_tall_pkg: Path, prefill_pkg: Path, device: str,
+                                              tmp_path: Path) -> None:
     path, state = saved
     # Other buffers altogether.
     with ais.Engine(counter_pkg, device=device) as counter:
@@ -528,6 +529,11 @@ def test_files_from_another_model_are_refused(decoder_engine: ais.Engine, saved,
             c.save(tmp_path / "counter.ais")
         with pytest.raises(ais.ModelMismatchError, match="acc"):
             decoder_engine.load_session(tmp_path / "counter.ais")
+    # Same FQNs, another shape: refused even with strict=False.
+    with ais.Engine(counter_tall_pkg, device=device) as tall:
+        with pytest.raises(ais.ModelMismatchError,
+                           match=r"buffer 'acc' is float32\[4, 8\].* in the file but float32\[6, 8\]"):
+            tall.load_session(tmp_path / "counter.ais", strict=False)
     # Same buffers, another compiled library (the decoder compiled for 8
     # tokens per call): refused unless strict=False.
     with ais.Engine(prefill_pkg, device=device) as prefill:

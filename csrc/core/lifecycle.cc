@@ -21,22 +21,7 @@ constexpr size_t kSpareHostBlocks = 2;
 // How long a creator waits for a busy session to become evictable.
 constexpr auto kCapacityWait = std::chrono::seconds(60);
 
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 std::string Bytes(int64_t n) { return std::to_string(n) + " bytes"; }
-
-std::string LayoutString(const std::string& dtype, const std::vector<int64_t>& sizes,
-                         const std::vector<int64_t>& strides) {
-  std::string s = dtype + "[";
-  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
-  s += "] strides [";
-  for (size_t i = 0; i < strides.size(); ++i) s += (i ? ", " : "") + std::to_string(strides[i]);
-  return s + "]";
-}
 
 std::string Names(const std::set<std::string>& names) {
   std::string out;
@@ -342,7 +327,7 @@ void Engine::StopReaper() noexcept {
 void Engine::ExpireIdle() {
   // Saturated: a timeout of centuries must not overflow.
   const auto timeout_ns = static_cast<int64_t>(std::min(options_.idle_timeout_seconds, 1e9) * 1e9);
-  const int64_t limit = NowNs() - timeout_ns;
+  const int64_t limit = SteadyNowNs() - timeout_ns;
   std::vector<std::shared_ptr<Session>> open;
   {
     std::lock_guard<std::mutex> lock(sessions_mutex_);
@@ -449,13 +434,15 @@ std::shared_ptr<Session> Engine::LoadSession(const std::string& path, bool stric
   for (size_t i = 0; i < buffers_.size(); ++i) {
     const MutableBuffer& want = buffers_[i];
     const StateFileBuffer& got = header.buffers[source[i]];
-    if (got.dtype != DtypeName(want.layout.dtype) || got.sizes != want.layout.sizes ||
-        got.strides != want.layout.strides || got.bytes != want.bytes) {
-      Throw(ErrorKind::kModelMismatch,
-            from + "buffer '" + want.fqn + "' is " + LayoutString(got.dtype, got.sizes, got.strides) +
-                " in the file but " +
-                LayoutString(DtypeName(want.layout.dtype), want.layout.sizes, want.layout.strides) +
-                " in this engine");
+    TensorLayout layout;
+    layout.dtype = DtypeFromName(got.dtype);
+    layout.sizes = got.sizes;
+    layout.strides = got.strides;
+    // The byte count too: it sizes the read into the engine's buffer.
+    if (layout != want.layout || got.bytes != want.bytes) {
+      Throw(ErrorKind::kModelMismatch, from + "buffer '" + want.fqn + "' is " + layout.ToString() +
+                                           " in the file but " + want.layout.ToString() +
+                                           " in this engine");
     }
   }
   if (strict) {

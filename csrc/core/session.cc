@@ -9,15 +9,12 @@
 #include "errors.h"
 
 namespace aoti_sessions {
-namespace {
 
-int64_t NowNs() {
+int64_t SteadyNowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-
-}  // namespace
 
 // The session's lock for one operation. Releasing it tells the engine a
 // session may have become idle (evictable), for creators waiting on capacity.
@@ -62,7 +59,7 @@ std::vector<OwnedTensor> Session::AliasTensors(void* block) const {
   return tensors;
 }
 
-void Session::Touch() { last_use_ns_.store(NowNs()); }
+void Session::Touch() { last_use_ns_.store(SteadyNowNs()); }
 
 bool Session::closed() const { return closed_.load(); }
 

@@ -19,6 +19,9 @@ namespace aoti_sessions {
 
 class Engine;
 
+// Nanoseconds of the steady clock (CLOCK_MONOTONIC): the clock of last use.
+int64_t SteadyNowNs();
+
 class Session {
  public:
   ~Session();

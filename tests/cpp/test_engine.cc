@@ -9,6 +9,7 @@ namespace aoti_sessions {
 namespace {
 
 using testing::HostTensor;
+using testing::KindOf;
 using testing::ModelPath;
 using testing::OneMethod;
 using testing::ReadBuffer;
@@ -22,17 +23,6 @@ EngineOptions Mutable(std::vector<std::string> fqns) {
 
 std::shared_ptr<Engine> CounterEngine(EngineOptions options = Mutable({"acc", "hits"})) {
   return Engine::Create(OneMethod(ModelPath("AOTI_SESSIONS_COUNTER_SO")), options);
-}
-
-template <typename Fn>
-ErrorKind KindOf(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.kind();
-  }
-  ADD_FAILURE() << "no error thrown";
-  return ErrorKind::kInternal;
 }
 
 TEST(Engine, DescribesMutableBuffers) {

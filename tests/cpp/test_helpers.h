@@ -1,14 +1,29 @@
 // Shared helpers of the core's C++ tests: test model paths and host tensors.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <string>
 #include <vector>
 
 #include "core/engine.h"
+#include "core/errors.h"
 #include "core/session.h"
 #include "core/torch_shim.h"
 
 namespace aoti_sessions::testing {
+
+// The kind of the Error `fn` throws; a test failure if it throws none.
+template <typename Fn>
+ErrorKind KindOf(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.kind();
+  }
+  ADD_FAILURE() << "no error thrown";
+  return ErrorKind::kInternal;
+}
 
 // Path of a compiled test model library from the environment variable `name`
 // (set by tests/test_cpp.py); fails the test when unset.

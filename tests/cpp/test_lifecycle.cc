@@ -18,6 +18,7 @@
 namespace aoti_sessions {
 namespace {
 
+using testing::KindOf;
 using testing::ModelPath;
 using testing::OneMethod;
 using testing::ReadBuffer;
@@ -31,17 +32,6 @@ std::shared_ptr<Engine> CounterEngine(int64_t memory_budget = -1, int64_t host_b
   options.host_budget = host_budget;
   options.idle_timeout_seconds = idle_timeout;
   return Engine::Create(OneMethod(ModelPath("AOTI_SESSIONS_COUNTER_SO")), options);
-}
-
-template <typename Fn>
-ErrorKind KindOf(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.kind();
-  }
-  ADD_FAILURE() << "no error thrown";
-  return ErrorKind::kInternal;
 }
 
 std::string TempPath(const std::string& name) {
