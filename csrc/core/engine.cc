@@ -340,10 +340,7 @@ EngineStats Engine::stats() const {
   }
   std::sort(s.sessions.begin(), s.sessions.end(),
             [](const SessionStats& a, const SessionStats& b) { return a.id < b.id; });
-  {
-    std::lock_guard<std::mutex> lock(host_mutex_);
-    s.host_spare_bytes = static_cast<int64_t>(spare_host_.size() * block_bytes_);
-  }
+  s.host_spare_bytes = static_cast<int64_t>(HostSpareBytes());
   s.offloads = offloads_.load();
   s.evictions = evictions_.load();
   s.idle_offloads = idle_offloads_.load();
@@ -767,10 +764,7 @@ MemoryReport Engine::memory_report() const {
     r.sessions = static_cast<size_t>(device_bytes_);
     r.offloaded = static_cast<size_t>(host_bytes_);
   }
-  {
-    std::lock_guard<std::mutex> lock(host_mutex_);
-    r.host_spare = spare_host_.size() * block_bytes_;
-  }
+  r.host_spare = HostSpareBytes();
   r.containers = parking_bytes_;
   for (const Method& method : methods_) {
     if (!method.keeps_own_constants || !method.container) continue;

@@ -276,6 +276,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   };
   void* TakeHostBlock();
   void GiveHostBlock(void* block) noexcept;
+  // Bytes of the spare host blocks kept for reuse.
+  size_t HostSpareBytes() const;
   // Moves the session's state to a host block; the caller holds its lock.
   // `host_credit`: host bytes the caller is about to release (a restore that
   // evicts: the swap leaves host use unchanged), allowed over host_budget.

@@ -46,6 +46,11 @@ void* Engine::TakeHostBlock() {
   return device_->AllocateHost(block_bytes_);
 }
 
+size_t Engine::HostSpareBytes() const {
+  std::lock_guard<std::mutex> lock(host_mutex_);
+  return spare_host_.size() * block_bytes_;
+}
+
 void Engine::GiveHostBlock(void* block) noexcept {
   if (block == nullptr) return;
   {
