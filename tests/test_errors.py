@@ -182,7 +182,7 @@ def bystander_running(session: ais.Session):
         ({"acc": torch.zeros(4, 8), "hits": torch.zeros(4, dtype=torch.int64), "x": torch.zeros(1)},
          ValueError, "unexpected ['x']"),
         ({"acc": torch.zeros(4, 8, dtype=torch.float16), "hits": torch.zeros(4, dtype=torch.int64)},
-         TypeError, "has dtype torch.float16, expected float32"),
+         TypeError, "state for 'acc' has dtype float16, expected float32"),
         ({"acc": torch.zeros(4, 9), "hits": torch.zeros(4, dtype=torch.int64)}, ValueError, "shape [4, 9]"),
         ({"acc": [0.0] * 32, "hits": torch.zeros(4, dtype=torch.int64)}, TypeError, "is a list"),
         ([("acc", torch.zeros(4, 8))], TypeError, "must be a mapping"),

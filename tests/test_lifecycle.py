@@ -543,19 +543,50 @@ def test_files_from_another_model_are_refused(decoder_engine: ais.Engine, saved,
             assert _same_state(s.state(), state)
 
 
-def test_model_files_changed_after_load_are_not_fingerprinted(counter_cpu_pkg: Path, tmp_path: Path) -> None:
-    """The fingerprint hashes the model files on first use: they must still be
-    the ones loaded, or a save would vouch for another model."""
+def test_the_fingerprint_is_of_the_files_loaded(counter_cpu_pkg: Path, tmp_path: Path) -> None:
+    """The model files are fingerprinted when the engine loads them: touching,
+    replacing or deleting them afterwards neither breaks saves nor changes what
+    a save vouches for."""
     from aoti_sessions._package import open_model
-    library = tmp_path / "model.so"
-    library.write_bytes(Path(open_model(counter_cpu_pkg)[0].library).read_bytes())
-    with ais.Engine(library, mutable=["acc", "hits"]) as eng, eng.new_session() as s:
-        replacement = tmp_path / "other.so"
-        replacement.write_bytes(library.read_bytes() + b"\0")
-        os.replace(replacement, library)  # a new file at the same path
-        with pytest.raises(ais.PackageError, match="changed or removed since the engine loaded it"):
-            s.save(tmp_path / "s.ais")
-        assert not list(tmp_path.glob("s.ais*"))
+    original = Path(open_model(counter_cpu_pkg)[0].library).read_bytes()
+    x, slot = torch.ones(1, 8), torch.tensor([1])
+    # Fresh files each time: a library still mapped is never written in place.
+    for change in ("touch", "replace", "delete"):
+        library = tmp_path / f"{change}.so"
+        library.write_bytes(original)
+        with ais.Engine(library, mutable=["acc", "hits"]) as eng, eng.new_session() as s:
+            s(x, slot)
+            if change == "touch":
+                os.utime(library, (1, 1))
+            elif change == "replace":  # another file at the same path
+                replacement = tmp_path / "other.so"
+                replacement.write_bytes(original + b"\0")
+                os.replace(replacement, library)
+            else:
+                library.unlink()
+            s.save(tmp_path / f"{change}.ais")
+            state = s.state()
+        same = tmp_path / f"{change}-same-bytes.so"
+        same.write_bytes(original)
+        with ais.Engine(same, mutable=["acc", "hits"]) as eng:
+            with eng.load_session(tmp_path / f"{change}.ais") as loaded:  # strict: same library
+                assert _same_state(loaded.state(), state)
+    other = tmp_path / "other-model.so"
+    other.write_bytes(original + b"\0")
+    with ais.Engine(other, mutable=["acc", "hits"]) as eng:
+        with pytest.raises(ais.ModelMismatchError, match="another compiled library"):
+            eng.load_session(tmp_path / "replace.ais")
+
+
+def test_saves_work_after_the_package_cache_is_cleared(counter_cpu_pkg: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AOTI_SESSIONS_CACHE", str(tmp_path / "cache"))
+    with ais.Engine(counter_cpu_pkg) as eng, eng.new_session() as s:
+        import shutil
+        shutil.rmtree(tmp_path / "cache")  # the extracted library is gone
+        s.save(tmp_path / "s.ais")
+        with eng.load_session(tmp_path / "s.ais") as loaded:
+            assert _same_state(loaded.state(), s.state())
 
 
 def test_files_from_other_weights_are_refused(decoder_methods_pkg: Path, device: str, tmp_path: Path) -> None:

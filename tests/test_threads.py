@@ -146,3 +146,72 @@ def test_engine_close_races_creates_and_forks(counter_pkg, device: str) -> None:
         assert outcomes == ["closed", "closed"]
         stats = eng.stats()
         assert stats["live_sessions"] == 0 and stats["live_bytes"] == 0
+
+
+def test_state_is_one_snapshot_while_the_session_runs(counter_engine: ais.Engine, device: str) -> None:
+    """state() of a session another thread keeps running: acc and hits always
+    come from the same step, never a mix of two (each run adds to both)."""
+    x, slot = counter_inputs(device, 1.0, 1)
+    steps = 400
+    with counter_engine.new_session() as solo:  # acc after k runs, for every k
+        acc_after = [solo.state()["acc"][1].clone()]
+        for _ in range(steps):
+            solo(x, slot)
+            acc_after.append(solo.state()["acc"][1].clone())
+    with counter_engine.new_session() as s:
+        done = threading.Event()
+
+        def run() -> None:
+            for _ in range(steps):
+                s(x, slot)
+            done.set()
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        seen, mixed = 0, []
+        while not done.is_set():
+            state = s.state()
+            k = int(state["hits"][1])
+            if not torch.equal(state["acc"][1], acc_after[k]):
+                mixed.append(k)
+            seen += 1
+        runner.join()
+    assert seen > 10
+    assert not mixed, f"{len(mixed)} of {seen} snapshots mixed two steps"
+
+
+def test_readers_race_engine_close(counter_pkg, device: str) -> None:
+    """Every reader of an engine (stats, memory report, descriptors) is safe
+    while another thread closes it."""
+    x, slot = counter_inputs(device)
+    for _ in range(30):
+        eng = ais.Engine(counter_pkg, device=device)
+        s = eng.new_session()
+        s(x, slot)
+        errors: list[BaseException] = []
+        started = threading.Event()
+
+        def read() -> None:
+            try:
+                while not eng.closed:
+                    report = eng.memory_report()
+                    assert sum(report["device"].values()) + sum(report["host"].values()) > 0
+                    eng.stats()
+                    eng.weights()
+                    eng.buffers()
+                    started.set()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            finally:
+                started.set()
+
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        for r in readers:
+            r.start()
+        started.wait()
+        eng.close()
+        for r in readers:
+            r.join()
+        assert not errors, errors
+        report = eng.memory_report()  # and after the close
+        assert report == eng.memory_report() and eng.stats()["live_sessions"] == 0

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -189,8 +190,13 @@ def test_runs_racing_an_update_see_old_or_new_never_a_mix(heads_pkg: Path, devic
         threads = [threading.Thread(target=runner) for _ in range(2)]
         for t in threads:
             t.start()
-        for i in range(40):
+        # At least 40 updates, and on until the runners have run often enough
+        # in between (on two busy cores the updates can outpace them).
+        i = 0
+        deadline = time.monotonic() + 60
+        while i < 40 or (len(seen) <= 20 and time.monotonic() < deadline):
             engine.update_weights(sets[i % 2], double_buffer=double_buffer)
+            i += 1
         stop.set()
         for t in threads:
             t.join()

@@ -4,13 +4,10 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <vector>
 
 #include "errors.h"
+#include "posix_file.h"
 
 namespace aoti_sessions {
 namespace {
@@ -92,46 +89,22 @@ uint64_t Checksum64(const void* data, size_t bytes, uint64_t seed) {
   return h;
 }
 
-FileStamp StampFile(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    Throw(ErrorKind::kPackage, "cannot stat " + path + ": " + std::strerror(errno));
-  }
-  FileStamp stamp;
-  stamp.device = static_cast<uint64_t>(st.st_dev);
-  stamp.inode = static_cast<uint64_t>(st.st_ino);
-  stamp.size = static_cast<uint64_t>(st.st_size);
-  stamp.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  return stamp;
-}
-
-uint64_t HashFile(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) Throw(ErrorKind::kPackage, "cannot read " + path + ": " + std::strerror(errno));
+uint64_t HashFile(int fd, const std::string& path) {
   constexpr size_t kChunk = 16 << 20;
   std::vector<unsigned char> buffer(kChunk);
   uint64_t h = 0;
   uint64_t total = 0;
   for (;;) {
-    // Fill whole chunks (a short read must not move chunk boundaries).
-    size_t filled = 0;
-    while (filled < kChunk) {
-      ssize_t n = ::read(fd, buffer.data() + filled, kChunk - filled);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        int err = errno;
-        ::close(fd);
-        Throw(ErrorKind::kPackage, "cannot read " + path + ": " + std::strerror(err));
-      }
-      if (n == 0) break;
-      filled += static_cast<size_t>(n);
+    // Whole chunks: the hash chains one Checksum64 per 16 MiB.
+    int64_t filled = ReadAt(fd, buffer.data(), kChunk, total);
+    if (filled < 0) {
+      Throw(ErrorKind::kPackage, "cannot read " + path + ": " + ErrnoText(errno));
     }
     if (filled == 0) break;
-    h = Checksum64(buffer.data(), filled, h);
-    total += filled;
-    if (filled < kChunk) break;
+    h = Checksum64(buffer.data(), static_cast<size_t>(filled), h);
+    total += static_cast<uint64_t>(filled);
+    if (static_cast<size_t>(filled) < kChunk) break;
   }
-  ::close(fd);
   return Checksum64(&total, sizeof total, h);
 }
 

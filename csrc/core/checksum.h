@@ -13,23 +13,9 @@ namespace aoti_sessions {
 // 0xEF46DB3751D8E999).
 uint64_t Checksum64(const void* data, size_t bytes, uint64_t seed = 0);
 
-// A fingerprint of a file's whole content and size, read in chunks. Throws
-// kPackage if the file cannot be read.
-uint64_t HashFile(const std::string& path);
-
-// What identifies one version of a file on disk (device, inode, size,
-// modification time): equal stamps, same content, for files nobody rewrites
-// in place within a clock tick.
-struct FileStamp {
-  uint64_t device = 0, inode = 0, size = 0;
-  int64_t mtime_ns = 0;
-  bool operator==(const FileStamp& o) const {
-    return device == o.device && inode == o.inode && size == o.size && mtime_ns == o.mtime_ns;
-  }
-  bool operator!=(const FileStamp& o) const { return !(*this == o); }
-};
-
-// Throws kPackage if the file cannot be stat'ed.
-FileStamp StampFile(const std::string& path);
+// A fingerprint of a file's whole content and size, read in chunks from the
+// open descriptor `fd` (from its start; `path` names it in errors). Throws
+// kPackage if it cannot be read.
+uint64_t HashFile(int fd, const std::string& path);
 
 }  // namespace aoti_sessions

@@ -1,81 +1,17 @@
-// Model library loading (dlopen, dlsym, ELF DT_NEEDED scan) and the container
-// calls: descriptor capture, user-managed binds with handle reclaim, runs.
+// Model library loading (dlopen, dlsym) and the container calls: descriptor
+// capture, user-managed binds with handle reclaim, runs.
 #include "container.h"
 
 #include <dlfcn.h>
-#include <elf.h>
 
 #include <cstring>
-#include <fstream>
 #include <utility>
 
+#include "elf_check.h"
 #include "errors.h"
 
 namespace aoti_sessions {
 namespace {
-
-// Reads `size` bytes at `offset` of `file` into `out`; false if they are not all there.
-bool ReadAt(std::ifstream& file, uint64_t file_size, uint64_t offset, uint64_t size, void* out) {
-  if (offset > file_size || size > file_size - offset) return false;
-  file.seekg(static_cast<std::streamoff>(offset));
-  file.read(static_cast<char*>(out), static_cast<std::streamsize>(size));
-  return static_cast<bool>(file);
-}
-
-// What the core needs to know of a library file before dlopen touches it.
-struct ElfInfo {
-  bool elf64 = false;     // an ELF64 file (anything else is left to dlopen to refuse)
-  bool complete = true;   // every loadable segment lies inside the file
-  std::vector<std::string> needed;  // DT_NEEDED entries
-};
-
-// Reads only the headers, the dynamic section and its string table: model
-// libraries can embed gigabytes of weights. A truncated library must be
-// refused here: dlopen maps its missing pages and dies of SIGBUS.
-ElfInfo ReadElf(const std::string& path) {
-  ElfInfo info;
-  std::ifstream file(path, std::ios::binary | std::ios::ate);
-  if (!file) return info;
-  const uint64_t size = static_cast<uint64_t>(file.tellg());
-  Elf64_Ehdr header;
-  if (!ReadAt(file, size, 0, sizeof(header), &header) ||
-      std::memcmp(header.e_ident, ELFMAG, SELFMAG) != 0 || header.e_ident[EI_CLASS] != ELFCLASS64) {
-    return info;
-  }
-  info.elf64 = true;
-  for (uint64_t i = 0; i < header.e_phnum; ++i) {
-    Elf64_Phdr segment;
-    if (!ReadAt(file, size, header.e_phoff + i * sizeof(Elf64_Phdr), sizeof(segment), &segment) ||
-        (segment.p_type == PT_LOAD &&
-         (segment.p_offset > size || segment.p_filesz > size - segment.p_offset))) {
-      info.complete = false;
-      return info;
-    }
-  }
-  auto section = [&](uint64_t index, Elf64_Shdr* out) {
-    return index < header.e_shnum &&
-           ReadAt(file, size, header.e_shoff + index * sizeof(Elf64_Shdr), sizeof(Elf64_Shdr), out);
-  };
-  for (uint64_t i = 0; i < header.e_shnum; ++i) {
-    Elf64_Shdr dynamic, strtab;
-    if (!section(i, &dynamic)) break;
-    if (dynamic.sh_type != SHT_DYNAMIC || !section(dynamic.sh_link, &strtab)) continue;
-    std::vector<char> strings(strtab.sh_size);
-    std::vector<Elf64_Dyn> entries(dynamic.sh_size / sizeof(Elf64_Dyn));
-    if (!ReadAt(file, size, strtab.sh_offset, strings.size(), strings.data()) ||
-        !ReadAt(file, size, dynamic.sh_offset, entries.size() * sizeof(Elf64_Dyn), entries.data())) {
-      break;
-    }
-    for (const Elf64_Dyn& entry : entries) {
-      if (entry.d_tag == DT_NULL) break;
-      if (entry.d_tag == DT_NEEDED && entry.d_un.d_val < strings.size()) {
-        const char* name = strings.data() + entry.d_un.d_val;
-        info.needed.emplace_back(name, strnlen(name, strings.size() - entry.d_un.d_val));
-      }
-    }
-  }
-  return info;
-}
 
 bool IsCudaRuntime(const std::string& library) {
   for (const char* prefix : {"libcuda.so", "libcudart", "libtorch_cuda", "libc10_cuda"}) {
@@ -206,7 +142,7 @@ Container::Container(std::shared_ptr<ModelLibrary> library, const DeviceSpec& de
     in_spec_ = in_spec ? in_spec : "";
     out_spec_ = out_spec ? out_spec : "";
     // A library compiled without weights creates an empty constant map.
-    holds_own_constants_ = !CurrentConstants().empty();
+    holds_own_constants_ = !CurrentConstants(ErrorKind::kPackage).empty();
   } catch (...) {
     lib.destroy(handle_);
     throw;
@@ -215,7 +151,7 @@ Container::Container(std::shared_ptr<ModelLibrary> library, const DeviceSpec& de
 
 Container::~Container() {
   try {
-    ReclaimBindHandles();
+    ReclaimBindHandles(ErrorKind::kInternal);
   } catch (...) {
     // Leaking a few handles beats throwing from a destructor.
   }
@@ -231,13 +167,13 @@ void Container::Fail(ErrorKind kind, const std::string& what) const {
   Throw(kind, what + " failed for " + library_->path() + ": " + library_->LastError());
 }
 
-std::unordered_map<std::string, AtenTensorHandle> Container::CurrentConstants() {
+std::unordered_map<std::string, AtenTensorHandle> Container::CurrentConstants(ErrorKind kind) {
   std::unordered_map<std::string, AtenTensorHandle> current;
   if (library_->extract_entries != nullptr) {
     const AOTInductorConstantMapEntry* entries = nullptr;
     size_t n = 0;
     if (library_->extract_entries(handle_, &entries, &n, false) != 0) {
-      Fail(ErrorKind::kPackage, "ExtractConstantsMapEntries");
+      Fail(kind, "ExtractConstantsMapEntries");
     }
     current.reserve(n);
     for (size_t i = 0; i < n; ++i) current.emplace(entries[i].name, entries[i].handle);
@@ -246,45 +182,51 @@ std::unordered_map<std::string, AtenTensorHandle> Container::CurrentConstants() 
     // which is sound because model libraries and this core share libstdc++.
     if (library_->extract_map(handle_, reinterpret_cast<AOTInductorConstantMapHandle>(&current),
                               false) != 0) {
-      Fail(ErrorKind::kPackage, "ExtractConstantsMap");
+      Fail(kind, "ExtractConstantsMap");
     }
   }
   return current;
 }
 
-void Container::BindUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs) {
+void Container::BindUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs,
+                                ErrorKind kind) {
   if (library_->update_user_managed_pairs(handle_, pairs.data(), pairs.size(), false, false) !=
       0) {
-    Fail(ErrorKind::kRun, "UpdateUserManagedConstantBufferPairs");
+    Fail(kind, "UpdateUserManagedConstantBufferPairs");
   }
   TrackBindHandles(pairs);
 }
 
-void Container::ReplaceAllUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs) {
+void Container::ReplaceAllUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs,
+                                      ErrorKind kind) {
   if (library_->update_user_managed_pairs(handle_, pairs.data(), pairs.size(), true, false) != 0) {
-    Fail(ErrorKind::kPackage, "UpdateUserManagedConstantBufferPairs (inactive set)");
+    Fail(kind, "UpdateUserManagedConstantBufferPairs (inactive set)");
   }
-  if (library_->swap_constant_buffer(handle_) != 0) Fail(ErrorKind::kPackage, "SwapConstantBuffer");
+  if (library_->swap_constant_buffer(handle_) != 0) Fail(kind, "SwapConstantBuffer");
   if (library_->free_inactive_constant_buffer(handle_) != 0) {
-    Fail(ErrorKind::kPackage, "FreeInactiveConstantBuffer");
+    Fail(kind, "FreeInactiveConstantBuffer");
   }
   holds_own_constants_ = false;
   // The handles this bind made are in the set that is active now.
   TrackBindHandles(pairs);
-  ReclaimBindHandles();
+  ReclaimBindHandles(kind);
 }
 
 void Container::TrackBindHandles(const std::vector<AOTInductorConstantMapEntry>& pairs) {
   if (!reclaim_bind_handles_) return;
   for (const auto& pair : pairs) {
-    auto [it, added] = bind_copies_.try_emplace(fqn_of_name_.at(pair.name));
+    auto name = fqn_of_name_.find(pair.name);
+    if (name == fqn_of_name_.end()) {
+      Throw(ErrorKind::kInternal, std::string("bound an unknown constant '") + pair.name + "'");
+    }
+    auto [it, added] = bind_copies_.try_emplace(name->second);
     it->second.fqn = &it->first;
     it->second.bound = pair.handle;
     pending_.push_back(&it->second);
   }
 }
 
-void Container::ReclaimBindHandles() {
+void Container::ReclaimBindHandles(ErrorKind kind) {
   if (pending_.empty()) return;
   const TorchShim& shim = Shim();
   auto adopt = [&shim](BindCopy& slot, AtenTensorHandle current) {
@@ -296,7 +238,7 @@ void Container::ReclaimBindHandles() {
     const AOTInductorConstantMapEntry* entries = nullptr;
     size_t n = 0;
     if (library_->extract_entries(handle_, &entries, &n, false) != 0) {
-      Fail(ErrorKind::kInternal, "ExtractConstantsMapEntries");
+      Fail(kind, "ExtractConstantsMapEntries");
     }
     for (BindCopy* slot : pending_) {
       // Entry positions are stable between binds; search only on a miss.
@@ -309,7 +251,7 @@ void Container::ReclaimBindHandles() {
       if (slot->entry < n) adopt(*slot, entries[slot->entry].handle);
     }
   } else {
-    auto current = CurrentConstants();
+    auto current = CurrentConstants(kind);
     for (BindCopy* slot : pending_) {
       auto it = current.find(*slot->fqn);
       if (it != current.end()) adopt(*slot, it->second);

@@ -1,6 +1,9 @@
 // One compiled model library opened with dlopen, and the AOTInductor model
 // containers created from it: the only place the core calls container entry
-// points. Also owns the workaround for torch's user-managed bind handle leak.
+// points. Also owns the workaround for torch's user-managed bind handle leak
+// (docs/aoti-runtime.md). A fallible call takes the ErrorKind its caller wants
+// a failure reported as: the same bind is a package fault while loading and a
+// run fault on the run path.
 #pragma once
 
 #include <memory>
@@ -74,8 +77,10 @@ struct ConstantInfo {
   bool from_folded = false;
 };
 
-// One AOTInductorModelContainer. Not thread-safe: the engine serialises bind +
-// run per container (the container itself takes no lock when rebinding).
+// One AOTInductorModelContainer. Not thread-safe: callers serialise every call
+// on it (the engine's runner holds its run lock; the container itself takes no
+// lock when rebinding, docs/aoti-runtime.md). A failing constructor is kPackage
+// and a failing Run kRun; the other calls fail with the kind they are given.
 class Container {
  public:
   // `reclaim_bind_handles`: delete the tensor handle each user-managed bind
@@ -97,26 +102,27 @@ class Container {
 
   // The tensors currently bound to each non-folded constant, by FQN. Borrowed:
   // valid until the next bind or run.
-  std::unordered_map<std::string, AtenTensorHandle> CurrentConstants();
+  std::unordered_map<std::string, AtenTensorHandle> CurrentConstants(ErrorKind kind);
 
   // Binds `pairs` (internal name -> caller-owned tensor) as user-managed
   // constants of the active set: the model reads and writes them in place.
   // The handles this bind makes torch leak are reclaimed by ReclaimBindHandles,
   // which callers run after the bind's first run, off the critical path when
   // the run is asynchronous.
-  void BindUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs);
+  void BindUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs, ErrorKind kind);
   // Makes `pairs` (every constant the model reads) the container's whole
   // constant set: binds them into the inactive set, swaps it in and frees the
   // container's own weight blob. Afterwards the container holds no tensor
   // memory of its own.
-  void ReplaceAllUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs);
+  void ReplaceAllUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs,
+                             ErrorKind kind);
   // Whether the container holds its constants itself (weights embedded in the
   // library, copied into a blob at creation), as opposed to a library compiled
   // without weights, whose constants must all be bound before a run.
   bool holds_own_constants() const { return holds_own_constants_; }
   // Deletes the handles the previous binds made and torch never frees; keeps
   // the latest bind's. No-op unless the container reclaims.
-  void ReclaimBindHandles();
+  void ReclaimBindHandles(ErrorKind kind);
 
   // Runs the model. Inputs are consumed; returns the outputs (owned).
   std::vector<OwnedTensor> Run(std::vector<OwnedTensor>&& inputs, StreamHandle stream);
@@ -137,7 +143,7 @@ class Container {
   bool reclaim_bind_handles_;
   bool holds_own_constants_ = false;
   // Per bound constant: the handle the container made for our latest bind of
-  // it, deleted once a later bind replaced it (aoti-facts.md: torch leaks it).
+  // it, deleted once a later bind replaced it (torch leaks it).
   struct BindCopy {
     AtenTensorHandle bound = nullptr;  // the caller's tensor handed to the bind
     AtenTensorHandle copy = nullptr;   // the container's wrapper of it

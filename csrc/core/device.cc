@@ -7,6 +7,7 @@
 
 #include "errors.h"
 #include "torch_shim.h"
+#include "util.h"
 
 namespace aoti_sessions {
 
@@ -19,7 +20,7 @@ namespace {
 constexpr size_t kAlignment = 256;
 
 void* AlignedAlloc(size_t bytes) {
-  size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  size_t rounded = AlignUp(bytes, kAlignment);
   void* ptr = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
   if (ptr == nullptr) {
     Throw(ErrorKind::kDevice, "host allocation of " + std::to_string(bytes) + " bytes failed");
@@ -79,13 +80,13 @@ bool Device::IsZero(const void* src, size_t bytes, StreamHandle stream) {
 }
 
 void StreamTracker::Use(Device& device, StreamHandle stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   device.Order(last_, stream);
   last_ = stream;
 }
 
 StreamHandle StreamTracker::last() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   return last_;
 }
 

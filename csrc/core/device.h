@@ -6,8 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
+
+#include "mutex.h"
 
 namespace aoti_sessions {
 
@@ -75,7 +76,8 @@ class Device {
 
 // The stream that last queued work on some memory. Using the memory on another
 // stream first orders that stream after the last one, so all uses form one
-// sequence and the memory can be freed on the last stream. Thread-safe.
+// sequence and the memory can be freed on the last stream. Thread-safe: its
+// lock is a leaf (nothing is taken under it).
 class StreamTracker {
  public:
   explicit StreamTracker(StreamHandle first = nullptr) : last_(first) {}
@@ -84,8 +86,8 @@ class StreamTracker {
   StreamHandle last() const;
 
  private:
-  mutable std::mutex mutex_;
-  StreamHandle last_;
+  mutable Mutex mutex_;
+  StreamHandle last_ GUARDED_BY(mutex_);
 };
 
 // Opens the device. CUDA devices need a build with CUDA support; a build

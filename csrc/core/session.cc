@@ -1,46 +1,59 @@
 // Session operations: runs, reset, fork, state copies, offload / restore, save
-// and close, each under the session's own lock so that a close (or an
-// eviction) waits for this session's run in flight.
+// and close, each under the session's own lock.
 #include "session.h"
 
-#include <chrono>
+#include <numeric>
 
-#include "engine.h"
 #include "errors.h"
+#include "util.h"
 
 namespace aoti_sessions {
 
-int64_t SteadyNowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+bool EngineParts::in_forked_child() const {
+  return ProcessGeneration() != process_generation;
 }
 
-// The session's lock for one operation. Releasing it tells the engine a
-// session may have become idle (evictable), for creators waiting on capacity.
-class Session::OpLock {
+void EngineParts::CheckProcess() const {
+  if (in_forked_child()) {
+    Throw(ErrorKind::kOtherProcess,
+          "this engine was created before os.fork(); it cannot be used in the child process "
+          "(the parent's threads and locks did not come along): create a new Engine in the "
+          "child");
+  }
+}
+
+// The session's lock for one operation, after the process check. Releasing it
+// tells the residency a session may have become idle (evictable).
+class SCOPED_CAPABILITY Session::OpLock {
  public:
-  explicit OpLock(Session& s) : session_(s), lock_(s.mutex_) {}
-  ~OpLock() {
-    lock_.unlock();
-    session_.engine_->NotifyIdle();
+  explicit OpLock(const Session& s) ACQUIRE(s.state_->mutex())
+      : parts_(*s.parts_), mutex_(s.state_->mutex()) {
+    parts_.CheckProcess();
+    mutex_.lock();
+  }
+  ~OpLock() RELEASE() {
+    mutex_.unlock();
+    parts_.residency->NotifyIdle();
   }
   OpLock(const OpLock&) = delete;
   OpLock& operator=(const OpLock&) = delete;
 
  private:
-  Session& session_;
-  std::unique_lock<std::mutex> lock_;
+  const EngineParts& parts_;
+  Mutex& mutex_;
 };
 
-Session::Session(std::shared_ptr<Engine> engine, uint64_t id, void* block, StreamHandle stream,
-                 uint64_t bind_key)
-    : engine_(std::move(engine)), id_(id), block_(block), bind_key_(bind_key), stream_(stream) {
-  tensors_ = AliasTensors(block_);
-  Touch();
-}
+Session::Session(std::shared_ptr<const EngineParts> parts, std::shared_ptr<SessionState> state)
+    : parts_(std::move(parts)), state_(std::move(state)) {}
 
 Session::~Session() {
+  if (parts_->in_forked_child()) {
+    // Nothing of the parent's engine may be touched here (a lock may be held
+    // forever, a device context may be gone): leave it all, as the OS will.
+    new std::shared_ptr<const EngineParts>(std::move(parts_));
+    new std::shared_ptr<SessionState>(std::move(state_));
+    return;
+  }
   try {
     Close();
   } catch (...) {
@@ -48,157 +61,191 @@ Session::~Session() {
   }
 }
 
-std::vector<OwnedTensor> Session::AliasTensors(void* block) const {
-  const Device& device = *engine_->device_;
-  auto* base = static_cast<char*>(block);
-  std::vector<OwnedTensor> tensors;
-  for (const MutableBuffer& buffer : engine_->buffers_) {
-    tensors.push_back(OwnedTensor::FromBlob(base + buffer.offset, buffer.layout,
-                                            device.torch_device_type(), device.spec().index));
-  }
-  return tensors;
-}
-
-void Session::Touch() { last_use_ns_.store(SteadyNowNs()); }
-
-bool Session::closed() const { return closed_.load(); }
-
-void Session::Use(StreamHandle stream) { stream_.Use(*engine_->device_, stream); }
-
 const void* Session::address() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return closed_ || !resident_ ? nullptr : block_;
-}
-
-void Session::CheckOpen() const {
-  if (!closed_) return;
-  std::string what = "session " + std::to_string(id_) + " is closed";
-  if (!closed_reason_.empty()) what += " (" + closed_reason_ + ")";
-  Throw(ErrorKind::kSessionClosed, what);
+  OpLock lock(*this);
+  return state_->closed() || !state_->resident() ? nullptr : state_->device_block();
 }
 
 std::vector<OwnedTensor> Session::Run(size_t method, std::vector<OwnedTensor>&& inputs,
                                       StreamHandle stream) {
   OpLock lock(*this);
-  CheckOpen();
-  if (!resident_) engine_->RestoreLocked(*this, stream);
-  Touch();
-  Use(stream);
-  return engine_->RunLocked(*this, method, std::move(inputs), stream);
+  state_->CheckOpen();
+  parts_->residency->Restore(*state_, stream);
+  state_->Touch();
+  state_->Use(parts_->model->device(), stream);
+  return parts_->runner->Run(*state_, method, std::move(inputs), stream);
 }
 
 void Session::Reset(StreamHandle stream) {
   OpLock lock(*this);
-  CheckOpen();
-  if (!resident_) engine_->RestoreLocked(*this, stream);
-  Touch();
-  Use(stream);
-  engine_->InitializeBlock(block_, stream);
+  state_->CheckOpen();
+  parts_->residency->Restore(*state_, stream);
+  state_->Touch();
+  state_->Use(parts_->model->device(), stream);
+  parts_->model->InitializeBlock(state_->device_block(), stream);
 }
 
 std::shared_ptr<Session> Session::Fork(StreamHandle stream) {
   OpLock lock(*this);
-  CheckOpen();
-  Use(stream);
-  return engine_->CreateSession(stream, state(), !resident_, this);
+  state_->CheckOpen();
+  Device& device = parts_->model->device();
+  state_->Use(device, stream);
+  const char* source = state_->memory();
+  const bool from_host = !state_->resident();
+  const size_t bytes = parts_->model->block_bytes();
+  auto child = parts_->residency->AdmitBeside(
+      *state_, stream, [&](void* block, StreamHandle s) {
+        device.Copy(block, source, bytes, s);
+        if (from_host) device.Synchronize(s);  // the host block may move once unlocked
+      });
+  return std::make_shared<Session>(parts_, std::move(child));
 }
 
 void Session::CheckBufferTensor(size_t buffer, AtenTensorHandle tensor, const char* role) const {
-  const auto& buffers = engine_->buffers_;
+  const auto& buffers = parts_->model->buffers();
   if (buffer >= buffers.size()) {
     Throw(ErrorKind::kInvalidArgument, "buffer index " + std::to_string(buffer) +
                                            " out of range (" + std::to_string(buffers.size()) +
                                            " mutable buffers)");
   }
   const MutableBuffer& want = buffers[buffer];
-  TensorLayout got = ReadLayout(tensor);
   std::string which = std::string(role) + " for '" + want.fqn + "'";
+  TensorLayout got = ReadLayout(tensor, which);
   if (got.dtype != want.layout.dtype) {
     Throw(ErrorKind::kTypeMismatch, which + " has dtype " + DtypeName(got.dtype) +
                                         ", expected " + DtypeName(want.layout.dtype));
   }
-  if (got.sizes != want.layout.sizes || got.strides != want.layout.strides) {
-    Throw(ErrorKind::kInvalidArgument,
-          which + " is " + got.ToString() + ", expected " + want.layout.ToString());
+  if (got.sizes != want.layout.sizes) {
+    Throw(ErrorKind::kInvalidArgument, which + " has shape " + FormatDims(got.sizes) +
+                                           ", expected " + FormatDims(want.layout.sizes));
   }
-  const Device& device = *engine_->device_;
+  if (got.strides != want.layout.strides) {
+    Throw(ErrorKind::kInvalidArgument, which + " has strides " + FormatDims(got.strides) +
+                                           ", expected " + FormatDims(want.layout.strides));
+  }
+  const Device& device = parts_->model->device();
   int32_t type = DeviceType(tensor);
   bool on_engine = type == device.torch_device_type() &&
                    (device.spec().kind == DeviceKind::kCpu ||
                     DeviceIndex(tensor) == device.spec().index);
   if (!on_engine && type != Shim().device_type_cpu) {
-    Throw(ErrorKind::kInvalidArgument,
-          which + " must be on the engine's device " + device.spec().ToString() + " or the host");
+    Throw(ErrorKind::kInvalidArgument, which + " is on " + DeviceName(type, DeviceIndex(tensor)) +
+                                           "; it must be on the engine's device " +
+                                           device.spec().ToString() + " or the host");
   }
+}
+
+void Session::CopyOut(const std::vector<size_t>& indices, const std::vector<AtenTensorHandle>& dsts,
+                      StreamHandle stream) {
+  OpLock lock(*this);
+  state_->CheckOpen();
+  for (size_t i = 0; i < indices.size(); ++i) CheckBufferTensor(indices[i], dsts[i], "destination");
+  Device& device = parts_->model->device();
+  state_->Use(device, stream);
+  for (size_t i = 0; i < indices.size(); ++i) {
+    const MutableBuffer& b = parts_->model->buffers()[indices[i]];
+    device.Copy(DataPtr(dsts[i]), state_->memory() + b.offset, b.bytes, stream);
+  }
+  // An offloaded block may be restored (and its memory reused) once unlocked.
+  if (!state_->resident()) device.Synchronize(stream);
 }
 
 void Session::ReadBuffer(size_t buffer, AtenTensorHandle dst, StreamHandle stream) {
-  OpLock lock(*this);
-  CheckOpen();
-  CheckBufferTensor(buffer, dst, "destination");
-  Use(stream);
-  const MutableBuffer& b = engine_->buffers_[buffer];
-  engine_->device_->Copy(DataPtr(dst), state() + b.offset, b.bytes, stream);
-  // An offloaded block may be restored (and its memory reused) once unlocked.
-  if (!resident_) engine_->device_->Synchronize(stream);
+  CopyOut({buffer}, {dst}, stream);
 }
 
-void Session::WriteBuffers(const std::vector<AtenTensorHandle>& sources, StreamHandle stream) {
+void Session::ReadBuffers(const std::vector<AtenTensorHandle>& dsts, StreamHandle stream) {
+  const size_t n = parts_->model->buffers().size();
+  if (dsts.size() != n) {
+    Throw(ErrorKind::kInvalidArgument, "state has " + std::to_string(n) + " buffers, got " +
+                                           std::to_string(dsts.size()) + " destinations");
+  }
+  std::vector<size_t> all(n);
+  std::iota(all.begin(), all.end(), 0);
+  CopyOut(all, dsts, stream);
+}
+
+namespace {
+
+// "['a', 'b']" (bounded, like every list of names in messages).
+std::string QuotedList(const std::vector<std::string>& names) {
+  std::vector<std::string> quoted;
+  for (const auto& n : names) quoted.push_back("'" + n + "'");
+  return "[" + (names.empty() ? std::string() : JoinNames(quoted)) + "]";
+}
+
+}  // namespace
+
+void Session::WriteBuffers(const std::vector<std::string>& fqns,
+                           const std::vector<AtenTensorHandle>& sources, StreamHandle stream) {
   OpLock lock(*this);
-  CheckOpen();
-  const auto& buffers = engine_->buffers_;
-  if (sources.size() != buffers.size()) {
-    Throw(ErrorKind::kInvalidArgument, "state needs " + std::to_string(buffers.size()) +
-                                           " buffers, got " + std::to_string(sources.size()));
+  state_->CheckOpen();
+  const Model& model = *parts_->model;
+  const auto& buffers = model.buffers();
+  if (fqns.size() != sources.size()) {
+    Throw(ErrorKind::kInvalidArgument, "state: " + std::to_string(fqns.size()) + " names for " +
+                                           std::to_string(sources.size()) + " tensors");
   }
-  for (size_t i = 0; i < sources.size(); ++i) CheckBufferTensor(i, sources[i], "source");
-  Touch();
-  Use(stream);
-  for (size_t i = 0; i < sources.size(); ++i) {
-    engine_->device_->Copy(state() + buffers[i].offset, DataPtr(sources[i]), buffers[i].bytes,
-                           stream);
+  // The source of each buffer, in engine order.
+  std::vector<AtenTensorHandle> ordered(buffers.size(), nullptr);
+  std::vector<std::string> missing, unexpected;
+  for (size_t i = 0; i < fqns.size(); ++i) {
+    if (!model.is_mutable(fqns[i]) || ordered[model.buffer_index(fqns[i])] != nullptr) {
+      unexpected.push_back(fqns[i]);
+    } else {
+      ordered[model.buffer_index(fqns[i])] = sources[i];
+    }
   }
-  if (!resident_) engine_->device_->Synchronize(stream);
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (ordered[i] == nullptr) missing.push_back(buffers[i].fqn);
+  }
+  if (!missing.empty() || !unexpected.empty()) {
+    Throw(ErrorKind::kInvalidArgument, "state does not match the engine's buffers: missing " +
+                                           QuotedList(missing) + ", unexpected " +
+                                           QuotedList(unexpected));
+  }
+  for (size_t i = 0; i < ordered.size(); ++i) CheckBufferTensor(i, ordered[i], "state");
+  Device& device = model.device();
+  state_->Touch();
+  state_->Use(device, stream);
+  for (size_t i = 0; i < ordered.size(); ++i) {
+    device.Copy(state_->memory() + buffers[i].offset, DataPtr(ordered[i]), buffers[i].bytes, stream);
+  }
+  if (!state_->resident()) device.Synchronize(stream);
 }
 
 void Session::Offload(StreamHandle stream) {
   OpLock lock(*this);
-  CheckOpen();
-  engine_->OffloadLocked(*this, stream, Engine::OffloadCause::kRequest);
+  state_->CheckOpen();
+  parts_->residency->Offload(*state_, stream, OffloadCause::kRequest);
 }
 
 void Session::Restore(StreamHandle stream) {
   OpLock lock(*this);
-  CheckOpen();
-  if (!resident_) engine_->RestoreLocked(*this, stream);
-  Touch();
+  state_->CheckOpen();
+  parts_->residency->Restore(*state_, stream);
+  state_->Touch();
 }
 
 void Session::Save(const std::string& path, StreamHandle stream) {
-  Engine& engine = *engine_;
-  Engine::HostBlock staging(engine);
+  parts_->CheckProcess();
+  HostBlock staging(parts_->residency->host_pool());
   {
     OpLock lock(*this);
-    CheckOpen();
-    Use(stream);
-    if (engine.block_bytes_ > 0) {
-      engine.device_->Copy(staging.get(), state(), engine.block_bytes_, stream);
-      engine.device_->Synchronize(stream);
+    state_->CheckOpen();
+    Device& device = parts_->model->device();
+    state_->Use(device, stream);
+    if (parts_->model->block_bytes() > 0) {
+      device.Copy(staging.get(), state_->memory(), parts_->model->block_bytes(), stream);
+      device.Synchronize(stream);
     }
   }
-  engine.WriteSessionFile(path, staging.get());
+  parts_->files->Save(path, staging.get());
 }
 
 void Session::Close() {
   OpLock lock(*this);
-  CloseLocked("");
-}
-
-void Session::CloseLocked(const std::string& reason) {
-  if (closed_) return;
-  closed_ = true;
-  closed_reason_ = reason;
-  engine_->ReleaseSession(*this);
+  parts_->residency->Release(*state_, "");
 }
 
 }  // namespace aoti_sessions

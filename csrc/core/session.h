@@ -1,63 +1,85 @@
-// A session: one conversation's mutable state (a block of memory with every
-// mutable buffer of the engine's model) and the operations on it. Every method
-// of the engine runs against the same session state. The block lives in one of
-// two tiers: resident (device memory, ready to run) or offloaded (host memory,
-// pinned on CUDA); a run brings an offloaded session back first.
+// A session: one conversation's mutable state and the public operations on
+// it. Every method of the engine runs against the same session state. Each
+// operation holds the session's lock for its whole length, so a close (or an
+// eviction) waits for the session's run in flight; it then calls the room
+// that does the work (runner, residency, session files).
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "device.h"
+#include "model.h"
+#include "residency.h"
+#include "runner.h"
+#include "session_files.h"
+#include "session_state.h"
 #include "torch_shim.h"
 
 namespace aoti_sessions {
 
-class Engine;
+// The rooms of one engine, shared by its facade and all its sessions (a
+// session keeps them alive after the Engine object is gone).
+struct EngineParts {
+  std::shared_ptr<Model> model;
+  std::shared_ptr<Runner> runner;
+  std::shared_ptr<Residency> residency;
+  std::shared_ptr<SessionFiles> files;
+  // ProcessGeneration() when the engine was made.
+  uint64_t process_generation = 0;
 
-// Nanoseconds of the steady clock (CLOCK_MONOTONIC): the clock of last use.
-int64_t SteadyNowNs();
+  // Whether this is a child process made by fork() after the engine was made:
+  // the parent's threads are gone there and locks they held stay locked.
+  bool in_forked_child() const;
+  // Throws kOtherProcess in such a child (before any lock is taken).
+  void CheckProcess() const;
+};
 
 class Session {
  public:
+  // Made by Engine::NewSession / LoadSession and Session::Fork.
+  Session(std::shared_ptr<const EngineParts> parts, std::shared_ptr<SessionState> state);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
   // Unique for the life of the process; never reused.
-  uint64_t id() const { return id_; }
-  bool closed() const;
-  const std::shared_ptr<Engine>& engine() const { return engine_; }
+  uint64_t id() const { return state_->id(); }
+  bool closed() const { return state_->closed(); }
   // Device address of this session's state block (diagnostics; nullptr once
   // closed, while offloaded, or when the model has no mutable state).
   const void* address() const;
   // Whether the state is in device memory (false while offloaded or closed).
-  bool resident() const { return resident_.load(); }
+  bool resident() const { return state_->resident(); }
   // When the session was last used (created, run, reset, written, restored),
   // in nanoseconds of the steady clock (CLOCK_MONOTONIC).
-  int64_t last_use_ns() const { return last_use_ns_.load(); }
+  int64_t last_use_ns() const { return state_->last_use_ns(); }
 
-  // Runs method `method` (Engine::method_index) on this session's state. Inputs
-  // are consumed. Throws kInvalidArgument / kTypeMismatch for inputs that do
-  // not match the method (before the model runs), kRun if the model fails.
+  // Runs method `method` (Engine::method_index) on this session's state,
+  // restoring it first if offloaded. Inputs are consumed. Throws
+  // kInvalidArgument / kTypeMismatch for inputs that do not match the method
+  // (before the model runs), kRun if the model fails.
   std::vector<OwnedTensor> Run(size_t method, std::vector<OwnedTensor>&& inputs,
                                StreamHandle stream = nullptr);
   // Back to the initial state.
   void Reset(StreamHandle stream = nullptr);
   // A new session whose state is a copy of this one's.
   std::shared_ptr<Session> Fork(StreamHandle stream = nullptr);
-  // Copies mutable buffer `buffer` (Engine::buffer_index) into `dst`, which must
-  // have the buffer's dtype, sizes and strides and live on the engine's device
-  // or the host.
+  // Copies mutable buffer `buffer` (Engine::buffer_index) into `dst`, which
+  // must have the buffer's dtype, sizes and strides and live on the engine's
+  // device or the host.
   void ReadBuffer(size_t buffer, AtenTensorHandle dst, StreamHandle stream = nullptr);
-  // Replaces every buffer at once from `sources` (one per buffer, in engine
-  // order, each checked like ReadBuffer's `dst`). Nothing is written unless all
-  // of them are valid.
-  void WriteBuffers(const std::vector<AtenTensorHandle>& sources, StreamHandle stream = nullptr);
+  // Copies every buffer at once (one per buffer, in engine order, each checked
+  // like ReadBuffer's `dst`): one consistent snapshot, never a mix of two
+  // states. Nothing is copied unless all destinations are valid.
+  void ReadBuffers(const std::vector<AtenTensorHandle>& dsts, StreamHandle stream = nullptr);
+  // Replaces every buffer at once: `sources[i]` is the new value of buffer
+  // `fqns[i]`; every buffer must be given once (any order), each checked like
+  // ReadBuffers' destinations. Nothing is written unless all of them are valid.
+  void WriteBuffers(const std::vector<std::string>& fqns,
+                    const std::vector<AtenTensorHandle>& sources, StreamHandle stream = nullptr);
   // Moves the state to host memory and releases its device memory; waits for
   // this session's work in flight. Throws kCapacity if host_budget is full.
   // No-op when already offloaded.
@@ -73,41 +95,15 @@ class Session {
   void Close();
 
  private:
-  friend class Engine;
   class OpLock;
-  Session(std::shared_ptr<Engine> engine, uint64_t id, void* block, StreamHandle stream,
-          uint64_t bind_key);
-  // Orders `stream` after this session's previous work; caller holds mutex_.
-  void Use(StreamHandle stream);
-  // Throws kSessionClosed if closed. Caller holds mutex_.
-  void CheckOpen() const;
+  // Checks `tensor` against buffer `buffer` (dtype, layout, device or host).
   void CheckBufferTensor(size_t buffer, AtenTensorHandle tensor, const char* role) const;
-  // One tensor per buffer aliasing `block` (device memory).
-  std::vector<OwnedTensor> AliasTensors(void* block) const;
-  void Touch();
-  // Closes with the lock held; `reason` (if any) is named by later errors.
-  void CloseLocked(const std::string& reason);
-  // Where the state is now: the device block or the host block.
-  char* state() const { return static_cast<char*>(resident_ ? block_ : host_block_); }
+  // Copies the buffers `indices` into `dsts` (same order), checked first.
+  void CopyOut(const std::vector<size_t>& indices, const std::vector<AtenTensorHandle>& dsts,
+               StreamHandle stream);
 
-  std::shared_ptr<Engine> engine_;
-  const uint64_t id_;
-  mutable std::mutex mutex_;  // serialises this session's runs and state operations
-  std::atomic<bool> closed_{false};  // written under mutex_, read without
-  std::string closed_reason_;        // under mutex_
-  void* block_ = nullptr;     // device memory of all buffers (nullptr if none or offloaded)
-  void* host_block_ = nullptr;  // host memory of all buffers while offloaded
-  std::atomic<bool> resident_{true};  // written under mutex_, read without
-  std::atomic<int64_t> last_use_ns_{0};
-  // Set while the call holding this session waits in Engine::ReserveDevice:
-  // it will not become idle before that call gets room.
-  mutable std::atomic<bool> waiting_for_room_{false};
-  // Identifies this session's current device block to the method containers:
-  // a fresh one after every restore, so a stale binding is never reused.
-  uint64_t bind_key_ = 0;
-  StreamTracker stream_;      // the stream that last used the block
-  // One tensor per mutable buffer, aliasing the block (what binds hand over).
-  std::vector<OwnedTensor> tensors_;
+  std::shared_ptr<const EngineParts> parts_;
+  std::shared_ptr<SessionState> state_;
 };
 
 }  // namespace aoti_sessions

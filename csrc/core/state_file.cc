@@ -3,15 +3,15 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 
+#include "atomic_file.h"
 #include "checksum.h"
 #include "errors.h"
+#include "util.h"
 
 namespace aoti_sessions {
 namespace {
@@ -22,9 +22,7 @@ constexpr size_t kPrefix = 24;  // magic, version, reserved, header length
 // A header longer than this is not one of ours (a buffer is ~100 bytes).
 constexpr uint64_t kMaxHeader = 64ull << 20;
 
-uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-std::string Errno() { return std::strerror(errno); }
+uint64_t Aligned(uint64_t n) { return AlignUp(n, kAlign); }
 
 class Encoder {
  public:
@@ -133,36 +131,11 @@ StateFileHeader DecodeHeader(const std::string& in, const std::string& path) {
   return h;
 }
 
-void WriteAll(int fd, const void* data, size_t bytes, const std::string& path) {
-  const auto* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::write(fd, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) Throw(ErrorKind::kSessionFile, "writing " + path + " failed: " + Errno());
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-}
-
 // Reads exactly `bytes` at `offset`; false on a short read (end of file).
-bool ReadAt(int fd, void* dst, size_t bytes, uint64_t offset, const std::string& path) {
-  auto* p = static_cast<char*>(dst);
-  while (bytes > 0) {
-    ssize_t n = ::pread(fd, p, bytes, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) Throw(ErrorKind::kSessionFile, "reading " + path + " failed: " + Errno());
-    if (n == 0) return false;
-    p += n;
-    bytes -= static_cast<size_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
-  return true;
-}
-
-std::string Folder(const std::string& path) {
-  size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
+bool ReadExactly(int fd, void* dst, size_t bytes, uint64_t offset, const std::string& path) {
+  int64_t n = ReadAt(fd, dst, bytes, offset);
+  if (n < 0) Throw(ErrorKind::kSessionFile, "reading " + path + " failed: " + ErrnoText(errno));
+  return static_cast<size_t>(n) == bytes;
 }
 
 }  // namespace
@@ -177,7 +150,7 @@ void WriteStateFile(const std::string& path, StateFileHeader header,
     StateFileBuffer& b = header.buffers[i];
     b.offset = offset;
     b.checksum = Checksum64(data[i], b.bytes);
-    offset = AlignUp(offset + b.bytes);
+    offset = Aligned(offset + b.bytes);
   }
   header.payload_bytes = offset;
   std::string encoded = EncodeHeader(header);
@@ -190,63 +163,41 @@ void WriteStateFile(const std::string& path, StateFileHeader header,
   head += encoded;
   uint64_t checksum = Checksum64(head.data(), head.size());
   head.append(reinterpret_cast<const char*>(&checksum), sizeof checksum);
-  head.resize(AlignUp(head.size()), '\0');
+  head.resize(Aligned(head.size()), '\0');
 
-  static std::atomic<uint64_t> counter{0};
-  std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
-                    std::to_string(counter.fetch_add(1));
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) Throw(ErrorKind::kSessionFile, "cannot create " + tmp + ": " + Errno());
-  try {
-    WriteAll(fd, head.data(), head.size(), tmp);
-    static const char zeros[kAlign] = {};
-    uint64_t written = 0;
-    for (size_t i = 0; i < header.buffers.size(); ++i) {
-      const StateFileBuffer& b = header.buffers[i];
-      WriteAll(fd, zeros, b.offset - written, tmp);
-      WriteAll(fd, data[i], b.bytes, tmp);
-      written = b.offset + b.bytes;
-    }
-    WriteAll(fd, zeros, header.payload_bytes - written, tmp);
-    if (::fsync(fd) != 0) Throw(ErrorKind::kSessionFile, "fsync of " + tmp + " failed: " + Errno());
-    if (::close(fd) != 0) {
-      fd = -1;
-      Throw(ErrorKind::kSessionFile, "closing " + tmp + " failed: " + Errno());
-    }
-    fd = -1;
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      Throw(ErrorKind::kSessionFile, "renaming " + tmp + " to " + path + " failed: " + Errno());
-    }
-  } catch (...) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
+  AtomicFileWriter file(path, std::string(kMagic, sizeof kMagic), ErrorKind::kSessionFile);
+  file.Write(head.data(), head.size());
+  static const char zeros[kAlign] = {};
+  uint64_t written = 0;
+  for (size_t i = 0; i < header.buffers.size(); ++i) {
+    const StateFileBuffer& b = header.buffers[i];
+    file.Write(zeros, b.offset - written);
+    file.Write(data[i], b.bytes);
+    written = b.offset + b.bytes;
   }
-  // Make the rename itself durable.
-  int dir = ::open(Folder(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    ::fsync(dir);
-    ::close(dir);
-  }
+  file.Write(zeros, header.payload_bytes - written);
+  file.Commit();
 }
 
 StateFileReader::StateFileReader(const std::string& path) : path_(path) {
   // Non-blocking: opening a FIFO must not hang (only regular files pass below).
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd_ < 0) {
+  fd_ = FileDescriptor(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (!fd_.valid()) {
     ErrorKind kind = errno == ENOENT ? ErrorKind::kFileNotFound : ErrorKind::kSessionFile;
-    Throw(kind, "cannot open session file " + path + ": " + Errno());
+    Throw(kind, "cannot open session file " + path + ": " + ErrnoText(errno));
   }
-  try {
+  {
     struct stat st {};
-    if (::fstat(fd_, &st) != 0) Throw(ErrorKind::kSessionFile, "cannot stat " + path + ": " + Errno());
+    if (::fstat(fd_.get(), &st) != 0) {
+      Throw(ErrorKind::kSessionFile, "cannot stat " + path + ": " + ErrnoText(errno));
+    }
     if (S_ISDIR(st.st_mode)) Throw(ErrorKind::kSessionFile, path + " is a folder, not a session file");
     if (!S_ISREG(st.st_mode)) {
       Throw(ErrorKind::kSessionFile, path + " is not a regular file, so not a session file");
     }
     const uint64_t size = static_cast<uint64_t>(st.st_size);
     char prefix[kPrefix];
-    if (size < kPrefix || !ReadAt(fd_, prefix, kPrefix, 0, path) ||
+    if (size < kPrefix || !ReadExactly(fd_.get(), prefix, kPrefix, 0, path) ||
         std::memcmp(prefix, kMagic, sizeof kMagic) != 0) {
       Throw(ErrorKind::kSessionFile, path + " is not an aoti_sessions session file (bad magic)");
     }
@@ -269,15 +220,15 @@ StateFileReader::StateFileReader(const std::string& path) : path_(path) {
     }
     std::string head(kPrefix + length, '\0');
     uint64_t stored = 0;
-    if (!ReadAt(fd_, &head[0], head.size(), 0, path) ||
-        !ReadAt(fd_, &stored, sizeof stored, head.size(), path)) {
+    if (!ReadExactly(fd_.get(), &head[0], head.size(), 0, path) ||
+        !ReadExactly(fd_.get(), &stored, sizeof stored, head.size(), path)) {
       Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated");
     }
     if (Checksum64(head.data(), head.size()) != stored) {
       Throw(ErrorKind::kSessionFile, "session file " + path + " is corrupted (header checksum mismatch)");
     }
     header_ = DecodeHeader(head.substr(kPrefix), path);
-    payload_start_ = AlignUp(head.size() + sizeof stored);
+    payload_start_ = Aligned(head.size() + sizeof stored);
     // Compared without forming payload_start_ + payload_bytes (it could wrap).
     if (header_.payload_bytes > size || size - header_.payload_bytes < payload_start_) {
       std::string want = header_.payload_bytes > UINT64_MAX - payload_start_
@@ -291,19 +242,15 @@ StateFileReader::StateFileReader(const std::string& path) : path_(path) {
                                          std::to_string(size - header_.payload_bytes - payload_start_) +
                                          " unexpected bytes after its payload");
     }
-  } catch (...) {
-    ::close(fd_);
-    throw;
   }
 }
 
-StateFileReader::~StateFileReader() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
 void StateFileReader::ReadBuffer(size_t index, void* dst) {
-  const StateFileBuffer& b = header_.buffers.at(index);
-  if (!ReadAt(fd_, dst, b.bytes, payload_start_ + b.offset, path_)) {
+  if (index >= header_.buffers.size()) {
+    Throw(ErrorKind::kInternal, "session file buffer " + std::to_string(index) + " out of range");
+  }
+  const StateFileBuffer& b = header_.buffers[index];
+  if (!ReadExactly(fd_.get(), dst, b.bytes, payload_start_ + b.offset, path_)) {
     Throw(ErrorKind::kSessionFile, "session file " + path_ + " is truncated (in buffer '" +
                                        b.fqn + "')");
   }

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "posix_file.h"
+
 namespace aoti_sessions {
 
 constexpr uint32_t kStateFileVersion = 1;
@@ -45,10 +47,10 @@ struct StateFileHeader {
 };
 
 // Writes `header` (its buffers' offsets, payload length and checksums are
-// filled in here) with buffer i's bytes taken from `data[i]`. Atomic: a
-// temporary file next to `path` is written, fsynced and renamed over it, then
-// the folder is fsynced; on failure nothing is left behind and `path` is
-// unchanged. Throws kSessionFile naming the failing step.
+// filled in here) with buffer i's bytes taken from `data[i]`. Atomic
+// (atomic_file.h): on failure nothing is left behind and `path` is unchanged;
+// a target that is a folder, device, FIFO or socket is refused. Throws
+// kSessionFile naming the failing step.
 void WriteStateFile(const std::string& path, StateFileHeader header,
                     const std::vector<const void*>& data);
 
@@ -58,7 +60,6 @@ void WriteStateFile(const std::string& path, StateFileHeader header,
 class StateFileReader {
  public:
   explicit StateFileReader(const std::string& path);
-  ~StateFileReader();
   StateFileReader(const StateFileReader&) = delete;
   StateFileReader& operator=(const StateFileReader&) = delete;
 
@@ -70,7 +71,7 @@ class StateFileReader {
 
  private:
   std::string path_;
-  int fd_ = -1;
+  FileDescriptor fd_;
   uint64_t payload_start_ = 0;
   StateFileHeader header_;
 };

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <mutex>
 #include <numeric>
-#include <sstream>
 #include <unordered_map>
 
 #include "errors.h"
@@ -44,25 +43,36 @@ void Resolve(Fn& fn, const char* name) {
   fn = reinterpret_cast<Fn>(sym);
 }
 
-struct DtypeTables {
+// Device types and layouts named in messages; names this torch lacks are skipped.
+constexpr const char* kDeviceTypeNames[] = {"cpu", "cuda", "meta", "xpu", "mps", "privateuse1"};
+constexpr const char* kLayoutNames[] = {"strided",    "sparse_coo", "sparse_csr", "sparse_csc",
+                                        "sparse_bsr", "sparse_bsc", "_mkldnn",    "jagged"};
+
+// Names <-> codes of the shim's `aoti_torch_<prefix><name>` constants.
+struct CodeTable {
   std::unordered_map<int32_t, std::string> names;
   std::unordered_map<std::string, int32_t> codes;
-};
 
-const DtypeTables& Dtypes() {
-  static const DtypeTables tables = [] {
-    DtypeTables t;
-    for (const char* name : kDtypeNames) {
-      std::string symbol = std::string("aoti_torch_dtype_") + name;
+  template <size_t N>
+  CodeTable(const char* prefix, const char* const (&names_in)[N]) {
+    for (const char* name : names_in) {
+      std::string symbol = std::string("aoti_torch_") + prefix + name;
       if (void* sym = dlsym(TorchLibrary(), symbol.c_str())) {
         int32_t code = reinterpret_cast<int32_t (*)()>(sym)();
-        t.names.emplace(code, name);
-        t.codes.emplace(name, code);
+        names.emplace(code, name);
+        codes.emplace(name, code);
       }
     }
-    return t;
-  }();
-  return tables;
+  }
+  std::string Name(int32_t code, const char* unknown) const {
+    auto it = names.find(code);
+    return it != names.end() ? it->second : unknown + std::string("(") + std::to_string(code) + ")";
+  }
+};
+
+const CodeTable& Dtypes() {
+  static const CodeTable table("dtype_", kDtypeNames);
+  return table;
 }
 
 void Check(AOTITorchError err, const char* what) {
@@ -89,13 +99,17 @@ const TorchShim& Shim() {
       Resolve(s.get_dtype, "aoti_torch_get_dtype");
       Resolve(s.get_device_type, "aoti_torch_get_device_type");
       Resolve(s.get_device_index, "aoti_torch_get_device_index");
+      Resolve(s.get_layout, "aoti_torch_get_layout");
       Resolve(s.dtype_element_size, "aoti_torch_dtype_element_size");
       int32_t (*cpu)() = nullptr;
       int32_t (*cuda)() = nullptr;
+      int32_t (*strided)() = nullptr;
       Resolve(cpu, "aoti_torch_device_type_cpu");
       Resolve(cuda, "aoti_torch_device_type_cuda");
+      Resolve(strided, "aoti_torch_layout_strided");
       s.device_type_cpu = cpu();
       s.device_type_cuda = cuda();
+      s.layout_strided = strided();
       shim = s;
     } catch (const Error& e) {
       failure = e.what();
@@ -105,16 +119,26 @@ const TorchShim& Shim() {
   return shim;
 }
 
-std::string DtypeName(int32_t dtype) {
-  const auto& names = Dtypes().names;
-  auto it = names.find(dtype);
-  return it != names.end() ? it->second : "dtype(" + std::to_string(dtype) + ")";
-}
+std::string DtypeName(int32_t dtype) { return Dtypes().Name(dtype, "dtype"); }
 
 int32_t DtypeFromName(const std::string& name) {
   const auto& codes = Dtypes().codes;
   auto it = codes.find(name);
   return it != codes.end() ? it->second : -1;
+}
+
+std::string DeviceName(int32_t type, int32_t index) {
+  static const CodeTable table("device_type_", kDeviceTypeNames);
+  std::string name = table.Name(type, "device type");
+  return type == Shim().device_type_cuda ? name + ":" + std::to_string(index) : name;
+}
+
+std::string FormatDims(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    s += (i ? ", " : "") + (dims[i] < 0 ? std::string("*") : std::to_string(dims[i]));
+  }
+  return s + "]";
 }
 
 int64_t TensorLayout::numel() const {
@@ -144,28 +168,26 @@ bool TensorLayout::dense() const {
 }
 
 std::string TensorLayout::ToString() const {
-  std::ostringstream os;
-  auto list = [&os](const std::vector<int64_t>& v) {
-    os << '[';
-    for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-    os << ']';
-  };
-  os << DtypeName(dtype);
-  list(sizes);
-  os << " strides ";
-  list(strides);
-  return os.str();
+  return DtypeName(dtype) + FormatDims(sizes) + " strides " + FormatDims(strides);
 }
 
-TensorLayout ReadLayout(AtenTensorHandle tensor) {
+TensorLayout ReadLayout(AtenTensorHandle tensor, const std::string& what) {
   const TorchShim& s = Shim();
+  static const CodeTable layouts("layout_", kLayoutNames);
+  int32_t kind = 0;
+  Check(s.get_layout(tensor, &kind), "get_layout");
   TensorLayout layout;
   int64_t dim = 0;
   int64_t* sizes = nullptr;
   int64_t* strides = nullptr;
+  // Nested tensors are strided but have no sizes: the shim call fails.
+  if (kind != s.layout_strided || s.get_sizes(tensor, &sizes) != 0) {
+    Throw(ErrorKind::kTypeMismatch,
+          what + " is a " + (kind != s.layout_strided ? layouts.Name(kind, "layout") : "nested") +
+              " tensor; only dense (strided) tensors are supported");
+  }
   Check(s.get_dtype(tensor, &layout.dtype), "get_dtype");
   Check(s.get_dim(tensor, &dim), "get_dim");
-  Check(s.get_sizes(tensor, &sizes), "get_sizes");
   Check(s.get_strides(tensor, &strides), "get_strides");
   layout.sizes.assign(sizes, sizes + dim);
   layout.strides.assign(strides, strides + dim);

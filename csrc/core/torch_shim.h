@@ -28,9 +28,11 @@ struct TorchShim {
   AOTITorchError (*get_dtype)(AtenTensorHandle, int32_t*);
   AOTITorchError (*get_device_type)(AtenTensorHandle, int32_t*);
   AOTITorchError (*get_device_index)(AtenTensorHandle, int32_t*);
+  AOTITorchError (*get_layout)(AtenTensorHandle, int32_t*);
   size_t (*dtype_element_size)(int32_t);
   int32_t device_type_cpu;
   int32_t device_type_cuda;
+  int32_t layout_strided;
 };
 
 // The process's shim, resolved once (thread-safe). Looks in an already loaded
@@ -41,6 +43,10 @@ const TorchShim& Shim();
 std::string DtypeName(int32_t dtype);
 // Code of a dtype name as torch prints it, without "torch."; -1 if unknown.
 int32_t DtypeFromName(const std::string& name);
+// "cpu", "cuda:1", "meta", ... for a device type code and index.
+std::string DeviceName(int32_t type, int32_t index);
+// "[2, 4, *]": dimensions as in messages, "*" for a negative (dynamic) one.
+std::string FormatDims(const std::vector<int64_t>& dims);
 
 // Sizes, strides and dtype of a tensor: what must agree for two tensors to be
 // interchangeable as a container constant.
@@ -63,8 +69,10 @@ struct TensorLayout {
   std::string ToString() const;
 };
 
-// Reads a tensor's layout through the shim; throws on a failing shim call.
-TensorLayout ReadLayout(AtenTensorHandle tensor);
+// Reads a tensor's layout through the shim. Sparse and nested tensors have
+// none: kTypeMismatch, "`what` is a sparse_coo tensor ...". Any other failing
+// shim call is kInternal.
+TensorLayout ReadLayout(AtenTensorHandle tensor, const std::string& what = "tensor");
 void* DataPtr(AtenTensorHandle tensor);
 int32_t DeviceType(AtenTensorHandle tensor);
 int32_t DeviceIndex(AtenTensorHandle tensor);

@@ -2,49 +2,41 @@
 #include "weights.h"
 
 #include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "errors.h"
+#include "posix_file.h"
 
 namespace aoti_sessions {
 namespace {
 
 constexpr size_t kChunk = size_t{16} << 20;  // host staging per step
 
+// A weights file open for reading; every read must be complete (kPackage).
 class File {
  public:
-  explicit File(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY)) {
-    if (fd_ < 0) {
-      Throw(ErrorKind::kPackage, "cannot open weights file " + path + ": " + std::strerror(errno));
+  explicit File(const std::string& path)
+      : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
+    if (!fd_.valid()) {
+      Throw(ErrorKind::kPackage, "cannot open weights file " + path + ": " + ErrnoText(errno));
     }
   }
-  ~File() { ::close(fd_); }
-  File(const File&) = delete;
-  File& operator=(const File&) = delete;
 
   void Read(uint64_t offset, size_t bytes, void* dst) const {
-    auto* out = static_cast<char*>(dst);
-    while (bytes > 0) {
-      ssize_t n = ::pread(fd_, out, bytes, static_cast<off_t>(offset));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        Throw(ErrorKind::kPackage, "weights file " + path_ + " is truncated or unreadable at byte " +
-                                       std::to_string(offset) +
-                                       (n < 0 ? std::string(": ") + std::strerror(errno) : ""));
-      }
-      out += n;
-      offset += static_cast<uint64_t>(n);
-      bytes -= static_cast<size_t>(n);
+    int64_t n = ReadAt(fd_.get(), dst, bytes, offset);
+    if (n != static_cast<int64_t>(bytes)) {
+      Throw(ErrorKind::kPackage, "weights file " + path_ + " is truncated or unreadable at byte " +
+                                     std::to_string(offset + (n < 0 ? 0 : n)) +
+                                     (n < 0 ? ": " + ErrnoText(errno) : ""));
     }
   }
 
  private:
   std::string path_;
-  int fd_;
+  FileDescriptor fd_;
 };
 
 }  // namespace

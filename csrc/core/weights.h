@@ -10,24 +10,10 @@
 #include <vector>
 
 #include "device.h"
+#include "options.h"
 #include "torch_shim.h"
 
 namespace aoti_sessions {
-
-// One tensor in a weights file (written by ais.compile): its bytes are the
-// storage span of `layout`, at `offset`.
-struct WeightEntry {
-  std::string fqn;
-  TensorLayout layout;
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-};
-
-// A weights file and the entries one method reads from it.
-struct WeightsFile {
-  std::string path;
-  std::vector<WeightEntry> entries;
-};
 
 struct HeldWeight {
   std::string fqn;

@@ -25,12 +25,14 @@ os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
 
 from . import errors
 from ._compile import Method, compile
-from ._engine import Engine, Session
+from ._engine import Engine
+from ._session import Session
 from .errors import (
     CapacityError,
     DeviceError,
     Error,
     ModelMismatchError,
+    OtherProcessError,
     PackageError,
     RunError,
     SessionClosedError,
@@ -40,5 +42,6 @@ from .errors import (
 
 __all__ = ["Engine", "Method", "Session", "compile", "errors", *errors.__all__]
 
+# The one place the version is written (pyproject.toml and CMakeLists.txt read it).
 __version__ = "0.1.0"
 del os, torch

@@ -29,7 +29,8 @@ from typing import Any, TextIO
 
 import torch
 
-from ._package import METADATA_KEY, WEIGHTS_INDEX, cache_dir
+from ._package import (METADATA_KEY, METADATA_VERSION, WEIGHTS_ALIGN, WEIGHTS_BLOB, WEIGHTS_INDEX,
+                       WEIGHTS_VERSION, cache_dir)
 
 __all__ = ["Method", "compile", "compile_cached", "mutated_buffers", "input_specs"]
 
@@ -99,7 +100,8 @@ def _export(module: torch.nn.Module, method: Method, strict: bool) -> torch.expo
 
 
 def _metadata(ep: torch.export.ExportedProgram, configs: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-    doc = {"version": 1, "mutable_buffers": mutated_buffers(ep), "inputs": input_specs(ep), **extra}
+    doc = {"version": METADATA_VERSION, "mutable_buffers": mutated_buffers(ep), "inputs": input_specs(ep),
+           **extra}
     out = dict(configs)
     metadata = dict(out.get("aot_inductor.metadata") or {})
     metadata[METADATA_KEY] = json.dumps(doc)
@@ -195,11 +197,6 @@ def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.device == b.device and bool(torch.equal(a, b)))
 
 
-# Paths inside the package, below its top folder.
-WEIGHTS_BLOB = "data/aoti_sessions/weights.bin"
-_ALIGN = 256
-
-
 def _span_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t``'s storage span (its layout kept, storage offset dropped)."""
     if t.numel() == 0:
@@ -219,7 +216,7 @@ def _append_weights(path: str, tensors: Mapping[str, list[tuple[torch.Tensor, li
             for fqn, variants in tensors.items():
                 for value, used_by in variants:
                     data = _span_bytes(value)
-                    pad = -offset % _ALIGN
+                    pad = -offset % WEIGHTS_ALIGN
                     blob.write(b"\0" * pad)
                     offset += pad
                     raw = data.numpy().tobytes()
@@ -230,7 +227,7 @@ def _append_weights(path: str, tensors: Mapping[str, list[tuple[torch.Tensor, li
                         "offset": offset, "nbytes": len(raw),
                     })
                     offset += len(raw)
-        zf.writestr(f"{top}/{WEIGHTS_INDEX}", json.dumps({"version": 1, "blob": WEIGHTS_BLOB,
+        zf.writestr(f"{top}/{WEIGHTS_INDEX}", json.dumps({"version": WEIGHTS_VERSION, "blob": WEIGHTS_BLOB,
                                                           "entries": entries}))
 
 

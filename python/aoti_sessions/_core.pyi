@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections.abc
 import typing
 import typing_extensions
-__all__: list[str] = ['Engine', 'InputSpec', 'MethodSource', 'Session', 'built_with_cuda', 'dtype_code']
+__all__: list[str] = ['BufferInfo', 'Engine', 'EngineOptions', 'EngineStats', 'IdleAction', 'InputSpec', 'MemoryReport', 'MethodSource', 'Session', 'SessionStats', 'WeightEntry', 'WeightInfo', 'WeightsFile', 'built_with_cuda', 'dtype_code', 'error_kinds']
 class InputSpec:
     def __init__(self) -> None:
         ...
@@ -27,21 +27,286 @@ class InputSpec:
     @strides.setter
     def strides(self, arg0: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
         ...
+class WeightEntry:
+    """
+    One tensor of a weights file.
+    """
+    def __init__(self, fqn: str, dtype: typing.SupportsInt | typing.SupportsIndex, sizes: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], strides: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], offset: typing.SupportsInt | typing.SupportsIndex, bytes: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def bytes(self) -> int:
+        ...
+    @property
+    def fqn(self) -> str:
+        ...
+    @property
+    def offset(self) -> int:
+        ...
+class WeightsFile:
+    """
+    A weights file and the entries one method reads.
+    """
+    path: str
+    def __init__(self) -> None:
+        ...
+    @property
+    def entries(self) -> list[WeightEntry]:
+        ...
+    @entries.setter
+    def entries(self, arg0: collections.abc.Sequence[WeightEntry]) -> None:
+        ...
 class MethodSource:
     cubin_dir: str
     library_path: str
     name: str
+    weights: WeightsFile | None
     def __init__(self) -> None:
         ...
-    def set_weights_file(self, path: str, entries: collections.abc.Sequence[tuple[str, typing.SupportsInt | typing.SupportsIndex, collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]) -> None:
-        """
-        Weights of a library compiled without them: (fqn, dtype code, sizes, strides, offset, bytes) per tensor of the file at `path`.
-        """
     @property
     def inputs(self) -> list[InputSpec] | None:
         ...
     @inputs.setter
     def inputs(self, arg0: collections.abc.Sequence[InputSpec] | None) -> None:
+        ...
+class IdleAction:
+    """
+    Members:
+    
+      OFFLOAD
+    
+      CLOSE
+    """
+    CLOSE: typing.ClassVar[IdleAction]
+    OFFLOAD: typing.ClassVar[IdleAction]
+    __members__: typing.ClassVar[dict[str, IdleAction]]
+    @typing.overload
+    def __eq__(self, other: IdleAction) -> bool:
+        ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> int:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __index__(self) -> int:
+        ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __int__(self) -> int:
+        ...
+    @typing.overload
+    def __ne__(self, other: IdleAction) -> bool:
+        ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __str__(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def value(self) -> int:
+        ...
+class EngineOptions:
+    """
+    Options of an engine (checked by the core).
+    """
+    device: str
+    idle_action: IdleAction
+    reclaim_bind_handles: bool
+    strict_weights: bool
+    def __init__(self) -> None:
+        ...
+    @property
+    def host_budget(self) -> int | None:
+        ...
+    @host_budget.setter
+    def host_budget(self, arg0: typing.SupportsInt | typing.SupportsIndex | None) -> None:
+        ...
+    @property
+    def idle_timeout(self) -> float | None:
+        ...
+    @idle_timeout.setter
+    def idle_timeout(self, arg0: typing.SupportsFloat | typing.SupportsIndex | None) -> None:
+        ...
+    @property
+    def known_mutated(self) -> list[str]:
+        ...
+    @known_mutated.setter
+    def known_mutated(self, arg0: collections.abc.Sequence[str]) -> None:
+        ...
+    @property
+    def max_sessions(self) -> int | None:
+        ...
+    @max_sessions.setter
+    def max_sessions(self, arg0: typing.SupportsInt | typing.SupportsIndex | None) -> None:
+        ...
+    @property
+    def memory_budget(self) -> int | None:
+        ...
+    @memory_budget.setter
+    def memory_budget(self, arg0: typing.SupportsInt | typing.SupportsIndex | None) -> None:
+        ...
+    @property
+    def mutable_patterns(self) -> list[str] | None:
+        ...
+    @mutable_patterns.setter
+    def mutable_patterns(self, arg0: collections.abc.Sequence[str] | None) -> None:
+        ...
+class BufferInfo:
+    """
+    A mutable buffer (per-session state).
+    """
+    @property
+    def bytes(self) -> int:
+        ...
+    @property
+    def dtype(self) -> str:
+        ...
+    @property
+    def fqn(self) -> str:
+        ...
+    @property
+    def methods(self) -> list[str]:
+        ...
+    @property
+    def sizes(self) -> list[int]:
+        ...
+    @property
+    def strides(self) -> list[int]:
+        ...
+    @property
+    def zero_initial(self) -> bool:
+        ...
+class WeightInfo:
+    """
+    A weight held by the engine.
+    """
+    @property
+    def bytes(self) -> int:
+        ...
+    @property
+    def dtype(self) -> str:
+        ...
+    @property
+    def fqn(self) -> str:
+        ...
+    @property
+    def methods(self) -> list[str]:
+        ...
+    @property
+    def sizes(self) -> list[int]:
+        ...
+    @property
+    def strides(self) -> list[int]:
+        ...
+class MemoryReport:
+    """
+    Bytes by holder.
+    """
+    @property
+    def containers(self) -> int:
+        ...
+    @property
+    def host_spare(self) -> int:
+        ...
+    @property
+    def offloaded(self) -> int:
+        ...
+    @property
+    def sessions(self) -> int:
+        ...
+    @property
+    def templates(self) -> int:
+        ...
+    @property
+    def weights(self) -> int:
+        ...
+class SessionStats:
+    """
+    Where one session is.
+    """
+    @property
+    def bytes(self) -> int:
+        ...
+    @property
+    def id(self) -> int:
+        ...
+    @property
+    def last_use(self) -> float:
+        ...
+    @property
+    def resident(self) -> bool:
+        ...
+class EngineStats:
+    """
+    Counters of an engine.
+    """
+    @property
+    def bind_seconds(self) -> float:
+        ...
+    @property
+    def binds(self) -> int:
+        ...
+    @property
+    def device_bytes(self) -> int:
+        ...
+    @property
+    def evictions(self) -> int:
+        ...
+    @property
+    def host_bytes(self) -> int:
+        ...
+    @property
+    def host_spare_bytes(self) -> int:
+        ...
+    @property
+    def idle_closes(self) -> int:
+        ...
+    @property
+    def idle_offloads(self) -> int:
+        ...
+    @property
+    def live_bytes(self) -> int:
+        ...
+    @property
+    def live_sessions(self) -> int:
+        ...
+    @property
+    def loads(self) -> int:
+        ...
+    @property
+    def offloaded_sessions(self) -> int:
+        ...
+    @property
+    def offloads(self) -> int:
+        ...
+    @property
+    def reclaim_seconds(self) -> float:
+        ...
+    @property
+    def resident_sessions(self) -> int:
+        ...
+    @property
+    def restores(self) -> int:
+        ...
+    @property
+    def runs(self) -> int:
+        ...
+    @property
+    def saves(self) -> int:
+        ...
+    @property
+    def sessions(self) -> list[SessionStats]:
+        ...
+    @property
+    def sessions_created(self) -> int:
         ...
 class Session:
     def close(self) -> None:
@@ -50,8 +315,10 @@ class Session:
         ...
     def offload(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
-    def read_buffer(self, buffer: typing.SupportsInt | typing.SupportsIndex, dst: typing_extensions.CapsuleType, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
-        ...
+    def read_buffers(self, dsts: list[typing_extensions.CapsuleType], stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+        """
+        Copies every buffer at once into `dsts` (one snapshot).
+        """
     def reset(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
     def restore(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
@@ -60,8 +327,10 @@ class Session:
         ...
     def save(self, path: str, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
-    def write_buffers(self, sources: list[typing_extensions.CapsuleType], stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
-        ...
+    def write_buffers(self, fqns: collections.abc.Sequence[str], sources: list[typing_extensions.CapsuleType], stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+        """
+        Replaces every buffer at once: sources[i] is the new value of fqns[i].
+        """
     @property
     def address(self) -> int:
         """
@@ -82,7 +351,7 @@ class Session:
     def resident(self) -> bool:
         ...
 class Engine:
-    def __init__(self, methods: collections.abc.Sequence[MethodSource], device: str, mutable_patterns: collections.abc.Sequence[str] | None, known_mutated: collections.abc.Sequence[str], max_sessions: typing.SupportsInt | typing.SupportsIndex = -1, memory_budget: typing.SupportsInt | typing.SupportsIndex = -1, reclaim_bind_handles: bool = True, strict_weights: bool = False, host_budget: typing.SupportsInt | typing.SupportsIndex = -1, idle_timeout: typing.SupportsFloat | typing.SupportsIndex = 0.0, idle_close: bool = False) -> None:
+    def __init__(self, methods: collections.abc.Sequence[MethodSource], options: EngineOptions) -> None:
         ...
     def call_spec(self, method: typing.SupportsInt | typing.SupportsIndex) -> tuple[str, str]:
         ...
@@ -90,7 +359,7 @@ class Engine:
         ...
     def load_session(self, path: str, strict: bool = True, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> Session:
         ...
-    def memory_report(self) -> dict[str, typing.Any]:
+    def memory_report(self) -> MemoryReport:
         ...
     def method_index(self, name: str) -> int:
         ...
@@ -98,11 +367,11 @@ class Engine:
         ...
     def num_inputs(self, method: typing.SupportsInt | typing.SupportsIndex) -> int:
         ...
-    def stats(self) -> dict[str, typing.Any]:
+    def stats(self) -> EngineStats:
         ...
     def update_weights(self, names: collections.abc.Sequence[str], sources: list[typing_extensions.CapsuleType], double_buffer: bool = False) -> None:
         ...
-    def weights(self) -> list[dict[str, typing.Any]]:
+    def weights(self) -> list[WeightInfo]:
         ...
     @property
     def bytes_per_session(self) -> int:
@@ -120,7 +389,7 @@ class Engine:
     def method_names(self) -> list[str]:
         ...
     @property
-    def mutable_buffers(self) -> list[dict[str, typing.Any]]:
+    def mutable_buffers(self) -> list[BufferInfo]:
         ...
     @property
     def template_bytes(self) -> int:
@@ -128,6 +397,10 @@ class Engine:
     @property
     def weight_bytes(self) -> int:
         ...
+def _throw_for_test(kind: str, message: str) -> None:
+    """
+    Throws a C++ exception of `kind` (tests of the exception table).
+    """
 def built_with_cuda() -> bool:
     """
     Whether this build serves CUDA engines.
@@ -135,4 +408,8 @@ def built_with_cuda() -> bool:
 def dtype_code(name: str) -> int:
     """
     Shim dtype code of a torch dtype name ('float32'), -1 if unknown.
+    """
+def error_kinds() -> list[str]:
+    """
+    Names of every error kind the core raises (keys of aoti_sessions.errors.CORE_ERRORS).
     """

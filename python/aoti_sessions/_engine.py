@@ -1,23 +1,22 @@
-"""Engine and Session: the documented Python API over the C++ core."""
+"""Engine: the documented Python API over the C++ core's engine. This layer
+turns Python arguments into the core's typed options (types and 64-bit range
+here; every rule on the values is the core's) and the core's typed results
+into the dictionaries the README documents."""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from types import TracebackType
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-from typing_extensions import Self
 
 import torch
 import torch.utils._pytree as pytree
 
 from . import _core
 from ._package import MethodFiles, open_model
-from .errors import PackageError, SessionClosedError
+from ._session import Closable, MethodCall, Session, to_handles
+from .errors import PackageError
 
 __all__ = ["Engine", "Session"]
 
@@ -25,79 +24,90 @@ log = logging.getLogger("aoti_sessions")
 
 ModelSource = str | os.PathLike[str]
 
-# Tensors <-> owning AtenTensorHandle capsules, the only way tensors cross into
-# the core (which links no torch C++ API).
-_to_handles: Callable[[list[torch.Tensor]], list[Any]] = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
-_from_handles: Callable[[list[Any]], list[torch.Tensor]] = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+_INT64 = (-(2**63), 2**63 - 1)
+_IDLE_ACTIONS = {"offload": _core.IdleAction.OFFLOAD, "close": _core.IdleAction.CLOSE}
 
 
 def _torch_leaks_bind_handles() -> bool:
     """Whether this torch leaks a tensor handle per user-managed bind.
 
-    Every release from 2.10 through 2.14.1 does (aoti-facts.md); a torch that
-    fixes it (pytorch PR #194480) would turn our reclaim into a double free, so
-    versions after the last one seen leaking are not reclaimed: a leak is
-    recoverable, a double free is not.
+    Every release from 2.10 through 2.14.1 does (docs/aoti-runtime.md); a
+    torch that fixes it (pytorch PR #194480) would turn our reclaim into a
+    double free, so versions after the last one seen leaking are not reclaimed:
+    a leak is recoverable, a double free is not.
     """
     release = torch.__version__.split("+")[0]
     parts = tuple(int(x) for x in release.split(".")[:3] if x.isdigit())
     return parts <= (2, 14, 1)
 
 
-class _Closable:
-    """`with x:` closes x on the way out."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-
-@dataclass(frozen=True)
-class _Method:
-    name: str
-    index: int
-    in_spec: pytree.TreeSpec | None
-    out_spec: pytree.TreeSpec | None
-    # Positional-only tensor inputs, no kwargs: inputs need no flattening.
-    flat_call: bool
-    # Per input: whether it must be contiguous (the container indexes it so).
-    contiguous: tuple[bool, ...] | None
-
-
-def _input_specs(method: MethodFiles, doc: Mapping[str, Any] | None) -> list[_core.InputSpec] | None:
-    if doc is None or "inputs" not in doc:
+def _int_option(name: str, value: object) -> int | None:
+    if value is None:
         return None
-    specs = []
-    for i, entry in enumerate(doc["inputs"]):
-        spec = _core.InputSpec()
-        code = _core.dtype_code(entry["dtype"])
-        if code < 0:
-            raise PackageError(f"method '{method.name}': input {i} has unknown dtype {entry['dtype']}")
-        spec.dtype = code
-        spec.sizes = [-1 if s is None else int(s) for s in entry["sizes"]]
-        spec.strides = [] if entry.get("strides") is None else [int(s) for s in entry["strides"]]
-        if spec.strides and len(spec.strides) != len(spec.sizes):
-            raise PackageError(f"method '{method.name}': input {i} has {len(spec.sizes)} sizes "
-                               f"but {len(spec.strides)} strides")
-        specs.append(spec)
-    return specs
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if not _INT64[0] <= value <= _INT64[1]:
+        raise ValueError(f"{name}={value} does not fit a 64-bit integer")
+    return value
 
 
-def _weight_entries(method: MethodFiles) -> list[tuple[str, int, list[int], list[int], int, int]]:
-    out = []
-    for e in method.weights:
-        code = _core.dtype_code(e["dtype"])
-        if code < 0:
-            raise PackageError(f"method '{method.name}': weight {e['fqn']} has unknown dtype {e['dtype']}")
-        out.append((str(e["fqn"]), code, [int(x) for x in e["sizes"]], [int(x) for x in e["strides"]],
-                    int(e["offset"]), int(e["nbytes"])))
-    return out
+def _seconds_option(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of seconds or None, got {type(value).__name__}")
+    return float(value)
+
+
+def _options(device: str, mutable: Sequence[str] | None, max_sessions: object, memory_budget: object,
+             host_budget: object, idle_timeout: object, idle_action: str,
+             strict_weights: bool) -> _core.EngineOptions:
+    options = _core.EngineOptions()
+    options.device = device
+    if isinstance(mutable, str):
+        raise TypeError("mutable must be a sequence of FQNs or patterns, not a single string")
+    options.mutable_patterns = None if mutable is None else [str(m) for m in mutable]
+    options.max_sessions = _int_option("max_sessions", max_sessions)
+    options.memory_budget = _int_option("memory_budget", memory_budget)
+    options.host_budget = _int_option("host_budget", host_budget)
+    options.idle_timeout = _seconds_option("idle_timeout", idle_timeout)
+    if idle_action not in _IDLE_ACTIONS:
+        raise ValueError(f"idle_action must be 'offload' or 'close', got {idle_action!r}")
+    options.idle_action = _IDLE_ACTIONS[idle_action]
+    options.strict_weights = bool(strict_weights)
+    options.reclaim_bind_handles = _torch_leaks_bind_handles()
+    return options
+
+
+def _dtype_code(method: str, what: str, dtype: str) -> int:
+    code = _core.dtype_code(dtype)
+    if code < 0:
+        raise PackageError(f"method '{method}': {what} has unknown dtype {dtype}")
+    return code
+
+
+def _source(f: MethodFiles) -> _core.MethodSource:
+    """The core's description of one method to load."""
+    src = _core.MethodSource()
+    src.name = f.name
+    src.library_path = f.library
+    src.cubin_dir = f.cubin_dir
+    if f.metadata is not None and f.metadata.inputs is not None:
+        specs = []
+        for i, doc in enumerate(f.metadata.inputs):
+            spec = _core.InputSpec()
+            spec.dtype = _dtype_code(f.name, f"input {i}", doc.dtype)
+            spec.sizes = [-1 if s is None else s for s in doc.sizes]
+            spec.strides = doc.strides or []
+            specs.append(spec)
+        src.inputs = specs
+    if f.weights_file is not None:
+        weights = _core.WeightsFile()
+        weights.path = f.weights_file
+        weights.entries = [_core.WeightEntry(e.fqn, _dtype_code(f.name, f"weight {e.fqn}", e.dtype), e.sizes,
+                                             e.strides, e.offset, e.nbytes) for e in f.weights]
+        src.weights = weights
+    return src
 
 
 def _resolve_methods(model: ModelSource | Mapping[str, ModelSource]) -> list[MethodFiles]:
@@ -114,16 +124,36 @@ def _resolve_methods(model: ModelSource | Mapping[str, ModelSource]) -> list[Met
                     f"method '{name}': {path} holds {len(found)} models "
                     f"({', '.join(m.name for m in found)}); give a package with one"
                 )
-            f = found[0]
-            methods.append(MethodFiles(name, f.library, f.cubin_dir, f.device_key, f.metadata,
-                                       f.weights_file, f.weights))
+            methods.append(found[0].renamed(name))
         return methods
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path or a mapping of method names to paths, got {type(model).__name__}")
     return open_model(model)
 
 
-class Engine(_Closable):
+def _describe(core: _core.Engine, name: str, source: _core.MethodSource) -> MethodCall:
+    index = core.method_index(name)
+    in_raw, out_raw = core.call_spec(index)
+    in_spec = pytree.treespec_loads(in_raw) if in_raw else None
+    out_spec = pytree.treespec_loads(out_raw) if out_raw else None
+    n = core.num_inputs(index)
+    flat_call = in_spec is not None and in_spec == pytree.tree_structure((tuple(range(n)), {}))
+    contiguous = None if source.inputs is None else tuple(len(s.strides) == 0 for s in source.inputs)
+    return MethodCall(name, index, in_spec, out_spec, flat_call, contiguous)
+
+
+def _as_dict(obj: Any, fields: Sequence[str]) -> dict[str, Any]:
+    return {f: getattr(obj, f) for f in fields}
+
+
+_LAYOUT = ("fqn", "dtype", "sizes", "strides", "bytes")
+_MEMORY = ("weights", "templates", "sessions", "containers", "offloaded", "host_spare")
+_STATS = ("live_sessions", "live_bytes", "resident_sessions", "offloaded_sessions", "device_bytes",
+          "host_bytes", "host_spare_bytes", "sessions_created", "offloads", "evictions", "idle_offloads",
+          "idle_closes", "restores", "saves", "loads", "runs", "binds", "bind_seconds", "reclaim_seconds")
+
+
+class Engine(Closable):
     """One compiled model loaded once, serving isolated sessions.
 
     Args:
@@ -169,84 +199,33 @@ class Engine(_Closable):
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None and torch.cuda.is_available():
             self._device = torch.device("cuda", torch.cuda.current_device())
-        device_str = str(self._device)
-        if isinstance(mutable, str):
-            raise TypeError("mutable must be a sequence of FQNs or patterns, not a single string")
-        for name, value in (("max_sessions", max_sessions), ("memory_budget", memory_budget),
-                            ("host_budget", host_budget)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
-        if idle_timeout is not None:
-            if not isinstance(idle_timeout, (int, float)) or isinstance(idle_timeout, bool):
-                raise TypeError(f"idle_timeout must be a number of seconds or None, got {type(idle_timeout).__name__}")
-            if not (idle_timeout > 0 and math.isfinite(idle_timeout)):
-                raise ValueError(f"idle_timeout must be > 0 seconds and finite, got {idle_timeout}")
-        if idle_action not in ("offload", "close"):
-            raise ValueError(f"idle_action must be 'offload' or 'close', got {idle_action!r}")
+        options = _options(str(self._device), mutable, max_sessions, memory_budget, host_budget, idle_timeout,
+                           idle_action, strict_weights)
         files = _resolve_methods(model)
-        docs = [f.sessions_metadata() for f in files]
         for f in files:
             if f.device_key is not None and f.device_key != self._device.type:
                 raise PackageError(
-                    f"method '{f.name}' was compiled for {f.device_key}, "
-                    f"but the engine's device is {device_str}"
+                    f"method '{f.name}' was compiled for {f.device_key}, but the engine's device is {self._device}"
                 )
-        known_mutated = sorted({str(fqn) for d in docs if d for fqn in d.get("mutable_buffers", [])})
-        declared = all(d is not None and "mutable_buffers" in d for d in docs)
+        docs = [f.metadata for f in files]
+        options.known_mutated = sorted({fqn for d in docs if d and d.mutable_buffers for fqn in d.mutable_buffers})
+        declared = all(d is not None and d.mutable_buffers is not None for d in docs)
         if mutable is not None:
-            patterns: list[str] | None = list(mutable)
             source = "mutable="
         elif declared:
-            patterns = known_mutated
+            options.mutable_patterns = options.known_mutated
             source = "package metadata"
         else:
-            patterns = None
             source = "every buffer (no declaration in the package; pass mutable= to choose)"
-
-        sources = []
-        for f, doc in zip(files, docs):
-            src = _core.MethodSource()
-            src.name = f.name
-            src.library_path = f.library
-            src.cubin_dir = f.cubin_dir
-            src.inputs = _input_specs(f, doc)
-            if f.weights_file is not None:
-                src.set_weights_file(f.weights_file, _weight_entries(f))
-            sources.append(src)
-        self._core = _core.Engine(
-            sources,
-            device_str,
-            patterns,
-            known_mutated,
-            -1 if max_sessions is None else max_sessions,
-            -1 if memory_budget is None else memory_budget,
-            _torch_leaks_bind_handles(),
-            bool(strict_weights),
-            -1 if host_budget is None else host_budget,
-            0.0 if idle_timeout is None else float(idle_timeout),
-            idle_action == "close",
-        )
+        sources = [_source(f) for f in files]
+        self._core = _core.Engine(sources, options)
         for note in self._core.load_notes:
             log.warning("%s", note)
         self._buffers = self._core.mutable_buffers
-        self._methods: dict[str, _Method] = {}
-        for f, src in zip(files, sources):
-            self._methods[f.name] = self._describe(f.name, src)
-        fqns = [b["fqn"] for b in self._buffers]
-        level = logging.WARNING if patterns is None or not fqns else logging.INFO
+        self._methods = {f.name: _describe(self._core, f.name, src) for f, src in zip(files, sources)}
+        fqns = [b.fqn for b in self._buffers]
+        level = logging.WARNING if options.mutable_patterns is None or not fqns else logging.INFO
         log.log(level, "mutable state from %s: %s", source, ", ".join(fqns) or "none (stateless model)")
-
-    def _describe(self, name: str, source: _core.MethodSource) -> _Method:
-        index = self._core.method_index(name)
-        in_raw, out_raw = self._core.call_spec(index)
-        in_spec = pytree.treespec_loads(in_raw) if in_raw else None
-        out_spec = pytree.treespec_loads(out_raw) if out_raw else None
-        n = self._core.num_inputs(index)
-        flat_call = in_spec is not None and in_spec == pytree.tree_structure((tuple(range(n)), {}))
-        contiguous = None
-        if source.inputs is not None:
-            contiguous = tuple(len(s.strides) == 0 for s in source.inputs)
-        return _Method(name, index, in_spec, out_spec, flat_call, contiguous)
 
     # -- properties ------------------------------------------------------
     @property
@@ -261,7 +240,7 @@ class Engine(_Closable):
     @property
     def mutable_fqns(self) -> tuple[str, ...]:
         """FQNs of the per-session state."""
-        return tuple(b["fqn"] for b in self._buffers)
+        return tuple(b.fqn for b in self._buffers)
 
     @property
     def bytes_per_session(self) -> int:
@@ -280,14 +259,19 @@ class Engine(_Closable):
 
     def weights(self) -> list[dict[str, Any]]:
         """Descriptor of every held weight: fqn, dtype, sizes, strides, bytes, methods."""
-        return [dict(w) for w in self._core.weights()]
+        return [_as_dict(w, (*_LAYOUT, "methods")) for w in self._core.weights()]
+
+    def buffers(self) -> list[dict[str, Any]]:
+        """Descriptor of every mutable buffer: fqn, dtype, sizes, strides, bytes,
+        zero_initial, methods."""
+        return [_as_dict(b, (*_LAYOUT, "zero_initial", "methods")) for b in self._buffers]
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes by holder in device and host memory: weights, templates,
         sessions (resident state), containers; offloaded (state moved to the
         host) and host_spare (host blocks kept for the next offload or save).
         On a CPU engine the device is host memory: all is host."""
-        here = {k: int(v) for k, v in self._core.memory_report().items()}
+        here = _as_dict(self._core.memory_report(), _MEMORY)
         zero = dict.fromkeys(here, 0)
         if self._device.type == "cpu":
             return {"device": zero, "host": here}
@@ -315,11 +299,7 @@ class Engine(_Closable):
                 raise TypeError(f"weight '{name}': expected a Tensor, got {type(t).__name__}")
             names.append(str(name))
             tensors.append(t.detach())
-        self._core.update_weights(names, _to_handles(tensors), bool(double_buffer))
-
-    def buffers(self) -> list[dict[str, Any]]:
-        """Descriptor of every mutable buffer: fqn, dtype, sizes, strides, bytes, methods."""
-        return [dict(b) for b in self._buffers]
+        self._core.update_weights(names, to_handles(tensors), bool(double_buffer))
 
     def stats(self) -> dict[str, Any]:
         """Counters and where every session is; cheap (no session is waited for).
@@ -335,7 +315,10 @@ class Engine(_Closable):
         - ``sessions``: per open session ``id``, ``resident``, ``bytes`` and
           ``last_use`` (seconds of :func:`time.monotonic`).
         """
-        return dict(self._core.stats())
+        stats = self._core.stats()
+        out = _as_dict(stats, _STATS)
+        out["sessions"] = [_as_dict(s, ("id", "resident", "bytes", "last_use")) for s in stats.sessions]
+        return out
 
     @property
     def closed(self) -> bool:
@@ -372,172 +355,3 @@ class Engine(_Closable):
     def __repr__(self) -> str:
         return (f"Engine(methods={list(self.methods)}, device='{self._device}', "
                 f"mutable={len(self._buffers)} buffers, bytes_per_session={self.bytes_per_session})")
-
-
-class Session(_Closable):
-    """One conversation's state on an :class:`Engine`; made by ``Engine.new_session``.
-
-    Every method of the engine reads and writes the same session state. A
-    session may be used and closed from any thread; its calls are serialised.
-    """
-
-    def __init__(self, engine: Engine, core: _core.Session) -> None:
-        self._engine = engine
-        self._core = core
-
-    @property
-    def id(self) -> int:
-        return int(self._core.id)
-
-    @property
-    def engine(self) -> Engine:
-        return self._engine
-
-    @property
-    def closed(self) -> bool:
-        return bool(self._core.closed)
-
-    @property
-    def resident(self) -> bool:
-        """Whether the state is in device memory (False while offloaded, or closed)."""
-        return bool(self._core.resident)
-
-    @property
-    def last_use(self) -> float:
-        """When the session was last used (created, run, reset, written,
-        restored), in seconds of :func:`time.monotonic`."""
-        return float(self._core.last_use)
-
-    def offload(self) -> None:
-        """Move the state to host memory (pinned on CUDA) and release its
-        device memory. The next run, or :meth:`restore`, brings it back
-        bit-identical. Raises CapacityError if ``host_budget`` is full."""
-        self._core.offload(self._engine._stream())
-
-    def restore(self) -> None:
-        """Bring an offloaded state back to device memory (offloading idle
-        sessions first if ``memory_budget`` requires it). No-op if resident."""
-        self._core.restore(self._engine._stream())
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the state to ``path`` for :meth:`Engine.load_session`, in any
-        process. Atomic: a temporary file is written, fsynced and renamed over
-        ``path``. Every buffer is checksummed and the header fingerprints the
-        model (buffer FQNs, dtypes, shapes; each method's library and weights)."""
-        self._core.save(os.fspath(path), self._engine._stream())
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the engine's only method."""
-        methods = self._engine._methods
-        if len(methods) != 1:
-            raise TypeError(
-                f"this engine has {len(methods)} methods ({', '.join(methods)}); use session.run(name, ...)"
-            )
-        return self._run(next(iter(methods.values())), args, kwargs)
-
-    def run(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
-        """Run ``method`` on this session's state, returning what the model returns."""
-        spec = self._engine._methods.get(method)
-        if spec is None:
-            raise ValueError(
-                f"unknown method {method!r}; this engine has: {', '.join(self._engine._methods)}"
-            )
-        return self._run(spec, args, kwargs)
-
-    def _run(self, method: _Method, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        name = method.name
-        if method.flat_call and not kwargs:
-            flat = list(args)
-        else:
-            flat = self._flatten(method, args, kwargs)
-        contiguous = method.contiguous
-        for i, x in enumerate(flat):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input {i} of method '{name}' is a {type(x).__name__}, expected a Tensor")
-            if contiguous is not None and i < len(contiguous) and contiguous[i] and not x.is_contiguous():
-                flat[i] = x.contiguous()
-        outputs = _from_handles(self._core.run(method.index, _to_handles(flat), self._engine._stream()))
-        if method.out_spec is None:
-            return outputs
-        return pytree.tree_unflatten(outputs, method.out_spec)
-
-    @staticmethod
-    def _flatten(method: _Method, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        name = method.name
-        if method.in_spec is None:
-            if kwargs:
-                raise TypeError(f"method '{name}' takes no keyword inputs")
-            return list(args)
-        try:
-            ordered = torch.export._tree_utils.reorder_kwargs(kwargs, method.in_spec)
-        except ValueError as e:
-            raise TypeError(f"method '{name}': {e}") from None
-        leaves, spec = pytree.tree_flatten((args, ordered))
-        if spec != method.in_spec:
-            raise TypeError(f"method '{name}' expects inputs structured as {method.in_spec}, got {spec}")
-        # Non-tensor leaves were baked into the model at export, as torch's loader assumes.
-        return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-    def reset(self) -> None:
-        """Return to the initial state."""
-        self._core.reset(self._engine._stream())
-
-    def fork(self) -> Session:
-        """A new session whose state is a copy of this one's (counts against capacity)."""
-        return Session(self._engine, self._core.fork(self._engine._stream()))
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """A copy of every mutable buffer, by FQN, on the engine's device."""
-        self._check_open()
-        out = {}
-        stream = self._engine._stream()
-        for i, b in enumerate(self._engine._buffers):
-            dst = torch.empty_strided(b["sizes"], b["strides"], dtype=getattr(torch, b["dtype"]),
-                                      device=self._engine.device)
-            self._core.read_buffer(i, _to_handles([dst])[0], stream)
-            out[b["fqn"]] = dst
-        return out
-
-    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Replace the whole state with ``state`` (as returned by :meth:`state`).
-
-        Every buffer must be given with its dtype and shape; nothing is written
-        unless all of them are valid.
-        """
-        self._check_open()
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state must be a mapping of FQN to Tensor, got {type(state).__name__}")
-        buffers = self._engine._buffers
-        expected = [b["fqn"] for b in buffers]
-        missing = [f for f in expected if f not in state]
-        extra = [f for f in state if f not in expected]
-        if missing or extra:
-            raise ValueError(f"state does not match the engine's buffers: missing {missing}, unexpected {extra}")
-        sources = []
-        for b in buffers:
-            t = state[b["fqn"]]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"state['{b['fqn']}'] is a {type(t).__name__}, expected a Tensor")
-            if str(t.dtype).removeprefix("torch.") != b["dtype"]:
-                raise TypeError(f"state['{b['fqn']}'] has dtype {t.dtype}, expected {b['dtype']}")
-            if list(t.shape) != list(b["sizes"]):
-                raise ValueError(f"state['{b['fqn']}'] has shape {list(t.shape)}, expected {b['sizes']}")
-            if t.device != self._engine.device or list(t.stride()) != list(b["strides"]):
-                staged = torch.empty_strided(b["sizes"], b["strides"], dtype=t.dtype, device=self._engine.device)
-                staged.copy_(t)
-                t = staged
-            sources.append(t)
-        self._core.write_buffers(_to_handles(sources), self._engine._stream())
-
-    def _check_open(self) -> None:
-        # The core checks again under the session's lock; this only orders errors.
-        if self._core.closed:
-            raise SessionClosedError(f"session {self.id} is closed")
-
-    def close(self) -> None:
-        """Release the state. Waits for a run of this session in flight; idempotent."""
-        self._core.close()
-
-    def __repr__(self) -> str:
-        where = "closed" if self.closed else ("resident" if self.resident else "offloaded")
-        return f"Session(id={self.id}, {where})"

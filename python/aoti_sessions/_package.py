@@ -1,8 +1,12 @@
-"""Finding the model libraries of a ``.pt2`` package or a raw ``.so``.
+"""The package format: finding the model libraries of a ``.pt2`` package or a
+raw ``.so``, and reading what ``ais.compile`` stored in it. The writer
+(``_compile.py``) takes its names and versions from here.
 
 Packages are extracted once into a cache directory keyed by the package's
 content hash. Entries that could escape that directory (absolute paths, ``..``,
-links) refuse the whole package.
+links) refuse the whole package. Every document read from a package is checked
+field by field: anything malformed is a :class:`PackageError` naming the file
+and the field.
 """
 
 from __future__ import annotations
@@ -16,14 +20,51 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
-
+from ._json import Field, read_json
 from .errors import PackageError
 
-__all__ = ["MethodFiles", "cache_dir", "open_model", "METADATA_KEY"]
+__all__ = ["MethodFiles", "SessionsMetadata", "InputDoc", "WeightDoc", "cache_dir", "open_model",
+           "METADATA_KEY", "METADATA_VERSION", "WEIGHTS_INDEX", "WEIGHTS_BLOB", "WEIGHTS_VERSION",
+           "WEIGHTS_ALIGN"]
 
-# Key of the JSON document ais.compile stores in the package metadata.
+# Key of the JSON document ais.compile stores in the AOTI package metadata.
 METADATA_KEY = "aoti_sessions"
+METADATA_VERSION = 1
+# The weights of a multi-method ais.compile package, below its top folder:
+# one blob with every distinct tensor once, and its JSON index.
+WEIGHTS_INDEX = "data/aoti_sessions/weights.json"
+WEIGHTS_BLOB = "data/aoti_sessions/weights.bin"
+WEIGHTS_VERSION = 1
+WEIGHTS_ALIGN = 256  # bytes; every tensor in the blob starts on such a boundary
+
+
+@dataclass(frozen=True)
+class InputDoc:
+    """One recorded input: ``None`` sizes are dynamic; ``strides`` None means contiguous."""
+
+    dtype: str
+    sizes: list[int | None]
+    strides: list[int] | None
+
+
+@dataclass(frozen=True)
+class SessionsMetadata:
+    """What ais.compile recorded for one method."""
+
+    mutable_buffers: list[str] | None
+    inputs: list[InputDoc] | None
+
+
+@dataclass(frozen=True)
+class WeightDoc:
+    """One tensor of the weights blob that a method reads."""
+
+    fqn: str
+    dtype: str
+    sizes: list[int]
+    strides: list[int]
+    offset: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -34,28 +75,15 @@ class MethodFiles:
     library: str
     cubin_dir: str
     device_key: str | None  # "cpu" / "cuda" from the package, None for a raw .so
-    metadata: dict[str, str] = field(default_factory=dict)
+    metadata: SessionsMetadata | None = None  # None for foreign packages
     # Libraries compiled without weights (multi-method ais.compile): the
     # weights file and the entries of it this method reads.
     weights_file: str | None = None
-    weights: list[dict[str, Any]] = field(default_factory=list)
+    weights: list[WeightDoc] = field(default_factory=list)
 
-    def sessions_metadata(self) -> dict[str, Any] | None:
-        """The document ais.compile recorded, or None for foreign packages."""
-        raw = self.metadata.get(METADATA_KEY)
-        if raw is None:
-            return None
-        try:
-            doc = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise PackageError(f"method '{self.name}': unreadable {METADATA_KEY} metadata: {e}")
-        if not isinstance(doc, dict) or doc.get("version") != 1:
-            raise PackageError(
-                f"method '{self.name}': {METADATA_KEY} metadata of an unknown version "
-                f"({doc.get('version') if isinstance(doc, dict) else doc!r}); "
-                "upgrade aoti_sessions or recompile the package"
-            )
-        return doc
+    def renamed(self, name: str) -> MethodFiles:
+        return MethodFiles(name, self.library, self.cubin_dir, self.device_key, self.metadata,
+                           self.weights_file, self.weights)
 
 
 def cache_dir() -> Path:
@@ -87,14 +115,26 @@ def _check_entry(info: zipfile.ZipInfo) -> None:
         raise PackageError(f"package entry '{name}' is a symbolic link")
 
 
+def _packages_dir(package: Path) -> Path:
+    """The extraction cache, created if needed; a PackageError if it cannot be."""
+    folder = cache_dir() / "packages"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        origin = "AOTI_SESSIONS_CACHE" if os.environ.get("AOTI_SESSIONS_CACHE") else "the user cache folder"
+        raise PackageError(f"cannot extract {package}: the package cache {folder} ({origin}) is not a "
+                           f"usable folder: {e.strerror or e}") from None
+    return folder
+
+
 def _extract(package: Path) -> Path:
     if not zipfile.is_zipfile(package):
         raise PackageError(f"{package} is neither a .pt2 package (zip) nor a .so library")
-    target = cache_dir() / "packages" / _sha256(package)
+    packages = _packages_dir(package)
+    target = packages / _sha256(package)
     if target.is_dir():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=packages))
     try:
         with zipfile.ZipFile(package) as archive:
             infos = archive.infolist()
@@ -109,29 +149,53 @@ def _extract(package: Path) -> Path:
                 raise
     except zipfile.BadZipFile as e:
         raise PackageError(f"{package} is a corrupt package: {e}") from None
+    except OSError as e:
+        raise PackageError(f"cannot extract {package} into {packages}: {e}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-# The weights file of a multi-method ais.compile package, below its top folder.
-WEIGHTS_INDEX = "data/aoti_sessions/weights.json"
+def _sessions_metadata(raw: Field) -> SessionsMetadata:
+    """The document ais.compile stored (a JSON string inside the AOTI metadata)."""
+    doc = raw.json_string()
+    version = doc["version"].integer()
+    if version != METADATA_VERSION:
+        raise PackageError(f"{doc.where('version')}: {METADATA_KEY} metadata of an unknown version "
+                           f"({version}); upgrade aoti_sessions or recompile the package")
+    mutable = doc.get("mutable_buffers")
+    inputs = doc.get("inputs")
+    return SessionsMetadata(
+        mutable_buffers=None if mutable is None else mutable.strings(),
+        inputs=None if inputs is None else [
+            InputDoc(dtype=entry["dtype"].string(),
+                     sizes=[d.integer_or_none(minimum=0) for d in entry["sizes"].items()],
+                     strides=None if entry.get("strides") is None
+                     else [s.integer() for s in entry["strides"].items()])
+            for entry in inputs.items()
+        ],
+    )
 
 
-def _weights_of(top: Path, package: Path) -> tuple[str | None, list[dict[str, Any]]]:
-    index = top / WEIGHTS_INDEX
-    if not index.is_file():
+def _weights_of(top: Path) -> tuple[str | None, list[tuple[WeightDoc, list[str]]]]:
+    index_path = top / WEIGHTS_INDEX
+    if not index_path.is_file():
         return None, []
-    try:
-        doc = json.loads(index.read_text())
-        if doc.get("version") != 1:
-            raise PackageError(f"{package}: weights index of an unknown version {doc.get('version')!r}")
-        blob = (top / doc["blob"]).resolve()
-        entries = list(doc["entries"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise PackageError(f"{package}: unreadable weights index {WEIGHTS_INDEX}: {e}") from None
+    index = read_json(index_path)
+    version = index["version"].integer()
+    if version != WEIGHTS_VERSION:
+        raise PackageError(f"{index.where('version')}: weights index of an unknown version {version}")
+    blob_name = index["blob"].string()
+    blob = (top / blob_name).resolve()
     if not blob.is_relative_to(top.resolve()) or not blob.is_file():
-        raise PackageError(f"{package}: weights file {doc['blob']} is missing")
+        raise PackageError(f"{index.where('blob')}: weights file {blob_name} is missing")
+    entries = []
+    for e in index["entries"].items():
+        doc = WeightDoc(fqn=e["fqn"].string(), dtype=e["dtype"].string(),
+                        sizes=[s.integer(minimum=0) for s in e["sizes"].items()],
+                        strides=[s.integer() for s in e["strides"].items()],
+                        offset=e["offset"].integer(minimum=0), nbytes=e["nbytes"].integer(minimum=0))
+        entries.append((doc, e["methods"].strings()))
     return str(blob), entries
 
 
@@ -145,33 +209,53 @@ def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
             raise PackageError(
                 f"{package}: model '{model_dir.name}' holds {len(libraries)} libraries, expected 1"
             )
-        metadata: dict[str, str] = {}
+        device_key: str | None = None
+        metadata: SessionsMetadata | None = None
         for meta_file in sorted(model_dir.glob("*metadata.json")):
-            if meta_file.name.startswith(libraries[0].name.split(".")[0]):
-                metadata = json.loads(meta_file.read_text())
-        weights_file, entries = _weights_of(model_dir.parents[2], package)
-        methods.append(
-            MethodFiles(
-                name=model_dir.name,
-                library=str(libraries[0]),
-                cubin_dir=str(model_dir),
-                device_key=metadata.get("AOTI_DEVICE_KEY"),
-                metadata=metadata,
-                weights_file=weights_file,
-                weights=[e for e in entries if model_dir.name in e.get("methods", ())],
-            )
-        )
+            if not meta_file.name.startswith(libraries[0].name.split(".")[0]):
+                continue
+            meta = read_json(meta_file)
+            key = meta.get("AOTI_DEVICE_KEY")
+            device_key = None if key is None else key.string()
+            raw = meta.get(METADATA_KEY)
+            metadata = None if raw is None else _sessions_metadata(raw)
+        weights_file, entries = _weights_of(model_dir.parents[2])
+        methods.append(MethodFiles(
+            name=model_dir.name,
+            library=str(libraries[0]),
+            cubin_dir=str(model_dir),
+            device_key=device_key,
+            metadata=metadata,
+            weights_file=weights_file,
+            weights=[doc for doc, users in entries if model_dir.name in users],
+        ))
     if not methods:
         raise PackageError(f"{package} holds no AOTInductor model (no data/aotinductor/<model>/)")
     return methods
 
 
+def _check_model_path(p: Path) -> None:
+    if "\0" in str(p):
+        raise ValueError(f"model path {str(p)!r}: embedded null byte")
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise PackageError(f"model file {p} does not exist") from None
+    except OSError as e:
+        raise PackageError(f"cannot read model file {p}: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
+        raise PackageError(f"model file {p} is a folder; give a .pt2 package or a .so library")
+    if not stat.S_ISREG(mode):
+        raise PackageError(f"model file {p} is not a regular file (a device, FIFO or socket); "
+                           "give a .pt2 package or a .so library")
+
+
 def open_model(path: str | os.PathLike[str]) -> list[MethodFiles]:
     """The methods of a ``.pt2`` package, or the single method of a ``.so``."""
     p = Path(path)
-    if not p.is_file():
-        raise PackageError(f"model file {p} does not exist")
+    _check_model_path(p)
     if p.suffix == ".so":
         return [MethodFiles(name="forward", library=str(p.resolve()), cubin_dir=str(p.parent.resolve()),
                             device_key=None)]
     return _methods_in(_extract(p), p)
+

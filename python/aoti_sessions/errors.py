@@ -4,23 +4,28 @@ Every error of this library derives from :class:`Error`. Wrong arguments raise
 the built-in :class:`ValueError` or :class:`TypeError` instead, always before
 the model runs, and leave the engine and every session as they were.
 
-C++ core errors map to these classes (csrc/python/module.cc):
+Every exception leaving the C++ core is raised as the class :data:`CORE_ERRORS`
+maps its kind to (the binding layer looks it up there; tests/test_exceptions.py
+pins each row):
 
-==================  ==========================
-core ErrorKind      Python exception
-==================  ==========================
-kInvalidArgument    ValueError
-kTypeMismatch       TypeError
-kPackage            PackageError
-kCapacity           CapacityError
-kSessionClosed      SessionClosedError
-kRun                RunError
-kDevice             DeviceError
-kSessionFile        SessionFileError
-kFileNotFound       SessionFileNotFoundError
-kModelMismatch      ModelMismatchError
-kInternal           Error
-==================  ==========================
+=================  ==========================
+core error kind    Python exception
+=================  ==========================
+invalid_argument   ValueError
+type_mismatch      TypeError
+package            PackageError
+capacity           CapacityError
+session_closed     SessionClosedError
+other_process      OtherProcessError
+run                RunError
+device             DeviceError
+session_file       SessionFileError
+file_not_found     SessionFileNotFoundError
+model_mismatch     ModelMismatchError
+internal           Error (a broken invariant of this library; also any
+                   other C++ exception)
+out_of_memory      MemoryError (host memory exhausted in C++)
+=================  ==========================
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ __all__ = [
     "PackageError",
     "CapacityError",
     "SessionClosedError",
+    "OtherProcessError",
     "RunError",
     "DeviceError",
     "SessionFileError",
@@ -56,6 +62,12 @@ class SessionClosedError(Error):
     """The session, or the engine it belongs to, has been closed."""
 
 
+class OtherProcessError(Error):
+    """An engine (or one of its sessions) used in a child process made by
+    ``os.fork()`` after the engine was created. The parent's threads and locks
+    do not exist in the child: create a new :class:`Engine` there."""
+
+
 class RunError(Error):
     """The compiled model reported a failure while running."""
 
@@ -76,3 +88,25 @@ class SessionFileNotFoundError(SessionFileError, FileNotFoundError):
 class ModelMismatchError(SessionFileError):
     """A session file was saved from another model (other buffers, or with
     ``strict=True`` other compiled libraries or weights)."""
+
+
+CORE_ERRORS: dict[str, type[BaseException]] = {
+    "invalid_argument": ValueError,
+    "type_mismatch": TypeError,
+    "package": PackageError,
+    "capacity": CapacityError,
+    "session_closed": SessionClosedError,
+    "other_process": OtherProcessError,
+    "run": RunError,
+    "device": DeviceError,
+    "session_file": SessionFileError,
+    "file_not_found": SessionFileNotFoundError,
+    "model_mismatch": ModelMismatchError,
+    "internal": Error,
+    "out_of_memory": MemoryError,
+}
+
+
+def core_error(kind: str) -> type[BaseException]:
+    """The class an exception of the core's ``kind`` is raised as."""
+    return CORE_ERRORS.get(kind, Error)

@@ -76,7 +76,7 @@ TEST(Container, CapturesConstantDescriptors) {
   EXPECT_EQ(container.num_outputs(), 1u);
   EXPECT_FALSE(container.in_spec().empty());
 
-  auto current = container.CurrentConstants();
+  auto current = container.CurrentConstants(ErrorKind::kPackage);
   TensorLayout acc = ReadLayout(current.at("acc"));
   EXPECT_EQ(acc.sizes, (std::vector<int64_t>{4, 8}));
   EXPECT_TRUE(acc.dense());

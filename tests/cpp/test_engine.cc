@@ -53,8 +53,8 @@ TEST(Engine, DefaultsToEveryBufferTypedConstant) {
 TEST(Session, StartsFromTheTemplates) {
   auto engine = CounterEngine();
   auto session = engine->NewSession();
-  for (float v : ReadBuffer<float>(*session, "acc")) EXPECT_EQ(v, 0.5f);
-  for (int64_t v : ReadBuffer<int64_t>(*session, "hits")) EXPECT_EQ(v, 0);
+  for (float v : ReadBuffer<float>(*engine, *session, "acc")) EXPECT_EQ(v, 0.5f);
+  for (int64_t v : ReadBuffer<int64_t>(*engine, *session, "hits")) EXPECT_EQ(v, 0);
 }
 
 TEST(Session, InterleavedRunsAreIsolated) {
@@ -66,8 +66,8 @@ TEST(Session, InterleavedRunsAreIsolated) {
     interleaved_a.push_back(RunCounter(*a, 1.0f + step, step % 4));
     interleaved_b.push_back(RunCounter(*b, -2.0f, 3));
   }
-  EXPECT_EQ(ReadBuffer<int64_t>(*a, "hits"), (std::vector<int64_t>{2, 1, 1, 1}));
-  EXPECT_EQ(ReadBuffer<int64_t>(*b, "hits"), (std::vector<int64_t>{0, 0, 0, 5}));
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *a, "hits"), (std::vector<int64_t>{2, 1, 1, 1}));
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *b, "hits"), (std::vector<int64_t>{0, 0, 0, 5}));
   auto solo = engine->NewSession();
   for (int step = 0; step < 5; ++step) {
     EXPECT_EQ(RunCounter(*solo, 1.0f + step, step % 4), interleaved_a[step]) << step;
@@ -82,24 +82,21 @@ TEST(Session, ForkResetAndState) {
   auto a = engine->NewSession();
   RunCounter(*a, 1.0f, 2);
   auto fork = a->Fork();
-  EXPECT_EQ(ReadBuffer<float>(*fork, "acc"), ReadBuffer<float>(*a, "acc"));
+  EXPECT_EQ(ReadBuffer<float>(*engine, *fork, "acc"), ReadBuffer<float>(*engine, *a, "acc"));
   RunCounter(*fork, 1.0f, 2);
-  EXPECT_EQ(ReadBuffer<int64_t>(*a, "hits")[2], 1);
-  EXPECT_EQ(ReadBuffer<int64_t>(*fork, "hits")[2], 2);
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *a, "hits")[2], 1);
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *fork, "hits")[2], 2);
   a->Reset();
-  EXPECT_EQ(ReadBuffer<int64_t>(*a, "hits"), (std::vector<int64_t>{0, 0, 0, 0}));
-  for (float v : ReadBuffer<float>(*a, "acc")) EXPECT_EQ(v, 0.5f);
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *a, "hits"), (std::vector<int64_t>{0, 0, 0, 0}));
+  for (float v : ReadBuffer<float>(*engine, *a, "acc")) EXPECT_EQ(v, 0.5f);
 
   std::vector<float> acc(32, 7.0f);
   std::vector<int64_t> hits{9, 9, 9, 9};
   OwnedTensor acc_t = HostTensor(acc, {4, 8}, "float32");
   OwnedTensor hits_t = HostTensor(hits, {4}, "int64");
-  std::vector<AtenTensorHandle> sources(2);
-  sources[engine->buffer_index("acc")] = acc_t.get();
-  sources[engine->buffer_index("hits")] = hits_t.get();
-  a->WriteBuffers(sources);
-  EXPECT_EQ(ReadBuffer<int64_t>(*a, "hits"), hits);
-  EXPECT_EQ(ReadBuffer<float>(*a, "acc"), acc);
+  a->WriteBuffers({"hits", "acc"}, {hits_t.get(), acc_t.get()});  // any order
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *a, "hits"), hits);
+  EXPECT_EQ(ReadBuffer<float>(*engine, *a, "acc"), acc);
 }
 
 TEST(Session, WriteBuffersIsAllOrNothing) {
@@ -109,11 +106,12 @@ TEST(Session, WriteBuffersIsAllOrNothing) {
   std::vector<float> wrong(4, 1.0f);  // hits must be int64
   OwnedTensor acc_t = HostTensor(acc, {4, 8}, "float32");
   OwnedTensor wrong_t = HostTensor(wrong, {4}, "float32");
-  std::vector<AtenTensorHandle> sources(2);
-  sources[engine->buffer_index("acc")] = acc_t.get();
-  sources[engine->buffer_index("hits")] = wrong_t.get();
-  EXPECT_EQ(KindOf([&] { s->WriteBuffers(sources); }), ErrorKind::kTypeMismatch);
-  for (float v : ReadBuffer<float>(*s, "acc")) EXPECT_EQ(v, 0.5f);
+  EXPECT_EQ(KindOf([&] { s->WriteBuffers({"acc", "hits"}, {acc_t.get(), wrong_t.get()}); }),
+            ErrorKind::kTypeMismatch);
+  EXPECT_EQ(KindOf([&] { s->WriteBuffers({"acc"}, {acc_t.get()}); }), ErrorKind::kInvalidArgument);
+  EXPECT_EQ(KindOf([&] { s->WriteBuffers({"acc", "acc"}, {acc_t.get(), acc_t.get()}); }),
+            ErrorKind::kInvalidArgument);
+  for (float v : ReadBuffer<float>(*engine, *s, "acc")) EXPECT_EQ(v, 0.5f);
 }
 
 TEST(FailClosed, UndeclaredOrUnknownMutableState) {
@@ -157,14 +155,14 @@ TEST(FailClosed, BadInputsLeaveStateUntouched) {
   auto engine = CounterEngine();
   auto s = engine->NewSession();
   RunCounter(*s, 1.0f, 0);
-  auto acc_before = ReadBuffer<float>(*s, "acc");
+  auto acc_before = ReadBuffer<float>(*engine, *s, "acc");
   // Count.
   EXPECT_EQ(KindOf([&] { s->Run(0, {}); }), ErrorKind::kInvalidArgument);
   // Out-of-range slot: the model's own bounds check fails the run.
   EXPECT_EQ(KindOf([&] { RunCounter(*s, 1.0f, 100); }), ErrorKind::kRun);
   // Unknown method index.
   EXPECT_EQ(KindOf([&] { s->Run(7, {}); }), ErrorKind::kInvalidArgument);
-  EXPECT_EQ(ReadBuffer<int64_t>(*s, "hits")[0], 1);
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *s, "hits")[0], 1);
   EXPECT_EQ(RunCounter(*s, 1.0f, 1).size(), 8u);  // still usable
 }
 
@@ -200,7 +198,7 @@ TEST(Capacity, MaxSessionsAndBudget) {
   b->Close();
   EXPECT_NO_THROW(engine->NewSession());
 
-  options.max_sessions = -1;
+  options.max_sessions = std::nullopt;
   options.memory_budget = 1024;  // two 512-byte sessions
   options.host_budget = 0;       // nothing may be offloaded to make room
   auto budgeted = CounterEngine(options);

@@ -46,10 +46,9 @@ std::vector<MethodSource> OneMethod(const std::string& path);
 // Runs the Counter test model once: x = `value` everywhere, slot = `slot`.
 std::vector<float> RunCounter(Session& session, float value, int64_t slot);
 
-// Copies mutable buffer `fqn` of `session` to the host.
+// Copies mutable buffer `fqn` of `session` (of `engine`) to the host.
 template <typename T>
-std::vector<T> ReadBuffer(Session& session, const std::string& fqn) {
-  const Engine& engine = *session.engine();
+std::vector<T> ReadBuffer(const Engine& engine, Session& session, const std::string& fqn) {
   size_t index = engine.buffer_index(fqn);
   const MutableBuffer& buffer = engine.mutable_buffers()[index];
   std::vector<T> out(buffer.layout.numel());

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "core/checksum.h"
+#include "core/state_file.h"
 #include "core/errors.h"
 #include "test_helpers.h"
 
@@ -24,8 +25,9 @@ using testing::OneMethod;
 using testing::ReadBuffer;
 using testing::RunCounter;
 
-std::shared_ptr<Engine> CounterEngine(int64_t memory_budget = -1, int64_t host_budget = -1,
-                                      double idle_timeout = 0) {
+std::shared_ptr<Engine> CounterEngine(std::optional<int64_t> memory_budget = std::nullopt,
+                                      std::optional<int64_t> host_budget = std::nullopt,
+                                      std::optional<double> idle_timeout = std::nullopt) {
   EngineOptions options;
   options.mutable_patterns = std::vector<std::string>{"acc", "hits"};
   options.memory_budget = memory_budget;
@@ -64,7 +66,7 @@ TEST(Tiers, OffloadAndRestoreKeepTheStateBitForBit) {
   EXPECT_EQ(a->address(), nullptr);
   EXPECT_EQ(engine->stats().host_bytes, static_cast<int64_t>(engine->bytes_per_session()));
   // Reads come from the host tier without bringing the session back.
-  EXPECT_EQ(ReadBuffer<float>(*a, "acc"), ReadBuffer<float>(*reference, "acc"));
+  EXPECT_EQ(ReadBuffer<float>(*engine, *a, "acc"), ReadBuffer<float>(*engine, *reference, "acc"));
   EXPECT_FALSE(a->resident());
   // A run restores it and continues exactly like the session never moved.
   EXPECT_EQ(RunCounter(*a, 1.5f, 3), RunCounter(*reference, 1.5f, 3));
@@ -121,8 +123,8 @@ TEST(Files, SaveAndLoadRoundTripAndRefuseCorruption) {
   std::string path = TempPath("a.ais");
   a->Save(path);
   auto b = engine->LoadSession(path, /*strict=*/true);
-  EXPECT_EQ(ReadBuffer<float>(*b, "acc"), ReadBuffer<float>(*a, "acc"));
-  EXPECT_EQ(ReadBuffer<int64_t>(*b, "hits"), ReadBuffer<int64_t>(*a, "hits"));
+  EXPECT_EQ(ReadBuffer<float>(*engine, *b, "acc"), ReadBuffer<float>(*engine, *a, "acc"));
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *b, "hits"), ReadBuffer<int64_t>(*engine, *a, "hits"));
   EXPECT_EQ(RunCounter(*b, 1.0f, 2), RunCounter(*a, 1.0f, 2));
 
   std::ifstream in(path, std::ios::binary);
@@ -157,11 +159,45 @@ TEST(Files, SaveAndLoadRoundTripAndRefuseCorruption) {
   EXPECT_EQ(engine->stats().live_sessions, live);
 }
 
+TEST(Files, HugeHeadersGiveBoundedMessages) {
+  // Valid checksums, but 60,000 methods or buffers: the error names a few.
+  auto engine = CounterEngine();
+  std::string path = TempPath("huge.ais");
+  std::vector<char> zeros(engine->bytes_per_session());
+  auto write = [&](int methods, int extra_buffers) {
+    StateFileHeader header;
+    std::vector<const void*> data;
+    for (int i = 0; i < methods; ++i) header.methods.push_back({"m" + std::to_string(i), 1, 2});
+    for (const MutableBuffer& b : engine->mutable_buffers()) {
+      header.buffers.push_back({b.fqn, DtypeName(b.layout.dtype), b.layout.sizes, b.layout.strides, 0,
+                                b.bytes, 0});
+      data.push_back(zeros.data());
+    }
+    for (int i = 0; i < extra_buffers; ++i) {
+      header.buffers.push_back({"b" + std::to_string(i), "float32", {1}, {1}, 0, 4, 0});
+      data.push_back(zeros.data());
+    }
+    WriteStateFile(path, header, data);
+  };
+  for (auto [methods, buffers] : {std::pair{60000, 0}, std::pair{1, 60000}}) {
+    write(methods, buffers);
+    try {
+      engine->LoadSession(path, /*strict=*/true);
+      FAIL() << "loaded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kModelMismatch);
+      EXPECT_LT(std::strlen(e.what()), 600u) << e.what();
+      EXPECT_NE(std::string(e.what()).find(" more"), std::string::npos) << e.what();
+    }
+  }
+  std::remove(path.c_str());
+}
+
 TEST(Tiers, ThreadsRaceEvictionsExpiryAndExplicitMoves) {
   // Budget of two sessions, an idle timer firing constantly, four threads
   // running their own sessions and one moving everyone's state at random:
   // every session ends exactly like the same runs done alone.
-  auto engine = CounterEngine(/*memory_budget=*/1024, -1, /*idle_timeout=*/0.002);
+  auto engine = CounterEngine(/*memory_budget=*/1024, std::nullopt, /*idle_timeout=*/0.002);
   constexpr int kThreads = 4, kSteps = 60;
   std::vector<std::shared_ptr<Session>> sessions;
   for (int t = 0; t < kThreads; ++t) sessions.push_back(engine->NewSession());
@@ -189,7 +225,9 @@ TEST(Tiers, ThreadsRaceEvictionsExpiryAndExplicitMoves) {
     std::vector<float> want;
     for (int step = 0; step < kSteps; ++step) want = RunCounter(*solo, 0.5f * t, step % 4);
     EXPECT_EQ(last[t], want) << t;
-    EXPECT_EQ(ReadBuffer<int64_t>(*sessions[t], "hits"), ReadBuffer<int64_t>(*solo, "hits")) << t;
+    EXPECT_EQ(ReadBuffer<int64_t>(*engine, *sessions[t], "hits"),
+              ReadBuffer<int64_t>(*engine, *solo, "hits"))
+        << t;
   }
   EngineStats stats = engine->stats();
   EXPECT_GT(stats.evictions + stats.idle_offloads, 0);

@@ -1,0 +1,350 @@
+// pybind11 module `aoti_sessions._core`: a thin layer over the core. It binds
+// the core's value types as classes (so the generated stubs say what crosses
+// the boundary), moves tensor handles in and out as capsules (made and consumed
+// by torch._C._aoti), releases the GIL around every call that may block or run
+// the model, and maps every C++ exception to a Python one through the table in
+// aoti_sessions/errors.py. The documented API is python/aoti_sessions.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <pybind11/typing.h>
+
+#include <cstdint>
+#include <new>
+#include <stdexcept>
+
+#include "../core/engine.h"
+#include "../core/errors.h"
+#include "../core/session.h"
+
+namespace py = pybind11;
+using namespace aoti_sessions;
+
+using CapsuleList = py::typing::List<py::capsule>;
+
+namespace {
+
+StreamHandle ToStream(uintptr_t stream) { return reinterpret_cast<StreamHandle>(stream); }
+
+// Takes ownership of every handle in `capsules` (as made by
+// torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors), so none leaks if one of
+// them is not a capsule.
+std::vector<OwnedTensor> TakeHandles(const py::list& capsules) {
+  std::vector<OwnedTensor> owned;
+  owned.reserve(capsules.size());
+  bool bad = false;
+  for (py::handle item : capsules) {
+    if (!PyCapsule_CheckExact(item.ptr())) {
+      bad = true;
+      continue;
+    }
+    void* ptr = PyCapsule_GetPointer(item.ptr(), PyCapsule_GetName(item.ptr()));
+    if (ptr == nullptr) throw py::error_already_set();
+    owned.emplace_back(static_cast<AtenTensorHandle>(ptr));
+  }
+  if (bad) throw py::type_error("expected a list of tensor handle capsules");
+  return owned;
+}
+
+std::vector<AtenTensorHandle> Borrowed(const std::vector<OwnedTensor>& owned) {
+  std::vector<AtenTensorHandle> handles;
+  for (const auto& t : owned) handles.push_back(t.get());
+  return handles;
+}
+
+CapsuleList GiveHandles(std::vector<OwnedTensor>&& tensors) {
+  CapsuleList out;
+  for (OwnedTensor& t : tensors) {
+    // Unnamed, without destructor: the form alloc_tensors_by_stealing_from_void_ptrs takes.
+    PyObject* capsule = PyCapsule_New(static_cast<void*>(t.get()), nullptr, nullptr);
+    if (capsule == nullptr) throw py::error_already_set();
+    out.append(py::reinterpret_steal<py::object>(capsule));
+    t.release();
+  }
+  return out;
+}
+
+// Raises the Python exception aoti_sessions.errors maps `kind` to.
+void Raise(const std::string& kind, const char* message) {
+  py::object cls = py::module_::import("aoti_sessions.errors").attr("core_error")(kind);
+  PyErr_SetString(cls.ptr(), message);
+}
+
+// Every exception leaving C++: the core's by kind; host memory exhaustion as
+// MemoryError; anything else (a broken invariant) as "internal", never as
+// pybind11's default mapping of standard exceptions (IndexError, ...).
+void TranslateExceptions(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const Error& e) {
+    Raise(KindName(e.kind()), e.what());
+  } catch (const std::bad_alloc& e) {
+    Raise("out_of_memory", e.what());
+  } catch (const py::builtin_exception&) {
+    throw;  // raised by this layer on purpose (type_error, ...): pybind11 maps it
+  } catch (const py::error_already_set&) {
+    throw;  // a Python exception passing through
+  } catch (const std::exception& e) {
+    Raise(KindName(ErrorKind::kInternal), e.what());
+  }
+}
+
+// Layout fields of a descriptor, read-only.
+template <typename T>
+void BindLayout(py::class_<T>& cls) {
+  cls.def_property_readonly("dtype", [](const T& x) { return DtypeName(x.layout.dtype); })
+      .def_property_readonly("sizes", [](const T& x) { return x.layout.sizes; })
+      .def_property_readonly("strides", [](const T& x) { return x.layout.strides; })
+      .def_readonly("bytes", &T::bytes)
+      .def_readonly("fqn", &T::fqn);
+}
+
+void BindValues(py::module_& m) {
+  py::class_<InputSpec>(m, "InputSpec")
+      .def(py::init<>())
+      .def_readwrite("dtype", &InputSpec::dtype)
+      .def_readwrite("sizes", &InputSpec::sizes)
+      .def_readwrite("strides", &InputSpec::strides);
+
+  py::class_<WeightEntry>(m, "WeightEntry", "One tensor of a weights file.")
+      .def(py::init([](std::string fqn, int32_t dtype, std::vector<int64_t> sizes,
+                       std::vector<int64_t> strides, uint64_t offset, uint64_t bytes) {
+             return WeightEntry{std::move(fqn), TensorLayout{dtype, std::move(sizes), std::move(strides)},
+                                offset, bytes};
+           }),
+           py::arg("fqn"), py::arg("dtype"), py::arg("sizes"), py::arg("strides"),
+           py::arg("offset"), py::arg("bytes"))
+      .def_readonly("fqn", &WeightEntry::fqn)
+      .def_readonly("offset", &WeightEntry::offset)
+      .def_readonly("bytes", &WeightEntry::bytes);
+
+  py::class_<WeightsFile>(m, "WeightsFile", "A weights file and the entries one method reads.")
+      .def(py::init<>())
+      .def_readwrite("path", &WeightsFile::path)
+      .def_readwrite("entries", &WeightsFile::entries);
+
+  py::class_<MethodSource>(m, "MethodSource")
+      .def(py::init<>())
+      .def_readwrite("name", &MethodSource::name)
+      .def_readwrite("library_path", &MethodSource::library_path)
+      .def_readwrite("cubin_dir", &MethodSource::cubin_dir)
+      .def_readwrite("inputs", &MethodSource::inputs)
+      .def_readwrite("weights", &MethodSource::weights);
+
+  py::enum_<IdleAction>(m, "IdleAction")
+      .value("OFFLOAD", IdleAction::kOffload)
+      .value("CLOSE", IdleAction::kClose);
+
+  py::class_<EngineOptions>(m, "EngineOptions", "Options of an engine (checked by the core).")
+      .def(py::init<>())
+      .def_readwrite("device", &EngineOptions::device)
+      .def_readwrite("mutable_patterns", &EngineOptions::mutable_patterns)
+      .def_readwrite("known_mutated", &EngineOptions::known_mutated)
+      .def_readwrite("max_sessions", &EngineOptions::max_sessions)
+      .def_readwrite("memory_budget", &EngineOptions::memory_budget)
+      .def_readwrite("host_budget", &EngineOptions::host_budget)
+      .def_readwrite("idle_timeout", &EngineOptions::idle_timeout_seconds)
+      .def_readwrite("idle_action", &EngineOptions::idle_action)
+      .def_readwrite("reclaim_bind_handles", &EngineOptions::reclaim_bind_handles)
+      .def_readwrite("strict_weights", &EngineOptions::strict_weights);
+
+  py::class_<MutableBuffer> buffer(m, "BufferInfo", "A mutable buffer (per-session state).");
+  BindLayout(buffer);
+  buffer.def_readonly("zero_initial", &MutableBuffer::zero_initial)
+      .def_readonly("methods", &MutableBuffer::methods);
+
+  py::class_<WeightInfo> weight(m, "WeightInfo", "A weight held by the engine.");
+  BindLayout(weight);
+  weight.def_readonly("methods", &WeightInfo::methods);
+
+  py::class_<MemoryReport>(m, "MemoryReport", "Bytes by holder.")
+      .def_readonly("weights", &MemoryReport::weights)
+      .def_readonly("templates", &MemoryReport::templates)
+      .def_readonly("sessions", &MemoryReport::sessions)
+      .def_readonly("containers", &MemoryReport::containers)
+      .def_readonly("offloaded", &MemoryReport::offloaded)
+      .def_readonly("host_spare", &MemoryReport::host_spare);
+
+  py::class_<SessionStats>(m, "SessionStats", "Where one session is.")
+      .def_readonly("id", &SessionStats::id)
+      .def_readonly("resident", &SessionStats::resident)
+      .def_readonly("bytes", &SessionStats::bytes)
+      .def_property_readonly("last_use", [](const SessionStats& s) { return s.last_use_ns * 1e-9; });
+
+  py::class_<EngineStats> stats(m, "EngineStats", "Counters of an engine.");
+  for (auto [name, field] : std::initializer_list<std::pair<const char*, int64_t EngineStats::*>>{
+           {"live_sessions", &EngineStats::live_sessions},
+           {"live_bytes", &EngineStats::live_bytes},
+           {"resident_sessions", &EngineStats::resident_sessions},
+           {"offloaded_sessions", &EngineStats::offloaded_sessions},
+           {"device_bytes", &EngineStats::device_bytes},
+           {"host_bytes", &EngineStats::host_bytes},
+           {"host_spare_bytes", &EngineStats::host_spare_bytes},
+           {"sessions_created", &EngineStats::sessions_created},
+           {"offloads", &EngineStats::offloads},
+           {"evictions", &EngineStats::evictions},
+           {"idle_offloads", &EngineStats::idle_offloads},
+           {"idle_closes", &EngineStats::idle_closes},
+           {"restores", &EngineStats::restores},
+           {"saves", &EngineStats::saves},
+           {"loads", &EngineStats::loads},
+           {"runs", &EngineStats::runs},
+           {"binds", &EngineStats::binds}}) {
+    stats.def_readonly(name, field);
+  }
+  stats.def_property_readonly("bind_seconds", [](const EngineStats& s) { return s.bind_nanoseconds * 1e-9; })
+      .def_property_readonly("reclaim_seconds",
+                             [](const EngineStats& s) { return s.reclaim_nanoseconds * 1e-9; })
+      .def_readonly("sessions", &EngineStats::sessions);
+}
+
+void BindSession(py::module_& m) {
+  py::class_<Session, std::shared_ptr<Session>>(m, "Session")
+      .def_property_readonly("id", &Session::id)
+      .def_property_readonly("closed", &Session::closed)
+      .def_property_readonly(
+          "address",
+          [](const Session& s) {
+            py::gil_scoped_release release;  // waits for a run of this session in flight
+            return reinterpret_cast<uintptr_t>(s.address());
+          },
+          "Device address of the session's state block (0 once closed or offloaded).")
+      .def_property_readonly("resident", &Session::resident)
+      .def_property_readonly(
+          "last_use", [](const Session& s) { return static_cast<double>(s.last_use_ns()) * 1e-9; },
+          "Last use, in seconds of time.monotonic().")
+      .def(
+          "offload", [](Session& s, uintptr_t stream) { s.Offload(ToStream(stream)); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "restore", [](Session& s, uintptr_t stream) { s.Restore(ToStream(stream)); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "save",
+          [](Session& s, const std::string& path, uintptr_t stream) { s.Save(path, ToStream(stream)); },
+          py::arg("path"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run",
+          [](Session& s, size_t method, const CapsuleList& inputs, uintptr_t stream) {
+            std::vector<OwnedTensor> owned = TakeHandles(inputs);
+            std::vector<OwnedTensor> outputs;
+            {
+              py::gil_scoped_release release;
+              outputs = s.Run(method, std::move(owned), ToStream(stream));
+            }
+            return GiveHandles(std::move(outputs));
+          },
+          py::arg("method"), py::arg("inputs"), py::arg("stream") = 0)
+      .def(
+          "reset", [](Session& s, uintptr_t stream) { s.Reset(ToStream(stream)); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "fork", [](Session& s, uintptr_t stream) { return s.Fork(ToStream(stream)); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "read_buffers",
+          [](Session& s, const CapsuleList& dsts, uintptr_t stream) {
+            std::vector<OwnedTensor> owned = TakeHandles(dsts);
+            py::gil_scoped_release release;
+            s.ReadBuffers(Borrowed(owned), ToStream(stream));
+          },
+          py::arg("dsts"), py::arg("stream") = 0,
+          "Copies every buffer at once into `dsts` (one snapshot).")
+      .def(
+          "write_buffers",
+          [](Session& s, const std::vector<std::string>& fqns, const CapsuleList& sources,
+             uintptr_t stream) {
+            std::vector<OwnedTensor> owned = TakeHandles(sources);
+            py::gil_scoped_release release;
+            s.WriteBuffers(fqns, Borrowed(owned), ToStream(stream));
+          },
+          py::arg("fqns"), py::arg("sources"), py::arg("stream") = 0,
+          "Replaces every buffer at once: sources[i] is the new value of fqns[i].")
+      .def("close", &Session::Close, py::call_guard<py::gil_scoped_release>());
+}
+
+void BindEngine(py::module_& m) {
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def(py::init(&Engine::Create), py::arg("methods"), py::arg("options"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("device", [](const Engine& e) { return e.device().ToString(); })
+      .def_property_readonly("method_names", &Engine::method_names)
+      .def("method_index", &Engine::method_index, py::arg("name"))
+      .def("call_spec", &Engine::call_spec, py::arg("method"))
+      .def("num_inputs", &Engine::num_inputs, py::arg("method"))
+      .def_property_readonly("mutable_buffers", &Engine::mutable_buffers)
+      .def_property_readonly("bytes_per_session", &Engine::bytes_per_session)
+      .def_property_readonly("weight_bytes", &Engine::weight_bytes)
+      .def_property_readonly("template_bytes", &Engine::template_bytes)
+      .def_property_readonly("load_notes", &Engine::load_notes)
+      .def("memory_report", &Engine::memory_report, py::call_guard<py::gil_scoped_release>())
+      .def("weights", &Engine::weights)
+      .def(
+          "update_weights",
+          [](Engine& e, const std::vector<std::string>& names, const CapsuleList& sources,
+             bool double_buffer) {
+            std::vector<OwnedTensor> owned = TakeHandles(sources);
+            if (owned.size() != names.size()) {
+              throw py::value_error("update_weights: names and tensors differ in number");
+            }
+            std::vector<WeightUpdate> updates;
+            for (size_t i = 0; i < names.size(); ++i) updates.push_back({names[i], owned[i].get()});
+            py::gil_scoped_release release;
+            e.UpdateWeights(updates, double_buffer);
+          },
+          py::arg("names"), py::arg("sources"), py::arg("double_buffer") = false)
+      .def("stats", &Engine::stats, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "new_session", [](Engine& e, uintptr_t stream) { return e.NewSession(ToStream(stream)); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "load_session",
+          [](Engine& e, const std::string& path, bool strict, uintptr_t stream) {
+            return e.LoadSession(path, strict, ToStream(stream));
+          },
+          py::arg("path"), py::arg("strict") = true, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
+      .def("close", &Engine::Close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &Engine::closed);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "C++ core of aoti_sessions (private; use the aoti_sessions package)";
+  py::register_exception_translator(&TranslateExceptions);
+
+  m.def(
+      "built_with_cuda",
+      [] {
+#ifdef AOTI_SESSIONS_WITH_CUDA
+        return true;
+#else
+        return false;
+#endif
+      },
+      "Whether this build serves CUDA engines.");
+  m.def("dtype_code", &DtypeFromName, py::arg("name"),
+        "Shim dtype code of a torch dtype name ('float32'), -1 if unknown.");
+  m.def(
+      "error_kinds",
+      [] {
+        std::vector<std::string> names;
+        for (ErrorKind kind : kAllErrorKinds) names.push_back(KindName(kind));
+        return names;
+      },
+      "Names of every error kind the core raises (keys of aoti_sessions.errors.CORE_ERRORS).");
+  m.def(
+      "_throw_for_test",
+      [](const std::string& kind, const std::string& message) {
+        for (ErrorKind k : kAllErrorKinds) {
+          if (kind == KindName(k)) Throw(k, message);
+        }
+        if (kind == "bad_alloc") throw std::bad_alloc();
+        throw std::out_of_range(message);  // any other standard exception
+      },
+      py::arg("kind"), py::arg("message"),
+      "Throws a C++ exception of `kind` (tests of the exception table).");
+  BindValues(m);
+  BindSession(m);
+  BindEngine(m);
+}

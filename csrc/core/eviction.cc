@@ -1,0 +1,115 @@
+// Making room under memory_budget: reserving device bytes for a session by
+// offloading the least recently used idle session, or waiting for one to
+// become idle when every resident session is in use.
+#include <algorithm>
+#include <chrono>
+
+#include "errors.h"
+#include "residency.h"
+#include "util.h"
+
+namespace aoti_sessions {
+namespace {
+
+// How long a call waits for a busy session to become evictable.
+constexpr auto kCapacityWait = std::chrono::seconds(60);
+
+}  // namespace
+
+void Residency::UnreserveDevice() {
+  MutexLock lock(registry_mutex_);
+  device_bytes_ -= block_bytes_;
+  RetainRegistryLocked();
+}
+
+void Residency::ReserveDevice(const SessionState* held, StreamHandle stream) {
+  const int64_t need = block_bytes_;
+  const auto deadline = std::chrono::steady_clock::now() + kCapacityWait;
+  // A restore releases its own host block right after evicting: the swap
+  // leaves host use unchanged, so a full host budget does not stop it.
+  const int64_t host_credit = held != nullptr && !held->resident() ? need : 0;
+  MutexLock lock(registry_mutex_);
+  for (;;) {
+    if (closed_) Throw(ErrorKind::kSessionClosed, "the engine is closed");
+    if (!memory_budget_ || device_bytes_ + need <= *memory_budget_) {
+      device_bytes_ += need;
+      RetainRegistryLocked();
+      return;
+    }
+    const int64_t budget = *memory_budget_;
+    std::string full = "memory_budget=" + BytesText(budget) + " exceeded: " +
+                       std::to_string(need > 0 ? device_bytes_ / need : 0) + " sessions hold " +
+                       std::to_string(device_bytes_) + " bytes and a new one needs " +
+                       std::to_string(need);
+    if (need > budget) Throw(ErrorKind::kCapacity, full + " (the budget is below one session)");
+    if (host_budget_ && host_bytes_ + need - host_credit > *host_budget_) {
+      Throw(ErrorKind::kCapacity, full + ", and host_budget=" + BytesText(*host_budget_) +
+                                      " cannot take an offloaded session (" +
+                                      BytesText(host_bytes_) + " offloaded)");
+    }
+    std::vector<std::shared_ptr<SessionState>> candidates = OpenStatesRegistryLocked();
+    // Device bytes reserved by creations and restores in flight (or held by
+    // sessions being released): they become idle or free soon.
+    int64_t resident = 0;
+    for (const auto& s : candidates) resident += s->resident() ? 1 : 0;
+    const bool in_flight = device_bytes_ > resident * need;
+    lock.Unlock();
+    // Sessions held by calls that are themselves waiting for room never
+    // become idle before this call proceeds: waiting for them is futile.
+    candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
+                                    [&](const auto& s) {
+                                      return s.get() == held || !s->resident() || s->closed() ||
+                                             s->waiting_for_room();
+                                    }),
+                     candidates.end());
+    std::sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
+      return a->last_use_ns() < b->last_use_ns();
+    });
+    bool evicted = false;
+    const bool any = !candidates.empty();
+    for (const auto& candidate : candidates) {
+      if (TryEvict(*candidate, stream, host_credit)) {
+        evicted = true;
+        break;
+      }
+    }
+    candidates.clear();
+    lock.Lock();
+    if (evicted) continue;
+    const int64_t ours = held != nullptr && held->resident() ? need : 0;
+    if (!any && device_bytes_ <= ours) {
+      Throw(ErrorKind::kCapacity, full + "; the only resident session is the one this call uses");
+    }
+    if (!any && !in_flight) {
+      Throw(ErrorKind::kCapacity,
+            full + "; every resident session is held by a call waiting for room itself");
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      Throw(ErrorKind::kCapacity, full + "; every resident session stayed in use for " +
+                                      std::to_string(kCapacityWait.count()) + " s");
+    }
+    // Every resident session is in use: wait for one to finish its operation.
+    capacity_waiters_.fetch_add(1);
+    lock.WaitFor(capacity_cv_, std::chrono::milliseconds(5));
+    capacity_waiters_.fetch_sub(1);
+  }
+}
+
+bool Residency::TryEvict(SessionState& victim, StreamHandle stream, int64_t host_credit) {
+  if (!victim.mutex().try_lock()) return false;  // in use: never evicted
+  MutexLock lock(victim.mutex(), MutexLock::Adopt{});
+  if (!victim.closed() && victim.resident()) {
+    OffloadWithCredit(victim, stream, OffloadCause::kEviction, host_credit);
+  }
+  return true;  // room was made, or the session left the device meanwhile
+}
+
+void Residency::NotifyIdle() {
+  if (capacity_waiters_.load(std::memory_order_relaxed) > 0) {
+    // Taking the lock orders the notification after a waiter's check.
+    { MutexLock lock(registry_mutex_); }
+    capacity_cv_.notify_all();
+  }
+}
+
+}  // namespace aoti_sessions

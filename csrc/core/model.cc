@@ -1,0 +1,248 @@
+// Loading a model: its methods, the selection of mutable state, its
+// descriptors, the block layout and the templates of the initial state.
+#include "model.h"
+
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <set>
+
+#include "errors.h"
+#include "util.h"
+
+namespace aoti_sessions {
+namespace {
+
+constexpr size_t kBlockAlignment = 256;
+
+}  // namespace
+
+LoadedModel Model::Load(const std::vector<MethodSource>& sources, const EngineOptions& options) {
+  std::shared_ptr<Model> model(new Model());
+  std::vector<std::unique_ptr<Container>> containers = model->OpenMethods(sources, options);
+  model->SelectMutable(containers, options);
+  model->HoldWeights(containers, options.strict_weights);
+  model->CaptureTemplates(containers);
+  model->FinishWeights(containers);
+  return {std::move(model), std::move(containers)};
+}
+
+Model::~Model() {
+  weights_.reset();
+  parking_tensors_.clear();
+  try {
+    if (template_block_ != nullptr) device_->Free(template_block_, template_stream_.last());
+    if (parking_ != nullptr) device_->Free(parking_, nullptr);
+  } catch (...) {
+    // A broken device runtime (say a sticky CUDA error) must not abort teardown.
+  }
+}
+
+std::vector<std::unique_ptr<Container>> Model::OpenMethods(
+    const std::vector<MethodSource>& sources, const EngineOptions& options) {
+  device_ = OpenDevice(DeviceSpec::Parse(options.device));
+  const DeviceSpec& spec = device_->spec();
+  std::vector<std::unique_ptr<Container>> containers;
+  std::unordered_map<std::string, std::shared_ptr<ModelLibrary>> libraries;
+  for (const MethodSource& source : sources) {
+    auto& library = libraries[source.library_path];
+    if (!library) library = ModelLibrary::Open(source.library_path);
+    bool wants_cuda = spec.kind == DeviceKind::kCuda;
+    if (library->targets_cuda() != wants_cuda) {
+      Throw(ErrorKind::kPackage, "method '" + source.name + "' (" + source.library_path +
+                                     ") was compiled for " +
+                                     (library->targets_cuda() ? "cuda" : "cpu") +
+                                     ", but the engine's device is " + spec.ToString());
+    }
+    auto container =
+        std::make_unique<Container>(library, spec, source.cubin_dir, options.reclaim_bind_handles);
+    if (source.inputs && source.inputs->size() != container->num_inputs()) {
+      Throw(ErrorKind::kPackage, "method '" + source.name + "' declares " +
+                                     std::to_string(source.inputs->size()) +
+                                     " input specs, but its model takes " +
+                                     std::to_string(container->num_inputs()));
+    }
+    Method method;
+    method.name = source.name;
+    method.library_path = source.library_path;
+    method.weights_file = source.weights;
+    method.inputs = source.inputs;
+    method.call_spec = {container->in_spec(), container->out_spec()};
+    method.num_inputs = container->num_inputs();
+    methods_.push_back(std::move(method));
+    containers.push_back(std::move(container));
+  }
+  return containers;
+}
+
+void Model::SelectMutable(const std::vector<std::unique_ptr<Container>>& containers,
+                          const EngineOptions& options) {
+  // Every non-folded constant FQN, in order of first appearance.
+  std::vector<std::string> fqns;
+  std::set<std::string> seen;
+  std::set<std::string> buffer_typed;
+  for (const auto& container : containers) {
+    for (const ConstantInfo& c : container->constants()) {
+      if (c.from_folded) continue;
+      if (seen.insert(c.fqn).second) fqns.push_back(c.fqn);
+      if (c.type == abi::ConstantType::kBuffer) buffer_typed.insert(c.fqn);
+    }
+  }
+  std::set<std::string> selected;
+  if (options.mutable_patterns) {
+    for (const std::string& pattern : *options.mutable_patterns) {
+      bool matched = false;
+      for (const std::string& fqn : fqns) {
+        if (fnmatch(pattern.c_str(), fqn.c_str(), 0) == 0) {
+          selected.insert(fqn);
+          matched = true;
+        }
+      }
+      if (!matched) {
+        Throw(ErrorKind::kPackage, "mutable FQN '" + pattern +
+                                       "' matches no constant of any method (" +
+                                       JoinNames(method_names()) + ")");
+      }
+    }
+  } else {
+    selected = buffer_typed;
+  }
+  for (const std::string& fqn : options.known_mutated) {
+    if (!selected.count(fqn)) {
+      Throw(ErrorKind::kPackage, "buffer '" + fqn +
+                                     "' is mutated by the model but not in the mutable set, so "
+                                     "sessions would share it; add it to mutable=");
+    }
+  }
+  for (const std::string& fqn : fqns) {
+    if (!selected.count(fqn)) continue;
+    buffer_index_[fqn] = buffers_.size();
+    MutableBuffer buffer;
+    buffer.fqn = fqn;
+    buffers_.push_back(std::move(buffer));
+  }
+}
+
+void Model::CaptureTemplates(const std::vector<std::unique_ptr<Container>>& containers) {
+  // Where each buffer's initial value lives (the first method that has it).
+  std::vector<const void*> initial(buffers_.size(), nullptr);
+  std::vector<std::string> first_method(buffers_.size());
+  for (size_t m = 0; m < methods_.size(); ++m) {
+    Method& method = methods_[m];
+    auto values = InitialValues(method, *containers[m]);
+    for (const ConstantInfo& c : containers[m]->constants()) {
+      auto index = buffer_index_.find(c.fqn);
+      if (c.from_folded || index == buffer_index_.end()) continue;
+      MutableBuffer& buffer = buffers_[index->second];
+      auto value = values.find(c.fqn);
+      if (value == values.end()) {
+        Throw(ErrorKind::kPackage, "method '" + method.name + "' lists constant '" + c.fqn +
+                                       "' but holds no tensor for it");
+      }
+      const TensorLayout& layout = value->second.layout;
+      if (initial[index->second] == nullptr) {
+        if (!layout.dense()) {
+          Throw(ErrorKind::kPackage, "mutable buffer '" + c.fqn + "' has a layout (" +
+                                         layout.ToString() +
+                                         ") that is not dense; such buffers are not supported");
+        }
+        buffer.layout = layout;
+        buffer.bytes = layout.span_bytes();
+        initial[index->second] = value->second.data;
+        first_method[index->second] = method.name;
+      } else if (layout != buffer.layout) {
+        Throw(ErrorKind::kPackage, "mutable buffer '" + c.fqn + "' is " +
+                                       buffer.layout.ToString() + " in method '" +
+                                       first_method[index->second] + "' but " +
+                                       layout.ToString() + " in method '" + method.name + "'");
+      }
+      buffer.methods.push_back(method.name);
+      method.state_bindings.emplace_back(index->second, c.name);
+    }
+  }
+  LayOutBlock(initial);
+}
+
+void Model::LayOutBlock(const std::vector<const void*>& initial) {
+  StreamHandle stream = nullptr;
+  // Buffers with a non-zero initial value first, so that initialising a block
+  // is one copy of that prefix plus one memset.
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    buffers_[i].zero_initial = device_->IsZero(initial[i], buffers_[i].bytes, stream);
+  }
+  size_t offset = 0;
+  for (bool zero : {false, true}) {
+    for (MutableBuffer& buffer : buffers_) {
+      if (buffer.zero_initial != zero) continue;
+      buffer.offset = offset;
+      offset += AlignUp(buffer.bytes, kBlockAlignment);
+    }
+    if (!zero) nonzero_prefix_bytes_ = offset;
+  }
+  block_bytes_ = offset;
+  if (nonzero_prefix_bytes_ == 0) return;
+  template_block_ = device_->Allocate(nonzero_prefix_bytes_, stream);
+  template_bytes_ = nonzero_prefix_bytes_;
+  auto* base = static_cast<char*>(template_block_);
+  device_->Zero(base, nonzero_prefix_bytes_, stream);  // alignment padding
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    if (!buffers_[i].zero_initial) {
+      device_->Copy(base + buffers_[i].offset, initial[i], buffers_[i].bytes, stream);
+    }
+  }
+  device_->Synchronize(stream);
+}
+
+std::vector<std::string> Model::method_names() const {
+  std::vector<std::string> names;
+  for (const Method& m : methods_) names.push_back(m.name);
+  return names;
+}
+
+size_t Model::method_index(const std::string& name) const {
+  for (size_t i = 0; i < methods_.size(); ++i) {
+    if (methods_[i].name == name) return i;
+  }
+  Throw(ErrorKind::kInvalidArgument,
+        "unknown method '" + name + "'; this engine has: " + JoinNames(method_names()));
+}
+
+const Method& Model::method(size_t index) const {
+  if (index >= methods_.size()) {
+    Throw(ErrorKind::kInvalidArgument, "method index " + std::to_string(index) +
+                                           " out of range (" + std::to_string(methods_.size()) +
+                                           " methods)");
+  }
+  return methods_[index];
+}
+
+size_t Model::buffer_index(const std::string& fqn) const {
+  auto it = buffer_index_.find(fqn);
+  if (it == buffer_index_.end()) {
+    Throw(ErrorKind::kInvalidArgument, "'" + fqn + "' is not a mutable buffer of this engine");
+  }
+  return it->second;
+}
+
+void Model::InitializeBlock(void* block, StreamHandle stream) const {
+  auto* base = static_cast<char*>(block);
+  if (nonzero_prefix_bytes_ > 0) {
+    template_stream_.Use(*device_, stream);
+    device_->Copy(base, template_block_, nonzero_prefix_bytes_, stream);
+  }
+  if (block_bytes_ > nonzero_prefix_bytes_) {
+    device_->Zero(base + nonzero_prefix_bytes_, block_bytes_ - nonzero_prefix_bytes_, stream);
+  }
+}
+
+std::vector<OwnedTensor> Model::AliasTensors(void* block) const {
+  auto* base = static_cast<char*>(block);
+  std::vector<OwnedTensor> tensors;
+  for (const MutableBuffer& buffer : buffers_) {
+    tensors.push_back(OwnedTensor::FromBlob(base + buffer.offset, buffer.layout,
+                                            device_->torch_device_type(), device_->spec().index));
+  }
+  return tensors;
+}
+
+}  // namespace aoti_sessions

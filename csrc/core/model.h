@@ -1,0 +1,149 @@
+// The model: everything an engine loads once and never changes afterwards.
+// Its methods (what calling each takes, where its state and weights bind), the
+// descriptors and block layout of the mutable state, the templates of its
+// initial value, and the weights, held once for every method. The method
+// containers are made here too, but handed to the runner, which alone calls
+// them after load.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "container.h"
+#include "device.h"
+#include "options.h"
+#include "torch_shim.h"
+#include "weights.h"
+
+namespace aoti_sessions {
+
+// One method as loaded.
+struct Method {
+  std::string name;
+  std::string library_path;
+  std::optional<WeightsFile> weights_file;
+  std::optional<std::vector<InputSpec>> inputs;
+  std::pair<std::string, std::string> call_spec;  // pytree (in, out) specs as JSON
+  size_t num_inputs = 0;
+  // (buffer index, internal constant name) for every mutable FQN it has.
+  std::vector<std::pair<size_t, std::string>> state_bindings;
+  // (held weight, internal constant name) for every weight it reads.
+  std::vector<std::pair<HeldWeight*, std::string>> weight_bindings;
+  // Its container's blob holds weights the engine adopted: never freed.
+  bool keeps_own_constants = false;
+};
+
+// (internal name, held tensor) pairs of the method's weights: all of them, or
+// only those in `only`.
+std::vector<AOTInductorConstantMapEntry> WeightPairs(
+    const Method& method, const std::unordered_set<const HeldWeight*>* only = nullptr);
+
+class Model;
+
+// What loading makes: the model, and one container per method (in method
+// order) for the runner.
+struct LoadedModel {
+  std::shared_ptr<Model> model;
+  std::vector<std::unique_ptr<Container>> containers;
+};
+
+class Model {
+ public:
+  // Loads every method, selects the mutable state, holds each weight once and
+  // captures the templates, before any run. Throws kPackage (unloadable or
+  // inconsistent model) or kInvalidArgument (bad options); nothing stays
+  // allocated.
+  static LoadedModel Load(const std::vector<MethodSource>& sources, const EngineOptions& options);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  Device& device() const { return *device_; }
+  const std::vector<Method>& methods() const { return methods_; }
+  // The method at `index`; throws kInvalidArgument when out of range.
+  const Method& method(size_t index) const;
+  // Index of a method by name; throws kInvalidArgument naming the methods.
+  size_t method_index(const std::string& name) const;
+  std::vector<std::string> method_names() const;
+
+  const std::vector<MutableBuffer>& buffers() const { return buffers_; }
+  // Index of a mutable FQN; throws kInvalidArgument if it is not one.
+  size_t buffer_index(const std::string& fqn) const;
+  bool is_mutable(const std::string& fqn) const { return buffer_index_.count(fqn) > 0; }
+  // Bytes of one session's state block (all buffers, 256-byte aligned).
+  size_t block_bytes() const { return block_bytes_; }
+  // Queues the initial state into `block` (a session block) on `stream`.
+  void InitializeBlock(void* block, StreamHandle stream) const;
+  // One tensor per buffer aliasing `block` (a session block on the device).
+  std::vector<OwnedTensor> AliasTensors(void* block) const;
+
+  // Held weights. The runner, under its run lock, is the only writer of their
+  // memory after load (UpdateWeights).
+  WeightStore& weights() const { return *weights_; }
+  std::vector<WeightInfo> weight_infos() const;
+  // Bytes of weights held (each distinct weight once, whatever the methods).
+  size_t weight_bytes() const { return weights_->held_bytes(); }
+  size_t template_bytes() const { return template_bytes_; }
+  // Device bytes containers hold beyond the shared weights: the parking
+  // buffers, and the state copy inside a container whose blob was adopted.
+  size_t parking_bytes() const { return parking_bytes_; }
+  size_t container_state_bytes() const { return container_state_bytes_; }
+  // What loading noticed and decided (e.g. weights kept apart because methods
+  // disagree on them); the Python layer logs these.
+  const std::vector<std::string>& load_notes() const { return load_notes_; }
+
+ private:
+  // Initial value of a mutable constant, on the device or in host memory.
+  struct InitialValue {
+    TensorLayout layout;
+    const void* data = nullptr;
+  };
+
+  Model() = default;
+  std::vector<std::unique_ptr<Container>> OpenMethods(const std::vector<MethodSource>& sources,
+                                                      const EngineOptions& options);
+  void SelectMutable(const std::vector<std::unique_ptr<Container>>& containers,
+                     const EngineOptions& options);
+  void CaptureTemplates(const std::vector<std::unique_ptr<Container>>& containers);
+  void LayOutBlock(const std::vector<const void*>& initial);
+
+  // model_weights.cc: binds every method's weights to one held copy each
+  // (loading weights files, adopting or copying embedded ones).
+  void HoldWeights(const std::vector<std::unique_ptr<Container>>& containers, bool strict);
+  // After the templates are captured: releases the blobs of containers whose
+  // weights are now shared, and the host copies of initial values.
+  void FinishWeights(const std::vector<std::unique_ptr<Container>>& containers);
+  std::unordered_map<std::string, InitialValue> InitialValues(const Method& method,
+                                                              Container& container);
+  // Records (or, with `strict`, refuses) a weight that differs between methods.
+  void NoteDifferingWeight(const Method& method, const std::string& fqn, bool strict);
+
+  std::unique_ptr<Device> device_;
+  std::vector<Method> methods_;
+  std::vector<MutableBuffer> buffers_;
+  std::unordered_map<std::string, size_t> buffer_index_;
+  size_t block_bytes_ = 0;
+  std::unique_ptr<WeightStore> weights_;
+  std::vector<std::string> load_notes_;
+  // Initial values of mutable constants read from weights files (load only).
+  std::unordered_map<std::string, std::vector<char>> file_initial_;
+  // Templates of the buffers whose initial value is not all zero, laid out as
+  // in a session block; those buffers come first, so they form one prefix.
+  void* template_block_ = nullptr;
+  size_t template_bytes_ = 0;
+  size_t nonzero_prefix_bytes_ = 0;
+  mutable StreamTracker template_stream_;  // streams that copied from the templates
+  // Placeholder memory for the mutable constants of containers whose blob was
+  // freed, until a session is bound (never read: runs bind a session first).
+  void* parking_ = nullptr;
+  size_t parking_bytes_ = 0;
+  std::vector<OwnedTensor> parking_tensors_;
+  size_t container_state_bytes_ = 0;
+};
+
+}  // namespace aoti_sessions

@@ -1,0 +1,156 @@
+// Public value types of the C++ API: what goes into an engine (methods to load,
+// options, weight updates) and what comes out of it (descriptors, statistics,
+// the memory report). Each rule on these values is checked here, once.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torch_shim.h"
+
+namespace aoti_sessions {
+
+// What one input of a method must look like. Unknown for packages that carry no
+// aoti_sessions metadata; the container's own checks then apply.
+struct InputSpec {
+  int32_t dtype = 0;
+  std::vector<int64_t> sizes;    // -1 for a dynamic dimension
+  std::vector<int64_t> strides;  // expected strides; empty: contiguous
+};
+
+// One tensor in a weights file (written by ais.compile): its bytes are the
+// storage span of `layout`, at `offset`.
+struct WeightEntry {
+  std::string fqn;
+  TensorLayout layout;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+// A weights file and the entries one method reads from it.
+struct WeightsFile {
+  std::string path;
+  std::vector<WeightEntry> entries;
+};
+
+// A method to load: a model library and how to call it.
+struct MethodSource {
+  std::string name;
+  std::string library_path;
+  std::string cubin_dir;  // folder of the library's kernel files ("" if none)
+  std::optional<std::vector<InputSpec>> inputs;
+  // Where the method's weights are when its library was compiled without them.
+  std::optional<WeightsFile> weights;
+};
+
+// Throws kInvalidArgument (no methods, a name empty or given twice, a path
+// with a NUL byte) or kPackage (an input spec whose strides and sizes differ
+// in length), naming the method.
+void ValidateSources(const std::vector<MethodSource>& methods);
+
+// What an idle_timeout does to a session left idle that long.
+enum class IdleAction { kOffload, kClose };
+
+struct EngineOptions {
+  std::string device = "cpu";
+  // Mutable state: FQNs or fnmatch patterns; nullopt selects every Buffer-typed
+  // constant of every method.
+  std::optional<std::vector<std::string>> mutable_patterns;
+  // FQNs the exported program is known to mutate; each must be in the selected
+  // set, so that no mutated buffer is ever shared between sessions.
+  std::vector<std::string> known_mutated;
+  // Open sessions, resident and offloaded (nullopt: unlimited).
+  std::optional<int64_t> max_sessions;
+  // Bytes of session state in device memory (nullopt: unlimited). When a session
+  // must be created or restored beyond it, the least recently used idle session
+  // is offloaded to host memory first.
+  std::optional<int64_t> memory_budget;
+  // Bytes of offloaded session state in host memory (nullopt: unlimited; 0:
+  // never offload, so a full memory_budget refuses new sessions).
+  std::optional<int64_t> host_budget;
+  // Sessions idle this many seconds get `idle_action` from a background thread
+  // (nullopt: never).
+  std::optional<double> idle_timeout_seconds;
+  IdleAction idle_action = IdleAction::kOffload;
+  // Delete the handle torch leaks on every user-managed bind. Right for every
+  // torch released up to 2.14.1; must be false on a torch that frees those
+  // handles itself (pytorch PR #194480), or binds double free
+  // (docs/aoti-runtime.md). The Python layer decides by torch version.
+  bool reclaim_bind_handles = true;
+  // Refuse to load methods that disagree on a weight's layout or content (by
+  // default both copies are kept, with a load note).
+  bool strict_weights = false;
+
+  // Throws kInvalidArgument naming the first option out of range.
+  void Validate() const;
+};
+
+// A new value for one weight: CPU memory with the held weight's layout.
+struct WeightUpdate {
+  std::string fqn;
+  AtenTensorHandle source = nullptr;  // borrowed
+};
+
+// One mutable FQN: its layout, where it sits in a session block, its template.
+struct MutableBuffer {
+  std::string fqn;
+  TensorLayout layout;
+  size_t bytes = 0;           // span of the layout
+  size_t offset = 0;          // offset inside a session block
+  bool zero_initial = false;  // initial value all zero: memset, no template bytes
+  std::vector<std::string> methods;  // methods that have this FQN
+};
+
+// One weight held by the engine (each distinct weight once).
+struct WeightInfo {
+  std::string fqn;
+  TensorLayout layout;
+  size_t bytes = 0;
+  std::vector<std::string> methods;  // methods bound to it
+};
+
+// Bytes by what holds them, on the engine's device.
+struct MemoryReport {
+  size_t weights = 0;     // held once, shared by every method
+  size_t templates = 0;   // initial values that are not all zero
+  size_t sessions = 0;    // session blocks
+  size_t containers = 0;  // held by containers beyond shared weights, plus parking
+  // Host memory: offloaded session state, and spare blocks kept for the next
+  // offload or save (on a CPU engine both tiers are host memory).
+  size_t offloaded = 0;
+  size_t host_spare = 0;
+};
+
+struct SessionStats {
+  uint64_t id = 0;
+  bool resident = false;
+  int64_t bytes = 0;
+  int64_t last_use_ns = 0;  // steady clock (CLOCK_MONOTONIC)
+};
+
+struct EngineStats {
+  int64_t live_sessions = 0;  // open sessions, resident or offloaded
+  int64_t live_bytes = 0;     // their state, in both tiers
+  int64_t resident_sessions = 0;
+  int64_t offloaded_sessions = 0;
+  int64_t device_bytes = 0;   // state of resident sessions (plus creations in flight)
+  int64_t host_bytes = 0;     // state of offloaded sessions
+  int64_t host_spare_bytes = 0;
+  int64_t sessions_created = 0;
+  int64_t offloads = 0;       // every move to host memory, whatever the cause
+  int64_t evictions = 0;      // offloads to make room on the device
+  int64_t idle_offloads = 0;  // offloads by idle_timeout
+  int64_t idle_closes = 0;    // closes by idle_timeout
+  int64_t restores = 0;
+  int64_t saves = 0;
+  int64_t loads = 0;
+  std::vector<SessionStats> sessions;  // by id
+  int64_t runs = 0;
+  int64_t binds = 0;
+  int64_t bind_nanoseconds = 0;     // rebinding the containers (on the run path)
+  int64_t reclaim_nanoseconds = 0;  // deleting handles torch leaked (after runs)
+};
+
+}  // namespace aoti_sessions

@@ -1,0 +1,138 @@
+// Where session state lives, and how much of it: the registry of open
+// sessions, max_sessions and the device and host budgets, offload / restore
+// between the two tiers, eviction of the least recently used idle session, and
+// the idle reaper. It makes, moves and releases session blocks; the sessions'
+// operations call it holding their session's lock.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "host_pool.h"
+#include "model.h"
+#include "mutex.h"
+#include "options.h"
+#include "periodic_thread.h"
+#include "session_state.h"
+
+namespace aoti_sessions {
+
+enum class OffloadCause { kRequest, kEviction, kIdle };
+
+class Residency : public std::enable_shared_from_this<Residency> {
+ public:
+  // Starts the idle reaper when options.idle_timeout_seconds is set.
+  static std::shared_ptr<Residency> Create(std::shared_ptr<Model> model,
+                                           const EngineOptions& options);
+  ~Residency();
+  Residency(const Residency&) = delete;
+  Residency& operator=(const Residency&) = delete;
+
+  // Fills a new session's device block (block_bytes, not yet visible to anyone).
+  using Fill = std::function<void(void* block, StreamHandle stream)>;
+  // A new session: counted against max_sessions, device room reserved (by
+  // evicting idle sessions), its block allocated and filled, and registered
+  // only once complete. Throws kCapacity with the numbers (nothing allocated),
+  // kSessionClosed once the engine is closing, kDevice.
+  std::shared_ptr<SessionState> Admit(StreamHandle stream, const Fill& fill)
+      EXCLUDES(registry_mutex_);
+  // The same for a session made from `held` (a fork), whose lock the caller
+  // holds: `held` is never evicted to make room for it.
+  std::shared_ptr<SessionState> AdmitBeside(SessionState& held, StreamHandle stream,
+                                            const Fill& fill) REQUIRES(held.mutex())
+      EXCLUDES(registry_mutex_);
+
+  // Moves the state to a host block and frees its device block; waits for the
+  // state's work in flight. Throws kCapacity if host_budget is full. No-op
+  // when offloaded.
+  void Offload(SessionState& state, StreamHandle stream, OffloadCause cause)
+      REQUIRES(state.mutex()) EXCLUDES(registry_mutex_);
+  // Brings it back to the device, making room first. No-op when resident.
+  void Restore(SessionState& state, StreamHandle stream) REQUIRES(state.mutex())
+      EXCLUDES(registry_mutex_);
+  // Closes the session and releases its memory once its queued work is done,
+  // without blocking. Later operations fail naming `reason` (if any).
+  void Release(SessionState& state, const std::string& reason) REQUIRES(state.mutex())
+      EXCLUDES(registry_mutex_);
+
+  // Host blocks of one session's size (offloads, and staging for files).
+  HostPool& host_pool() { return host_pool_; }
+  // A session operation ended: wakes calls waiting for an idle session.
+  void NotifyIdle() EXCLUDES(registry_mutex_);
+
+  // Refuses new sessions, stops the reaper and closes every session (waiting
+  // for each one's operation in flight). Reports the first failure.
+  void Close() EXCLUDES(registry_mutex_);
+  bool closed() const EXCLUDES(registry_mutex_);
+  // Session counts, bytes per tier, tier counters and per-session entries.
+  void AddStats(EngineStats& stats) const EXCLUDES(registry_mutex_);
+  void AddMemory(MemoryReport& report) const EXCLUDES(registry_mutex_);
+
+ private:
+  Residency(std::shared_ptr<Model> model, const EngineOptions& options);
+  std::shared_ptr<SessionState> AdmitFor(const SessionState* held, StreamHandle stream,
+                                         const Fill& fill) EXCLUDES(registry_mutex_);
+  // `host_credit`: host bytes the caller is about to release (a restore that
+  // evicts: the swap leaves host use unchanged), allowed over host_budget.
+  void OffloadWithCredit(SessionState& state, StreamHandle stream, OffloadCause cause,
+                         int64_t host_credit) REQUIRES(state.mutex()) EXCLUDES(registry_mutex_);
+  // Reserves device bytes for one session under memory_budget: offloads the
+  // least recently used idle resident session (never `held`) while needed,
+  // and waits for a session in use to finish when all are busy. Throws
+  // kCapacity when room cannot be made.
+  void ReserveDevice(const SessionState* held, StreamHandle stream) EXCLUDES(registry_mutex_);
+  void UnreserveDevice() EXCLUDES(registry_mutex_);
+  // Offloads `victim` if it is idle (its lock is free); false if it is busy.
+  bool TryEvict(SessionState& victim, StreamHandle stream, int64_t host_credit)
+      EXCLUDES(registry_mutex_);
+  // Removes a released session from the registry and its bytes from its tier.
+  void Forget(uint64_t id, bool resident) EXCLUDES(registry_mutex_);
+  // The reaper's round: offloads (or closes) sessions idle for idle_timeout.
+  void ExpireIdle() EXCLUDES(registry_mutex_);
+  std::vector<std::shared_ptr<SessionState>> OpenStatesRegistryLocked() const
+      REQUIRES(registry_mutex_);
+  // Tells the device how much freed memory to keep.
+  void RetainRegistryLocked() REQUIRES(registry_mutex_);
+
+  const std::shared_ptr<Model> model_;
+  Device& device_;
+  const int64_t block_bytes_;
+  const std::optional<int64_t> max_sessions_;
+  const std::optional<int64_t> memory_budget_;
+  const std::optional<int64_t> host_budget_;
+  const std::optional<double> idle_timeout_seconds_;
+  const IdleAction idle_action_;
+  HostPool host_pool_;
+
+  mutable Mutex registry_mutex_;
+  std::unordered_map<uint64_t, std::weak_ptr<SessionState>> states_ GUARDED_BY(registry_mutex_);
+  uint64_t next_session_id_ GUARDED_BY(registry_mutex_) = 1;
+  int64_t live_sessions_ GUARDED_BY(registry_mutex_) = 0;
+  int64_t device_bytes_ GUARDED_BY(registry_mutex_) = 0;  // resident, plus reservations in flight
+  int64_t host_bytes_ GUARDED_BY(registry_mutex_) = 0;    // offloaded, plus reservations in flight
+  int64_t offloaded_sessions_ GUARDED_BY(registry_mutex_) = 0;
+  int64_t sessions_created_ GUARDED_BY(registry_mutex_) = 0;
+  bool closed_ GUARDED_BY(registry_mutex_) = false;
+  // Calls waiting for a resident session to become idle (waiting under
+  // registry_mutex_); NotifyIdle skips the lock while there are none.
+  std::condition_variable_any capacity_cv_;
+  std::atomic<int> capacity_waiters_{0};
+
+  // Counters for stats() only: no invariant ties them to anything.
+  std::atomic<int64_t> offloads_{0};
+  std::atomic<int64_t> evictions_{0};
+  std::atomic<int64_t> idle_offloads_{0};
+  std::atomic<int64_t> idle_closes_{0};
+  std::atomic<int64_t> restores_{0};
+
+  std::unique_ptr<PeriodicThread> reaper_;  // the idle reaper, with idle_timeout
+};
+
+}  // namespace aoti_sessions

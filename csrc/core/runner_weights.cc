@@ -1,0 +1,116 @@
+// Weight updates: new values for held weights, in place (runs wait) or double
+// buffered (runs go on; every method switches at once), under the run lock.
+#include <set>
+#include <unordered_set>
+
+#include "errors.h"
+#include "runner.h"
+
+namespace aoti_sessions {
+
+void Runner::SyncRunStreamsRunLocked() {
+  for (StreamHandle stream : run_streams_) device_.Synchronize(stream);
+}
+
+std::vector<HeldWeight*> Runner::ValidateUpdates(const std::vector<WeightUpdate>& updates) const {
+  std::vector<HeldWeight*> targets;
+  std::set<std::string> seen;
+  const int32_t cpu = Shim().device_type_cpu;
+  for (const WeightUpdate& u : updates) {
+    if (!seen.insert(u.fqn).second) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "' is given twice");
+    }
+    std::vector<HeldWeight*> held = model_->weights().WithFqn(u.fqn);
+    if (held.empty()) {
+      Throw(ErrorKind::kInvalidArgument,
+            model_->is_mutable(u.fqn)
+                ? "'" + u.fqn + "' is per-session mutable state, not a weight"
+                : "'" + u.fqn + "' is not a weight of this engine (no method reads it as a "
+                  "constant; the compiler may have folded it into the code)");
+    }
+    if (held.size() > 1) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "' is held in " +
+                                             std::to_string(held.size()) +
+                                             " variants (methods disagree on it); cannot update "
+                                             "it by name");
+    }
+    TensorLayout layout = ReadLayout(u.source, "weight '" + u.fqn + "'");
+    const TensorLayout& want = held[0]->layout;
+    if (layout.dtype != want.dtype) {
+      Throw(ErrorKind::kTypeMismatch, "weight '" + u.fqn + "' is " + DtypeName(want.dtype) +
+                                          ", got " + DtypeName(layout.dtype));
+    }
+    if (layout.sizes != want.sizes) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "' is " + want.ToString() +
+                                             ", got shape " + layout.ToString());
+    }
+    if (layout.strides != want.strides) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "' has strides of " +
+                                             want.ToString() + ", got " + layout.ToString() +
+                                             " (pass a tensor with the same strides, e.g. "
+                                             ".contiguous())");
+    }
+    if (DeviceType(u.source) != cpu) {
+      Throw(ErrorKind::kInvalidArgument, "weight '" + u.fqn + "': the new value must be a CPU "
+                                             "tensor (pinned or pageable)");
+    }
+    targets.push_back(held[0]);
+  }
+  return targets;
+}
+
+void Runner::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double_buffer) {
+  // Validate everything before writing anything.
+  const std::vector<HeldWeight*> targets = ValidateUpdates(updates);
+  if (targets.empty()) return;
+  if (!double_buffer) {
+    MutexLock lock(run_mutex_);
+    CheckOpenRunLocked();
+    SyncRunStreamsRunLocked();  // runs in flight finish with the old weights
+    for (size_t i = 0; i < targets.size(); ++i) {
+      device_.Copy(targets[i]->data, DataPtr(updates[i].source), targets[i]->bytes, nullptr);
+    }
+    device_.Synchronize(nullptr);
+    return;
+  }
+  // Fill new memory while runs go on.
+  std::vector<void*> fresh;
+  try {
+    for (size_t i = 0; i < targets.size(); ++i) {
+      fresh.push_back(device_.Allocate(targets[i]->bytes, nullptr));
+      device_.Copy(fresh.back(), DataPtr(updates[i].source), targets[i]->bytes, nullptr);
+    }
+    device_.Synchronize(nullptr);
+  } catch (...) {
+    for (void* p : fresh) device_.Free(p, nullptr);
+    throw;
+  }
+  std::vector<void*> old;
+  std::vector<StreamHandle> streams;
+  {
+    MutexLock lock(run_mutex_);
+    if (containers_.empty()) {
+      for (void* p : fresh) device_.Free(p, nullptr);
+      Throw(ErrorKind::kSessionClosed, "the engine is closed");
+    }
+    std::unordered_set<const HeldWeight*> changed(targets.begin(), targets.end());
+    for (size_t i = 0; i < targets.size(); ++i) {
+      old.push_back(model_->weights().Replace(*targets[i], fresh[i]));
+    }
+    // Every method switches before the next run: none sees a mix.
+    for (size_t m = 0; m < containers_.size(); ++m) {
+      auto pairs = WeightPairs(model_->methods()[m], &changed);
+      if (pairs.empty()) continue;
+      containers_[m]->BindUserManaged(pairs, ErrorKind::kRun);
+      containers_[m]->ReclaimBindHandles(ErrorKind::kRun);
+    }
+    streams = run_streams_;
+  }
+  // The old memory is free once the runs queued before the switch are done.
+  for (StreamHandle stream : streams) device_.Synchronize(stream);
+  for (void* p : old) {
+    if (p != nullptr) device_.Free(p, nullptr);
+  }
+}
+
+}  // namespace aoti_sessions

@@ -1,0 +1,188 @@
+// The model fingerprint, and saving / checking / reading session files.
+#include "session_files.h"
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <set>
+#include <unordered_map>
+
+#include "checksum.h"
+#include "errors.h"
+#include "util.h"
+
+namespace aoti_sessions {
+
+// ---------------------------------------------------------------- fingerprint
+
+ModelFingerprint::ModelFingerprint(const std::vector<MethodSource>& sources) {
+  std::unordered_map<std::string, int> index;  // a file shared by methods is read once
+  auto open = [&](const std::string& path) {
+    auto [it, added] = index.emplace(path, static_cast<int>(files_.size()));
+    if (added) {
+      File file;
+      file.path = path;
+      file.fd = FileDescriptor(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+      if (!file.fd.valid()) file.open_errno = errno;
+      files_.push_back(std::move(file));
+    }
+    return it->second;
+  };
+  for (const MethodSource& source : sources) {
+    methods_.push_back({source.name, open(source.library_path),
+                        source.weights ? open(source.weights->path) : -1});
+  }
+  thread_ = std::thread([this] {
+    for (File& file : files_) {
+      if (!file.fd.valid()) continue;
+      try {
+        file.hash = HashFile(file.fd.get(), file.path);
+      } catch (const std::exception& e) {
+        file.error = e.what();
+      }
+      file.fd.Close();
+    }
+  });
+}
+
+ModelFingerprint::~ModelFingerprint() { Join(); }
+
+void ModelFingerprint::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+std::vector<StateFileMethod> ModelFingerprint::Get() {
+  Join();
+  auto hash = [&](int i) -> uint64_t {
+    if (i < 0) return 0;
+    const File& file = files_[static_cast<size_t>(i)];
+    if (file.open_errno != 0) {
+      Throw(ErrorKind::kPackage, "cannot read " + file.path + ": " + ErrnoText(file.open_errno));
+    }
+    if (!file.error.empty()) Throw(ErrorKind::kPackage, file.error);
+    return file.hash;
+  };
+  std::vector<StateFileMethod> out;
+  for (const Entry& m : methods_) out.push_back({m.name, hash(m.library), hash(m.weights)});
+  return out;
+}
+
+// ---------------------------------------------------------------- files
+
+void SessionFiles::Save(const std::string& path, const void* state) {
+  RequireValidPath(path, "session file path");
+  StateFileHeader header;
+  header.methods = fingerprint_;
+  std::vector<const void*> data;
+  for (const MutableBuffer& b : model_->buffers()) {
+    StateFileBuffer entry;
+    entry.fqn = b.fqn;
+    entry.dtype = DtypeName(b.layout.dtype);
+    entry.sizes = b.layout.sizes;
+    entry.strides = b.layout.strides;
+    entry.bytes = b.bytes;
+    header.buffers.push_back(std::move(entry));
+    data.push_back(static_cast<const char*>(state) + b.offset);
+  }
+  WriteStateFile(path, std::move(header), data);
+  saves_.fetch_add(1);
+}
+
+std::vector<size_t> SessionFiles::MatchBuffers(const StateFileHeader& header,
+                                               const std::string& from) const {
+  const auto& buffers = model_->buffers();
+  std::vector<size_t> source(buffers.size(), SIZE_MAX);
+  std::set<std::string> unknown, missing;
+  for (size_t i = 0; i < header.buffers.size(); ++i) {
+    const std::string& fqn = header.buffers[i].fqn;
+    if (!model_->is_mutable(fqn) || source[model_->buffer_index(fqn)] != SIZE_MAX) {
+      unknown.insert(fqn);
+    } else {
+      source[model_->buffer_index(fqn)] = i;
+    }
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (source[i] == SIZE_MAX) missing.insert(buffers[i].fqn);
+  }
+  if (!unknown.empty() || !missing.empty()) {
+    auto names = [](const std::set<std::string>& s) {
+      return JoinNames(std::vector<std::string>(s.begin(), s.end()));
+    };
+    Throw(ErrorKind::kModelMismatch, from + "it has buffers this engine lacks (" + names(unknown) +
+                                         ") and lacks buffers this engine has (" + names(missing) +
+                                         ")");
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const MutableBuffer& want = buffers[i];
+    const StateFileBuffer& got = header.buffers[source[i]];
+    TensorLayout layout;
+    layout.dtype = DtypeFromName(got.dtype);
+    layout.sizes = got.sizes;
+    layout.strides = got.strides;
+    // The byte count too: it sizes the read into the engine's buffer.
+    if (layout != want.layout || got.bytes != want.bytes) {
+      Throw(ErrorKind::kModelMismatch, from + "buffer '" + want.fqn + "' is " + layout.ToString() +
+                                           " in the file but " + want.layout.ToString() +
+                                           " in this engine");
+    }
+  }
+  return source;
+}
+
+void SessionFiles::MatchFingerprint(const StateFileHeader& header, const std::string& from) const {
+  std::set<std::string> theirs, mine;
+  for (const auto& m : header.methods) theirs.insert(m.name);
+  for (const auto& m : fingerprint_) mine.insert(m.name);
+  const std::string relax = " (load_session(..., strict=False) accepts state whose buffers match)";
+  if (theirs != mine) {
+    Throw(ErrorKind::kModelMismatch,
+          from + "its methods are (" + JoinNames({theirs.begin(), theirs.end()}) +
+              "), this engine's are (" + JoinNames({mine.begin(), mine.end()}) + ")" + relax);
+  }
+  for (const auto& their : header.methods) {
+    const auto& m = *std::find_if(fingerprint_.begin(), fingerprint_.end(),
+                                  [&](const StateFileMethod& x) { return x.name == their.name; });
+    if (their.library_hash != m.library_hash) {
+      Throw(ErrorKind::kModelMismatch,
+            from + "method '" + m.name + "' has another compiled library" + relax);
+    }
+    if (their.weights_hash != m.weights_hash) {
+      Throw(ErrorKind::kModelMismatch, from + "method '" + m.name + "' has other weights" + relax);
+    }
+  }
+}
+
+void SessionFiles::Read(const std::string& path, bool strict, void* block) {
+  RequireValidPath(path, "session file path");
+  StateFileReader reader(path);
+  const StateFileHeader& header = reader.header();
+  const std::string from = "session file " + path + " was saved from another model: ";
+  const std::vector<size_t> source = MatchBuffers(header, from);
+  if (strict) MatchFingerprint(header, from);
+  // Each buffer is read into place; only the alignment padding between them
+  // is zeroed (a session block's padding is zero, as a fresh one's is).
+  auto* base = static_cast<char*>(block);
+  const auto& buffers = model_->buffers();
+  std::vector<const MutableBuffer*> by_offset;
+  for (const MutableBuffer& b : buffers) by_offset.push_back(&b);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const MutableBuffer* a, const MutableBuffer* b) { return a->offset < b->offset; });
+  size_t end = 0;
+  for (const MutableBuffer* b : by_offset) {
+    std::memset(base + end, 0, b->offset - end);
+    end = b->offset + b->bytes;
+  }
+  if (model_->block_bytes() > end) std::memset(base + end, 0, model_->block_bytes() - end);
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    reader.ReadBuffer(source[i], base + buffers[i].offset);
+  }
+}
+
+void SessionFiles::AddStats(EngineStats& s) const {
+  s.saves = saves_.load();
+  s.loads = loads_.load();
+}
+
+}  // namespace aoti_sessions

@@ -1,0 +1,83 @@
+// Session files of one engine: the fingerprint of its model files, taken when
+// they are loaded, and the checks that tie a file to the model on save and
+// load. The file format itself is state_file.h.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "model.h"
+#include "options.h"
+#include "posix_file.h"
+#include "state_file.h"
+
+namespace aoti_sessions {
+
+// What a session file records of an engine: per method its name and the
+// hashes of its library and weights file. The files are opened before the
+// model loads them and hashed on a background thread while it does, so the
+// fingerprint is of the very files loaded: deleting, replacing or touching
+// them afterwards changes nothing.
+class ModelFingerprint {
+ public:
+  explicit ModelFingerprint(const std::vector<MethodSource>& sources);
+  ~ModelFingerprint();  // waits for the hashing
+  ModelFingerprint(const ModelFingerprint&) = delete;
+  ModelFingerprint& operator=(const ModelFingerprint&) = delete;
+
+  // Waits for the hashing; throws kPackage if a file could not be read.
+  std::vector<StateFileMethod> Get();
+
+ private:
+  struct File {
+    std::string path;
+    FileDescriptor fd;
+    int open_errno = 0;
+    uint64_t hash = 0;
+    std::string error;  // set by the hashing thread on failure
+  };
+  void Join();
+
+  std::vector<File> files_;  // each distinct path once
+  // Per method: name, index of its library and weights file in files_ (-1: none).
+  struct Entry {
+    std::string name;
+    int library = -1;
+    int weights = -1;
+  };
+  std::vector<Entry> methods_;
+  std::thread thread_;
+};
+
+class SessionFiles {
+ public:
+  SessionFiles(std::shared_ptr<Model> model, std::vector<StateFileMethod> fingerprint)
+      : model_(std::move(model)), fingerprint_(std::move(fingerprint)) {}
+
+  // Writes `state` (a host copy of a session block) to a session file,
+  // atomically. Throws kInvalidArgument (a NUL in the path) or kSessionFile.
+  void Save(const std::string& path, const void* state);
+  // Checks the file at `path` (header, this engine's buffers and, with
+  // `strict`, its fingerprint, then every buffer's checksum) and reads its
+  // state into `block`, a host block laid out as a session block. Throws
+  // kFileNotFound, kSessionFile or kModelMismatch; the engine is untouched.
+  void Read(const std::string& path, bool strict, void* block);
+  // Counts a load that became a session.
+  void CountLoad() { loads_.fetch_add(1); }
+  void AddStats(EngineStats& stats) const;
+
+ private:
+  // The file buffer that feeds each engine buffer; throws kModelMismatch.
+  std::vector<size_t> MatchBuffers(const StateFileHeader& header, const std::string& from) const;
+  void MatchFingerprint(const StateFileHeader& header, const std::string& from) const;
+
+  const std::shared_ptr<Model> model_;
+  const std::vector<StateFileMethod> fingerprint_;
+  std::atomic<int64_t> saves_{0};
+  std::atomic<int64_t> loads_{0};
+};
+
+}  // namespace aoti_sessions

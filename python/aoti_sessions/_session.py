@@ -1,0 +1,219 @@
+"""Session: one conversation's state on an Engine, and how Python calls turn
+into the flat tensor lists the compiled methods take."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import Self
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _core
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["Session", "MethodCall", "to_handles", "from_handles", "Closable"]
+
+# Tensors <-> owning AtenTensorHandle capsules, the only way tensors cross into
+# the core (which links no torch C++ API).
+to_handles: Callable[[list[torch.Tensor]], list[Any]] = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+from_handles: Callable[[list[Any]], list[torch.Tensor]] = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+
+
+class Closable:
+    """`with x:` closes x on the way out."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether `x` has strides (sparse and nested tensors do not); the core
+    refuses the others with its own message."""
+    return x.layout == torch.strided and not x.is_nested
+
+
+@dataclass(frozen=True)
+class MethodCall:
+    """How to call one method: its index in the core and its pytree specs."""
+
+    name: str
+    index: int
+    in_spec: pytree.TreeSpec | None
+    out_spec: pytree.TreeSpec | None
+    # Positional-only tensor inputs, no kwargs: inputs need no flattening.
+    flat_call: bool
+    # Per input: whether it must be contiguous (the container indexes it so).
+    contiguous: tuple[bool, ...] | None
+
+    def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The tensor inputs of a call, in the container's order."""
+        if self.flat_call and not kwargs:
+            flat = list(args)
+        elif self.in_spec is None:
+            if kwargs:
+                raise TypeError(f"method '{self.name}' takes no keyword inputs")
+            flat = list(args)
+        else:
+            try:
+                ordered = torch.export._tree_utils.reorder_kwargs(kwargs, self.in_spec)
+            except ValueError as e:
+                raise TypeError(f"method '{self.name}': {e}") from None
+            leaves, spec = pytree.tree_flatten((args, ordered))
+            if spec != self.in_spec:
+                raise TypeError(f"method '{self.name}' expects inputs structured as {self.in_spec}, got {spec}")
+            # Non-tensor leaves were baked into the model at export, as torch's loader assumes.
+            flat = [x for x in leaves if isinstance(x, torch.Tensor)]
+        contiguous = self.contiguous
+        for i, x in enumerate(flat):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i} of method '{self.name}' is a {type(x).__name__}, expected a Tensor")
+            if contiguous is not None and i < len(contiguous) and contiguous[i] and _dense(x) \
+                    and not x.is_contiguous():
+                flat[i] = x.contiguous()
+        return flat
+
+    def outputs(self, flat: list[torch.Tensor]) -> Any:
+        return flat if self.out_spec is None else pytree.tree_unflatten(flat, self.out_spec)
+
+
+class Session(Closable):
+    """One conversation's state on an :class:`Engine`; made by ``Engine.new_session``.
+
+    Every method of the engine reads and writes the same session state. A
+    session may be used and closed from any thread; its calls are serialised.
+    """
+
+    def __init__(self, engine: Engine, core: _core.Session) -> None:
+        self._engine = engine
+        self._core = core
+
+    @property
+    def id(self) -> int:
+        return int(self._core.id)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._core.closed)
+
+    @property
+    def resident(self) -> bool:
+        """Whether the state is in device memory (False while offloaded, or closed)."""
+        return bool(self._core.resident)
+
+    @property
+    def last_use(self) -> float:
+        """When the session was last used (created, run, reset, written,
+        restored), in seconds of :func:`time.monotonic`."""
+        return float(self._core.last_use)
+
+    def offload(self) -> None:
+        """Move the state to host memory (pinned on CUDA) and release its
+        device memory. The next run, or :meth:`restore`, brings it back
+        bit-identical. Raises CapacityError if ``host_budget`` is full."""
+        self._core.offload(self._engine._stream())
+
+    def restore(self) -> None:
+        """Bring an offloaded state back to device memory (offloading idle
+        sessions first if ``memory_budget`` requires it). No-op if resident."""
+        self._core.restore(self._engine._stream())
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the state to ``path`` for :meth:`Engine.load_session`, in any
+        process. Atomic: a temporary file is written, fsynced and renamed over
+        ``path`` (a folder, device or FIFO there is refused, never replaced).
+        Every buffer is checksummed and the header fingerprints the model
+        (buffer FQNs, dtypes, shapes; each method's library and weights)."""
+        self._core.save(os.fspath(path), self._engine._stream())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the engine's only method."""
+        methods = self._engine._methods
+        if len(methods) != 1:
+            raise TypeError(
+                f"this engine has {len(methods)} methods ({', '.join(methods)}); use session.run(name, ...)"
+            )
+        return self._run(next(iter(methods.values())), args, kwargs)
+
+    def run(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` on this session's state, returning what the model returns."""
+        call = self._engine._methods.get(method)
+        if call is None:
+            raise ValueError(
+                f"unknown method {method!r}; this engine has: {', '.join(self._engine._methods)}"
+            )
+        return self._run(call, args, kwargs)
+
+    def _run(self, call: MethodCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        flat = call.flatten(args, kwargs)
+        outputs = from_handles(self._core.run(call.index, to_handles(flat), self._engine._stream()))
+        return call.outputs(outputs)
+
+    def reset(self) -> None:
+        """Return to the initial state."""
+        self._core.reset(self._engine._stream())
+
+    def fork(self) -> Session:
+        """A new session whose state is a copy of this one's (counts against capacity)."""
+        return Session(self._engine, self._core.fork(self._engine._stream()))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """A copy of every mutable buffer, by FQN, on the engine's device: one
+        consistent snapshot, even while other threads run this session."""
+        buffers = self._engine._buffers
+        out = {b.fqn: torch.empty_strided(b.sizes, b.strides, dtype=getattr(torch, b.dtype),
+                                          device=self._engine.device) for b in buffers}
+        self._core.read_buffers(to_handles(list(out.values())), self._engine._stream())
+        return out
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace the whole state with ``state`` (as returned by :meth:`state`).
+
+        Every buffer must be given with its dtype and shape; nothing is written
+        unless all of them are valid. Tensors on the host or with other strides
+        are copied to the engine's layout first.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping of FQN to Tensor, got {type(state).__name__}")
+        layouts = {b.fqn: b for b in self._engine._buffers}
+        device = self._engine.device
+        names, sources = [], []
+        for fqn, t in state.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state['{fqn}'] is a {type(t).__name__}, expected a Tensor")
+            b = layouts.get(fqn)
+            # Copied to the engine's layout only where that is a plain copy;
+            # anything else goes to the core as it is, which says what is wrong.
+            if b is not None and _dense(t) and str(t.dtype).removeprefix("torch.") == b.dtype \
+                    and list(t.shape) == b.sizes and t.device.type in ("cpu", device.type) \
+                    and (t.device != device or list(t.stride()) != b.strides):
+                t = torch.empty_strided(b.sizes, b.strides, dtype=t.dtype, device=device).copy_(t)
+            names.append(str(fqn))
+            sources.append(t)
+        self._core.write_buffers(names, to_handles(sources), self._engine._stream())
+
+    def close(self) -> None:
+        """Release the state. Waits for a run of this session in flight; idempotent."""
+        self._core.close()
+
+    def __repr__(self) -> str:
+        where = "closed" if self.closed else ("resident" if self.resident else "offloaded")
+        return f"Session(id={self.id}, {where})"
