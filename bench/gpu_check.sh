@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/build/gpu}
 mkdir -p "$OUT"
 # AOTI models built with the default /opt/gcc toolchain link libstdc++
-# statically and crash on load (aoti-facts.md): use the system compiler.
+# statically and crash on load (docs/aoti-runtime.md): use the system compiler.
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 export AOTI_SESSIONS_CACHE=${AOTI_SESSIONS_CACHE:-$PWD/build/gpu-cache}
 export PYTHONUNBUFFERED=1
@@ -33,7 +33,7 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | t
 python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'"
 if [ "$stage" = all ] || [ "$stage" = test ]; then
   # A failing test must not keep the benchmarks from running: report it at the end.
-  python3 -m pytest tests -m "not registry" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" || status=$?
+  python3 -m pytest tests -m "not registry and not clang" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" || status=$?
 fi
 if [ "$stage" = all ] || [ "$stage" = bench ]; then
   python3 bench/bench_switch.py --device cuda 2>&1 | tee "$OUT/bench_switch.txt"

@@ -1,12 +1,17 @@
-"""Project invariants: the core's C-ABI-only boundary, stubs that match the
-compiled module, and a public API that type-checks."""
+"""Project invariants: the core's C-ABI-only boundary, its layering and lock
+annotations, small files, stubs that match the compiled module, and a public
+API that type-checks."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "python" / "aoti_sessions"
@@ -41,3 +46,68 @@ def test_public_api_type_checks() -> None:
         capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Core files that are headers alone, below everything else.
+_LEAF_HEADERS = {"aoti_abi.h", "errors.h", "mutex.h"}
+
+
+def _core_levels() -> dict[str, float]:
+    """Each core component's level: its position in CMakeLists.txt's source
+    list of the core (written bottom-up); header-only leaves are below all."""
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    listed = re.search(r"add_library\(aoti_sessions_core STATIC(.*?)\)", cmake, re.S)
+    assert listed, "no aoti_sessions_core source list in CMakeLists.txt"
+    names = [Path(p).stem for p in listed.group(1).split() if p.endswith(".cc")]
+    levels: dict[str, float] = {Path(h).stem: -1 for h in _LEAF_HEADERS}
+    levels.update({name: i for i, name in enumerate(names)})
+    levels["cuda_device"] = levels["device"] + 0.5  # the CUDA device, added when a toolkit is found
+    return levels
+
+
+def test_core_includes_point_down() -> None:
+    """No core file includes a component above it: the layout's arrows point one way."""
+    levels = _core_levels()
+    include = re.compile(r'#\s*include\s*"([^"/]+)\.h"')
+    offenders, unknown = [], []
+    for path in sorted((ROOT / "csrc" / "core").iterdir()):
+        if path.suffix not in {".h", ".cc"}:
+            continue
+        if path.stem not in levels:
+            unknown.append(path.name)
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            m = include.search(line)
+            if m and m.group(1) != path.stem and levels.get(m.group(1), 10**6) >= levels[path.stem]:
+                offenders.append(f"{path.name}:{n} includes {m.group(1)}.h, which is not below it")
+    assert not unknown, f"core files missing from the CMake source list: {unknown}"
+    assert not offenders, "\n".join(offenders)
+
+
+def test_files_stay_small() -> None:
+    """One job per file: none in the core or the Python package over 450 lines
+    (the generated stubs aside)."""
+    files = [*(ROOT / "csrc" / "core").iterdir(), *PACKAGE.glob("*.py")]
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in files
+            if (n := len(p.read_text().splitlines())) > 450]
+    assert not long, long
+
+
+@pytest.mark.clang
+def test_lock_annotations_hold(tmp_path: Path) -> None:
+    """The core builds warning-free under clang's -Wthread-safety (every
+    GUARDED_BY / REQUIRES in it holds), and the check is live: a probe that
+    reads guarded state without its lock is refused."""
+    build = ROOT / "build" / "thread-safety"
+    env = {**os.environ, "CXX": shutil.which("clang++") or "clang++"}
+    subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), "-DAOTI_SESSIONS_THREAD_SAFETY=ON",
+                    f"-DPython_EXECUTABLE={sys.executable}"], check=True, capture_output=True, env=env)
+    result = subprocess.run(["cmake", "--build", str(build), "--target", "aoti_sessions_core", "--parallel",
+                             str(os.cpu_count() or 2)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    probe = tmp_path / "probe.cc"
+    probe.write_text('#include "core/session_state.h"\n'
+                     "char* Unlocked(aoti_sessions::SessionState& s) { return s.memory(); }\n")
+    result = subprocess.run([env["CXX"], "-std=c++17", "-fsyntax-only", "-Wthread-safety", "-Werror",
+                             f"-I{ROOT / 'csrc'}", str(probe)], capture_output=True, text=True)
+    assert result.returncode != 0 and "requires holding mutex" in result.stderr, result.stderr
