@@ -10,12 +10,13 @@ user_managed=True)`` from Python and against switching by copying state in/out.
 Configurations are measured in interleaved rounds, so drift hits all alike;
 figures are medians of per-call wall time. Prints one line per configuration.
 
-    python bench/bench_switch.py [--device cpu|cuda] [--model small|large]
+    python bench/bench_switch.py [--device cpu|cuda] [--model small|large] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ def main() -> int:
     parser.add_argument("--model", choices=("small", "large"), default="small")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=50, help="calls per configuration per round")
+    parser.add_argument("--json", help="also write the figures (seconds) to this file")
     args = parser.parse_args()
     device = torch.device(args.device)
     cfg = models.SMALL if args.model == "small" else models.LARGE
@@ -111,6 +113,9 @@ def main() -> int:
     ]
     for name, seconds, note in rows:
         print(f"  {name:<36} {seconds * 1e6:10.2f} us   {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({name: seconds for name, seconds, _ in rows}, f)
     engine.close()
     return 0
 
