@@ -32,6 +32,8 @@ status=0
 python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
 python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'"
 if [ "$stage" = all ] || [ "$stage" = test ]; then
+  # Compile the test models in parallel first (the suite compiles one at a time).
+  python3 bench/warm_test_models.py --devices cpu cuda --jobs 12 > "$OUT/warm.log" 2>&1 || status=$?
   # A failing test must not keep the benchmarks from running: report it at the end.
   python3 -m pytest tests -m "not registry and not clang" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" || status=$?
 fi

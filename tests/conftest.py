@@ -98,8 +98,7 @@ def _compiled_methods(name: str, device: str, build) -> Path:
 DECODER_PREFILL = 16  # tokens per prefill call of the two-method decoder
 
 
-@pytest.fixture(scope="session")
-def decoder_methods_pkg(device: str) -> Path:
+def compiled_decoder_methods(device: str) -> Path:
     """The demo decoder as two methods of one package: prefill (T=16) and decode (T=1)."""
     dev = torch.device(device)
 
@@ -112,8 +111,7 @@ def decoder_methods_pkg(device: str) -> Path:
     return _compiled_methods("decoder", device, build)
 
 
-@pytest.fixture(scope="session")
-def heads_pkg(device: str) -> Path:
+def compiled_heads(device: str) -> Path:
     """Three methods over partly shared weights (modeldefs.Heads)."""
     dev = torch.device(device)
 
@@ -124,6 +122,16 @@ def heads_pkg(device: str) -> Path:
         return modeldefs.Heads().to(dev), methods, None
 
     return _compiled_methods("heads", device, build)
+
+
+@pytest.fixture(scope="session")
+def decoder_methods_pkg(device: str) -> Path:
+    return compiled_decoder_methods(device)
+
+
+@pytest.fixture(scope="session")
+def heads_pkg(device: str) -> Path:
+    return compiled_heads(device)
 
 
 @pytest.fixture(scope="session")
