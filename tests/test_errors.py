@@ -203,6 +203,11 @@ def test_bad_engine_arguments(counter_cpu_pkg) -> None:
         ais.Engine(counter_cpu_pkg, max_sessions=0)
     with pytest.raises(ValueError, match="memory_budget must be >= 0"):
         ais.Engine(counter_cpu_pkg, memory_budget=-5)
+    # -1 is no longer a hidden "unlimited" (None is): refused like any negative.
+    with pytest.raises(ValueError, match="memory_budget must be >= 0 bytes, got -1"):
+        ais.Engine(counter_cpu_pkg, memory_budget=-1)
+    with pytest.raises(ValueError, match="max_sessions must be positive, got -1"):
+        ais.Engine(counter_cpu_pkg, max_sessions=-1)
     with pytest.raises(ValueError, match="host_budget must be >= 0"):
         ais.Engine(counter_cpu_pkg, host_budget=-5)
     with pytest.raises(TypeError, match="host_budget must be an int"):

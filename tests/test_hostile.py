@@ -37,7 +37,7 @@ _SAVER = textwrap.dedent("""
 
 
 def _temporaries(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name)
+    return sorted(p.name for p in folder.iterdir() if ".aoti-tmp-" in p.name)
 
 
 def test_saves_killed_mid_write_leave_nothing_for_long(decoder_pkg: Path, device: str, tmp_path: Path) -> None:
@@ -53,12 +53,16 @@ def test_saves_killed_mid_write_leave_nothing_for_long(decoder_pkg: Path, device
             saver.send_signal(signal.SIGKILL)
         orphans += len(_temporaries(tmp_path))
     assert orphans > 0, "no save was ever killed mid-write: the test proves nothing"
-    keep = tmp_path / "notes.tmp-1-2"  # a user's file with a similar name: not ours
+    # Files that are not ours stay, even named like ours: without the magic
+    # bytes, or a finished session file under a temporary-like name.
+    keep = tmp_path / ".notes.aoti-tmp-1-2"
     keep.write_text("mine")
+    saved_as = tmp_path / "chat.tmp-20240101-1200"
     with ais.Engine(decoder_pkg, device=device) as eng, eng.new_session() as s:
+        s.save(saved_as)
         s.save(tmp_path / "other.ais")  # any save into the folder cleans up
-    assert _temporaries(tmp_path) == ["notes.tmp-1-2"]
-    assert keep.read_text() == "mine"
+    assert _temporaries(tmp_path) == [".notes.aoti-tmp-1-2"]
+    assert keep.read_text() == "mine" and saved_as.is_file()
     with ais.Engine(decoder_pkg, device=device) as eng:
         eng.load_session(target).close()  # the last complete save is intact
 
@@ -74,7 +78,7 @@ _HOLDER = textwrap.dedent("""
 
 
 def test_a_live_writers_temporary_file_is_left_alone(counter_cpu_pkg: Path, tmp_path: Path) -> None:
-    live = tmp_path / "s.ais.tmp-999999-0"  # locked by a live process, as a save in progress is
+    live = tmp_path / ".s.ais.aoti-tmp-999999-0"  # locked by a live process, as a save in progress is
     with subprocess.Popen([sys.executable, "-c", _HOLDER, str(live)], stdout=subprocess.PIPE, text=True) as holder:
         try:
             assert holder.stdout is not None and holder.stdout.readline().strip() == "held"

@@ -208,6 +208,21 @@ def test_a_full_host_budget_still_swaps(decoder_pkg: Path, device: str) -> None:
         assert sessions[0].resident and not sessions[1].resident
 
 
+def test_forking_an_offloaded_session_respects_the_host_budget(decoder_pkg: Path, device: str) -> None:
+    """The fork keeps its parent's host block: evicting for it needs host
+    room of its own (only a restore swaps one block for another)."""
+    with ais.Engine(decoder_pkg, device=device) as probe:
+        per = probe.bytes_per_session
+    with ais.Engine(decoder_pkg, device=device, memory_budget=per, host_budget=per) as eng:
+        a = eng.new_session()
+        a.offload()
+        b = eng.new_session()
+        with pytest.raises(ais.CapacityError, match="host_budget"):
+            a.fork()
+        st = _check_accounting(eng, per)
+        assert st["host_bytes"] <= per and b.resident and not a.resident
+
+
 def test_forks_waiting_on_each_other_fail_fast(decoder_pkg: Path, device: str) -> None:
     """Budget of two, both resident sessions forking at once: each fork holds
     its session, so neither can be evicted for the other. No call may wait
@@ -416,7 +431,7 @@ def test_save_in_one_process_continue_in_another(decoder_methods_pkg: Path, devi
     t, n = DECODER_PREFILL, 6
     path = tmp_path / "conversation.ais"
     first = _in_process(decoder_methods_pkg, device, "save", path, n, t)
-    assert path.is_file() and not list(tmp_path.glob("*.tmp-*"))
+    assert path.is_file() and not list(tmp_path.glob("*aoti-tmp*"))
     second = _in_process(decoder_methods_pkg, device, "load", path, n, first[-1], t + n)
     # Uninterrupted, in this process.
     with ais.Engine(decoder_methods_pkg, device=device) as eng, eng.new_session() as s:
@@ -488,6 +503,24 @@ def test_corrupt_files_are_refused_and_change_nothing(decoder_engine: ais.Engine
         # The engine still loads a good file.
         with decoder_engine.load_session(path) as loaded:
             assert _same_state(loaded.state(), state)
+
+
+def test_refused_files_allocate_nothing(decoder_pkg: Path, counter_pkg: Path, device: str,
+                                       tmp_path: Path) -> None:
+    """Files refused by their header (missing, not a session file, another
+    model) are refused before any host or device memory is taken."""
+    with ais.Engine(counter_pkg, device=device) as counter, counter.new_session() as c:
+        c.save(tmp_path / "counter.ais")
+    (tmp_path / "junk.ais").write_bytes(b"junk" * 100)
+    with ais.Engine(decoder_pkg, device=device) as eng:  # a fresh engine: no spare host block yet
+        before = eng.stats()
+        for name, error in (("missing.ais", ais.SessionFileNotFoundError), ("junk.ais", ais.SessionFileError),
+                            ("counter.ais", ais.ModelMismatchError)):
+            with pytest.raises(error):
+                eng.load_session(tmp_path / name)
+            after = eng.stats()
+            for key in ("host_spare_bytes", "host_bytes", "device_bytes", "live_sessions"):
+                assert after[key] == before[key], (name, key)
 
 
 def test_missing_files_folders_and_pipes(decoder_engine: ais.Engine, tmp_path: Path) -> None:

@@ -15,13 +15,23 @@
 namespace aoti_sessions {
 namespace {
 
-// Temporary files are "<target name>.tmp-<pid>-<n>".
-constexpr char kTmpMark[] = ".tmp-";
+// Temporary files are ".<target name>.aoti-tmp-<pid>-<n>": hidden, and named
+// so that no user would choose the name.
+constexpr char kTmpMark[] = ".aoti-tmp-";
 
 std::string Folder(const std::string& path) {
   size_t slash = path.rfind('/');
   if (slash == std::string::npos) return ".";
   return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+// flock, retried when a signal interrupts it.
+int Flock(int fd, int operation) {
+  int rc;
+  do {
+    rc = ::flock(fd, operation);
+  } while (rc != 0 && errno == EINTR);
+  return rc;
 }
 
 // Removes the temporary file `name` in the open folder `dir` if no live writer
@@ -32,14 +42,12 @@ void RemoveIfOrphaned(int dir, const std::string& name, const std::string& magic
   struct stat st {};
   if (!fd.valid() || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return;
   // A live writer holds an exclusive lock from creation to rename.
-  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return;
+  if (Flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return;
   std::string head(magic.size(), '\0');
   int64_t n = ReadAt(fd.get(), &head[0], head.size(), 0);
-  // Ours: it begins with the magic bytes, or with a part of them (a writer
-  // killed before or during its first write).
-  if (n < 0 || magic.compare(0, static_cast<size_t>(n), head, 0, static_cast<size_t>(n)) != 0) {
-    return;
-  }
+  // Ours: empty (a writer killed before its first write) or begins with the
+  // magic bytes (the first write writes them whole).
+  if (!(n == 0 || (n == static_cast<int64_t>(head.size()) && head == magic))) return;
   struct stat now {};
   if (::fstatat(dir, name.c_str(), &now, AT_SYMLINK_NOFOLLOW) != 0 || now.st_ino != st.st_ino ||
       now.st_dev != st.st_dev) {
@@ -61,9 +69,9 @@ void RemoveOrphans(const std::string& folder, const std::string& magic) {
 }  // namespace
 
 bool AtomicFileWriter::IsTemporaryName(const std::string& name) {
-  // <something>.tmp-<digits>-<digits>
+  // .<something>.aoti-tmp-<digits>-<digits>
   size_t mark = name.rfind(kTmpMark);
-  if (mark == std::string::npos || mark == 0) return false;
+  if (name.empty() || name[0] != '.' || mark == std::string::npos || mark < 2) return false;
   std::string rest = name.substr(mark + sizeof(kTmpMark) - 1);
   size_t dash = rest.find('-');
   auto digits = [](const std::string& s) {
@@ -84,11 +92,20 @@ AtomicFileWriter::AtomicFileWriter(const std::string& path, const std::string& m
   }
   RemoveOrphans(Folder(path), magic);
   static std::atomic<uint64_t> counter{0};
+  const size_t slash = path.rfind('/');
+  const size_t name_at = slash == std::string::npos ? 0 : slash + 1;
+  const std::string prefix = path.substr(0, name_at) + "." + path.substr(name_at) + kTmpMark +
+                             std::to_string(::getpid()) + "-";
   for (;;) {
-    tmp_ = path + kTmpMark + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1));
+    tmp_ = prefix + std::to_string(counter.fetch_add(1));
     fd_ = FileDescriptor(::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-    if (!fd_.valid()) Fail("cannot create " + tmp_, errno);
-    if (::flock(fd_.get(), LOCK_EX) != 0) Fail("cannot lock " + tmp_, errno);
+    if (!fd_.valid() && errno == EEXIST) continue;  // the name of a writer elsewhere (another pid namespace)
+    if (!fd_.valid()) Fail("cannot create a temporary file beside " + path, errno);
+    if (Flock(fd_.get(), LOCK_EX) != 0) {
+      int err = errno;
+      ::unlink(tmp_.c_str());
+      Fail("cannot lock " + tmp_, err);
+    }
     // A cleaner may have taken the file between its creation and our lock.
     struct stat mine {};
     if (::fstat(fd_.get(), &mine) == 0 && mine.st_nlink > 0) break;
@@ -98,8 +115,8 @@ AtomicFileWriter::AtomicFileWriter(const std::string& path, const std::string& m
 
 AtomicFileWriter::~AtomicFileWriter() {
   if (committed_) return;
+  ::unlink(tmp_.c_str());  // still locked: no cleaner touches it meanwhile
   fd_.Close();
-  ::unlink(tmp_.c_str());
 }
 
 void AtomicFileWriter::Fail(const std::string& what, int err) const {

@@ -5,8 +5,8 @@
 // same folder removes such orphans. A temporary file is locked (flock) while
 // its writer lives, so only the files of dead writers are ever removed,
 // whatever process or pid namespace wrote them, and only files that begin with
-// the writer's magic bytes (or are shorter than them): never a user's file
-// that merely has a similar name.
+// the writer's magic bytes (or are empty), under a hidden name no user would
+// choose (".<target>.aoti-tmp-<pid>-<n>").
 #pragma once
 
 #include <cstddef>
@@ -35,7 +35,7 @@ class AtomicFileWriter {
   // fsync, rename over the target, fsync of the folder.
   void Commit();
 
-  // Whether `name` has the form of a temporary file ("<target>.tmp-<pid>-<n>").
+  // Whether `name` has the form of a temporary file (".<target>.aoti-tmp-<pid>-<n>").
   static bool IsTemporaryName(const std::string& name);
 
  private:

@@ -89,12 +89,13 @@ uint64_t Checksum64(const void* data, size_t bytes, uint64_t seed) {
   return h;
 }
 
-uint64_t HashFile(int fd, const std::string& path) {
+uint64_t HashFile(int fd, const std::string& path, const std::atomic<bool>* cancel) {
   constexpr size_t kChunk = 16 << 20;
   std::vector<unsigned char> buffer(kChunk);
   uint64_t h = 0;
   uint64_t total = 0;
   for (;;) {
+    if (cancel != nullptr && cancel->load()) return 0;
     // Whole chunks: the hash chains one Checksum64 per 16 MiB.
     int64_t filled = ReadAt(fd, buffer.data(), kChunk, total);
     if (filled < 0) {

@@ -3,6 +3,7 @@
 // cryptographic hash: it guards against accidents, not adversaries.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -15,7 +16,7 @@ uint64_t Checksum64(const void* data, size_t bytes, uint64_t seed = 0);
 
 // A fingerprint of a file's whole content and size, read in chunks from the
 // open descriptor `fd` (from its start; `path` names it in errors). Throws
-// kPackage if it cannot be read.
-uint64_t HashFile(int fd, const std::string& path);
+// kPackage if it cannot be read. Gives up (returning 0) once `*cancel` is set.
+uint64_t HashFile(int fd, const std::string& path, const std::atomic<bool>* cancel = nullptr);
 
 }  // namespace aoti_sessions

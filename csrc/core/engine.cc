@@ -94,16 +94,18 @@ std::shared_ptr<Session> Engine::NewSession(StreamHandle stream) {
   const Model& model = *parts_->model;
   auto state = parts_->residency->Admit(
       stream, [&](void* block, StreamHandle s) { model.InitializeBlock(block, s); });
-  return std::make_shared<Session>(parts_, std::move(state));
+  return Session::Make(parts_, std::move(state));
 }
 
 std::shared_ptr<Session> Engine::LoadSession(const std::string& path, bool strict,
                                              StreamHandle stream) {
   parts_->CheckProcess();
   if (closed()) Throw(ErrorKind::kSessionClosed, "the engine is closed");
-  // Every byte is read and checked before a session is made.
+  // The header is checked before anything is allocated, every byte before a
+  // session is made.
+  SessionFiles::CheckedFile file = parts_->files->Check(path, strict);
   HostBlock staging(parts_->residency->host_pool());
-  parts_->files->Read(path, strict, staging.get());
+  parts_->files->Read(file, staging.get());
   Device& device = parts_->model->device();
   const size_t bytes = parts_->model->block_bytes();
   auto state = parts_->residency->Admit(stream, [&](void* block, StreamHandle s) {
@@ -111,7 +113,7 @@ std::shared_ptr<Session> Engine::LoadSession(const std::string& path, bool stric
     device.Synchronize(s);  // the staging block goes back to the pool after
   });
   parts_->files->CountLoad();
-  return std::make_shared<Session>(parts_, std::move(state));
+  return Session::Make(parts_, std::move(state));
 }
 
 void Engine::Close() {

@@ -22,12 +22,9 @@ void Residency::UnreserveDevice() {
   RetainRegistryLocked();
 }
 
-void Residency::ReserveDevice(const SessionState* held, StreamHandle stream) {
+void Residency::ReserveDevice(const SessionState* held, StreamHandle stream, int64_t host_credit) {
   const int64_t need = block_bytes_;
   const auto deadline = std::chrono::steady_clock::now() + kCapacityWait;
-  // A restore releases its own host block right after evicting: the swap
-  // leaves host use unchanged, so a full host budget does not stop it.
-  const int64_t host_credit = held != nullptr && !held->resident() ? need : 0;
   MutexLock lock(registry_mutex_);
   for (;;) {
     if (closed_) Throw(ErrorKind::kSessionClosed, "the engine is closed");

@@ -10,7 +10,6 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -38,10 +37,13 @@ struct Method {
   bool keeps_own_constants = false;
 };
 
-// (internal name, held tensor) pairs of the method's weights: all of them, or
-// only those in `only`.
-std::vector<AOTInductorConstantMapEntry> WeightPairs(
-    const Method& method, const std::unordered_set<const HeldWeight*>* only = nullptr);
+// The weights a tensor is to be bound to for each, in a weight update.
+using WeightTensors = std::unordered_map<const HeldWeight*, AtenTensorHandle>;
+
+// (internal name, tensor) pairs of the method's weights: every weight with its
+// held tensor or, with `only`, just the weights in it, with their tensors there.
+std::vector<AOTInductorConstantMapEntry> WeightPairs(const Method& method,
+                                                     const WeightTensors* only = nullptr);
 
 class Model;
 

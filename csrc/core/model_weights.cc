@@ -24,11 +24,15 @@ std::string FileKey(const WeightsFile& file, const WeightEntry& entry) {
 
 }  // namespace
 
-std::vector<AOTInductorConstantMapEntry> WeightPairs(
-    const Method& method, const std::unordered_set<const HeldWeight*>* only) {
+std::vector<AOTInductorConstantMapEntry> WeightPairs(const Method& method,
+                                                     const WeightTensors* only) {
   std::vector<AOTInductorConstantMapEntry> pairs;
   for (const auto& [held, name] : method.weight_bindings) {
-    if (only == nullptr || only->count(held)) pairs.push_back({name.c_str(), held->tensor.get()});
+    if (only == nullptr) {
+      pairs.push_back({name.c_str(), held->tensor.get()});
+    } else if (auto it = only->find(held); it != only->end()) {
+      pairs.push_back({name.c_str(), it->second});
+    }
   }
   return pairs;
 }

@@ -83,7 +83,7 @@ std::shared_ptr<SessionState> Residency::AdmitFor(const SessionState* held, Stre
     id = next_session_id_++;
   }
   try {
-    ReserveDevice(held, stream);
+    ReserveDevice(held, stream, /*host_credit=*/0);
   } catch (...) {
     MutexLock lock(registry_mutex_);
     --live_sessions_;
@@ -178,7 +178,9 @@ void Residency::OffloadWithCredit(SessionState& state, StreamHandle stream, Offl
 
 void Residency::Restore(SessionState& state, StreamHandle stream) {
   if (state.resident()) return;
-  ReserveDevice(&state, stream);
+  // The restore releases its own host block right after evicting: the swap
+  // leaves host use unchanged, so a full host budget does not stop it.
+  ReserveDevice(&state, stream, /*host_credit=*/block_bytes_);
   void* block = nullptr;
   std::vector<OwnedTensor> tensors;
   try {

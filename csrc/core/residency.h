@@ -86,8 +86,9 @@ class Residency : public std::enable_shared_from_this<Residency> {
   // Reserves device bytes for one session under memory_budget: offloads the
   // least recently used idle resident session (never `held`) while needed,
   // and waits for a session in use to finish when all are busy. Throws
-  // kCapacity when room cannot be made.
-  void ReserveDevice(const SessionState* held, StreamHandle stream) EXCLUDES(registry_mutex_);
+  // kCapacity when room cannot be made. `host_credit` as for OffloadWithCredit.
+  void ReserveDevice(const SessionState* held, StreamHandle stream, int64_t host_credit)
+      EXCLUDES(registry_mutex_);
   void UnreserveDevice() EXCLUDES(registry_mutex_);
   // Offloads `victim` if it is idle (its lock is free); false if it is busy.
   bool TryEvict(SessionState& victim, StreamHandle stream, int64_t host_credit)

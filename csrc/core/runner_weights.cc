@@ -1,7 +1,6 @@
 // Weight updates: new values for held weights, in place (runs wait) or double
 // buffered (runs go on; every method switches at once), under the run lock.
 #include <set>
-#include <unordered_set>
 
 #include "errors.h"
 #include "runner.h"
@@ -89,20 +88,50 @@ void Runner::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double
   std::vector<StreamHandle> streams;
   {
     MutexLock lock(run_mutex_);
-    if (containers_.empty()) {
+    auto free_fresh = [&] {
       for (void* p : fresh) device_.Free(p, nullptr);
+    };
+    if (containers_.empty()) {
+      free_fresh();
       Throw(ErrorKind::kSessionClosed, "the engine is closed");
     }
-    std::unordered_set<const HeldWeight*> changed(targets.begin(), targets.end());
+    WeightStore& store = model_->weights();
+    std::vector<OwnedTensor> tensors;
+    WeightTensors to_new, to_old;
     for (size_t i = 0; i < targets.size(); ++i) {
-      old.push_back(model_->weights().Replace(*targets[i], fresh[i]));
+      tensors.push_back(store.Alias(*targets[i], fresh[i]));
+      to_new[targets[i]] = tensors.back().get();
+      to_old[targets[i]] = targets[i]->tensor.get();
     }
-    // Every method switches before the next run: none sees a mix.
-    for (size_t m = 0; m < containers_.size(); ++m) {
-      auto pairs = WeightPairs(model_->methods()[m], &changed);
-      if (pairs.empty()) continue;
-      containers_[m]->BindUserManaged(pairs, ErrorKind::kRun);
-      containers_[m]->ReclaimBindHandles(ErrorKind::kRun);
+    // Every method switches before the next run: none sees a mix. If one
+    // cannot, those switched already go back to the old weights.
+    size_t m = 0;
+    try {
+      for (; m < containers_.size(); ++m) {
+        auto pairs = WeightPairs(model_->methods()[m], &to_new);
+        if (!pairs.empty()) containers_[m]->BindUserManaged(pairs, ErrorKind::kRun);
+      }
+    } catch (...) {
+      for (size_t back = 0; back <= m && back < containers_.size(); ++back) {
+        auto pairs = WeightPairs(model_->methods()[back], &to_old);
+        try {
+          if (!pairs.empty()) containers_[back]->BindUserManaged(pairs, ErrorKind::kRun);
+        } catch (...) {
+          // Nothing better to do: the error below reports the failure.
+        }
+      }
+      free_fresh();
+      throw;
+    }
+    for (size_t i = 0; i < targets.size(); ++i) {
+      old.push_back(store.Replace(*targets[i], fresh[i], std::move(tensors[i])));
+    }
+    for (auto& container : containers_) {
+      try {
+        container->ReclaimBindHandles(ErrorKind::kInternal);
+      } catch (...) {
+        // A failed extract only means a few handles stay leaked.
+      }
     }
     streams = run_streams_;
   }

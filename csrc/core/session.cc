@@ -43,6 +43,17 @@ class SCOPED_CAPABILITY Session::OpLock {
   Mutex& mutex_;
 };
 
+std::shared_ptr<Session> Session::Make(std::shared_ptr<const EngineParts> parts,
+                                       std::shared_ptr<SessionState> state) {
+  try {
+    return std::make_shared<Session>(parts, state);
+  } catch (...) {
+    MutexLock lock(state->mutex());
+    parts->residency->Release(*state, "");
+    throw;
+  }
+}
+
 Session::Session(std::shared_ptr<const EngineParts> parts, std::shared_ptr<SessionState> state)
     : parts_(std::move(parts)), state_(std::move(state)) {}
 
@@ -98,7 +109,7 @@ std::shared_ptr<Session> Session::Fork(StreamHandle stream) {
         device.Copy(block, source, bytes, s);
         if (from_host) device.Synchronize(s);  // the host block may move once unlocked
       });
-  return std::make_shared<Session>(parts_, std::move(child));
+  return Make(parts_, std::move(child));
 }
 
 void Session::CheckBufferTensor(size_t buffer, AtenTensorHandle tensor, const char* role) const {

@@ -39,7 +39,10 @@ struct EngineParts {
 
 class Session {
  public:
-  // Made by Engine::NewSession / LoadSession and Session::Fork.
+  // The session over a state Residency::Admit just made; releases the state
+  // if making it fails, so nothing admitted is ever left behind.
+  static std::shared_ptr<Session> Make(std::shared_ptr<const EngineParts> parts,
+                                       std::shared_ptr<SessionState> state);
   Session(std::shared_ptr<const EngineParts> parts, std::shared_ptr<SessionState> state);
   ~Session();
   Session(const Session&) = delete;

@@ -2,6 +2,7 @@
 #include "session_files.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <climits>
@@ -25,7 +26,13 @@ ModelFingerprint::ModelFingerprint(const std::vector<MethodSource>& sources) {
       File file;
       file.path = path;
       file.fd = FileDescriptor(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-      if (!file.fd.valid()) file.open_errno = errno;
+      struct stat st {};
+      if (!file.fd.valid() || ::fstat(file.fd.get(), &st) != 0) {
+        file.open_errno = errno;
+      } else {
+        file.device = static_cast<uint64_t>(st.st_dev);
+        file.inode = static_cast<uint64_t>(st.st_ino);
+      }
       files_.push_back(std::move(file));
     }
     return it->second;
@@ -38,16 +45,19 @@ ModelFingerprint::ModelFingerprint(const std::vector<MethodSource>& sources) {
     for (File& file : files_) {
       if (!file.fd.valid()) continue;
       try {
-        file.hash = HashFile(file.fd.get(), file.path);
-      } catch (const std::exception& e) {
-        file.error = e.what();
+        file.hash = HashFile(file.fd.get(), file.path, &cancel_);
+      } catch (...) {
+        file.error = std::current_exception();
       }
       file.fd.Close();
     }
   });
 }
 
-ModelFingerprint::~ModelFingerprint() { Join(); }
+ModelFingerprint::~ModelFingerprint() {
+  cancel_ = true;
+  Join();
+}
 
 void ModelFingerprint::Join() {
   if (thread_.joinable()) thread_.join();
@@ -61,7 +71,13 @@ std::vector<StateFileMethod> ModelFingerprint::Get() {
     if (file.open_errno != 0) {
       Throw(ErrorKind::kPackage, "cannot read " + file.path + ": " + ErrnoText(file.open_errno));
     }
-    if (!file.error.empty()) Throw(ErrorKind::kPackage, file.error);
+    if (file.error) std::rethrow_exception(file.error);
+    // The model was loaded by path: it must still name the file hashed.
+    struct stat st {};
+    if (::stat(file.path.c_str(), &st) != 0 || static_cast<uint64_t>(st.st_dev) != file.device ||
+        static_cast<uint64_t>(st.st_ino) != file.inode) {
+      Throw(ErrorKind::kPackage, file.path + " was replaced or removed while the engine loaded it");
+    }
     return file.hash;
   };
   std::vector<StateFileMethod> out;
@@ -154,13 +170,18 @@ void SessionFiles::MatchFingerprint(const StateFileHeader& header, const std::st
   }
 }
 
-void SessionFiles::Read(const std::string& path, bool strict, void* block) {
+SessionFiles::CheckedFile SessionFiles::Check(const std::string& path, bool strict) const {
   RequireValidPath(path, "session file path");
-  StateFileReader reader(path);
-  const StateFileHeader& header = reader.header();
+  CheckedFile file;
+  file.reader = std::make_unique<StateFileReader>(path);
+  const StateFileHeader& header = file.reader->header();
   const std::string from = "session file " + path + " was saved from another model: ";
-  const std::vector<size_t> source = MatchBuffers(header, from);
+  file.source = MatchBuffers(header, from);
   if (strict) MatchFingerprint(header, from);
+  return file;
+}
+
+void SessionFiles::Read(CheckedFile& file, void* block) const {
   // Each buffer is read into place; only the alignment padding between them
   // is zeroed (a session block's padding is zero, as a fresh one's is).
   auto* base = static_cast<char*>(block);
@@ -176,7 +197,7 @@ void SessionFiles::Read(const std::string& path, bool strict, void* block) {
   }
   if (model_->block_bytes() > end) std::memset(base + end, 0, model_->block_bytes() - end);
   for (size_t i = 0; i < buffers.size(); ++i) {
-    reader.ReadBuffer(source[i], base + buffers[i].offset);
+    file.reader->ReadBuffer(file.source[i], base + buffers[i].offset);
   }
 }
 

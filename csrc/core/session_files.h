@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <string>
 #include <thread>
@@ -28,7 +29,8 @@ class ModelFingerprint {
   ModelFingerprint(const ModelFingerprint&) = delete;
   ModelFingerprint& operator=(const ModelFingerprint&) = delete;
 
-  // Waits for the hashing; throws kPackage if a file could not be read.
+  // Waits for the hashing. Throws kPackage if a file could not be read, or
+  // is no longer the file opened (replaced while the model loaded).
   std::vector<StateFileMethod> Get();
 
  private:
@@ -36,8 +38,9 @@ class ModelFingerprint {
     std::string path;
     FileDescriptor fd;
     int open_errno = 0;
+    uint64_t device = 0, inode = 0;  // of the file opened
     uint64_t hash = 0;
-    std::string error;  // set by the hashing thread on failure
+    std::exception_ptr error;  // set by the hashing thread on failure
   };
   void Join();
 
@@ -49,6 +52,7 @@ class ModelFingerprint {
     int weights = -1;
   };
   std::vector<Entry> methods_;
+  std::atomic<bool> cancel_{false};  // a failed load does not wait for the hashing
   std::thread thread_;
 };
 
@@ -60,11 +64,18 @@ class SessionFiles {
   // Writes `state` (a host copy of a session block) to a session file,
   // atomically. Throws kInvalidArgument (a NUL in the path) or kSessionFile.
   void Save(const std::string& path, const void* state);
-  // Checks the file at `path` (header, this engine's buffers and, with
-  // `strict`, its fingerprint, then every buffer's checksum) and reads its
-  // state into `block`, a host block laid out as a session block. Throws
-  // kFileNotFound, kSessionFile or kModelMismatch; the engine is untouched.
-  void Read(const std::string& path, bool strict, void* block);
+  // A session file whose header was checked against this engine.
+  struct CheckedFile {
+    std::unique_ptr<StateFileReader> reader;
+    std::vector<size_t> source;  // the file buffer of each engine buffer
+  };
+  // Opens the file at `path` and checks its header: this engine's buffers
+  // and, with `strict`, its fingerprint. Allocates nothing. Throws
+  // kInvalidArgument, kFileNotFound, kSessionFile or kModelMismatch.
+  CheckedFile Check(const std::string& path, bool strict) const;
+  // Reads the file's state into `block`, a host block laid out as a session
+  // block, checking every buffer's checksum (kSessionFile).
+  void Read(CheckedFile& file, void* block) const;
   // Counts a load that became a session.
   void CountLoad() { loads_.fetch_add(1); }
   void AddStats(EngineStats& stats) const;

@@ -197,10 +197,14 @@ size_t WeightStore::held_bytes() const {
   return total;
 }
 
-void* WeightStore::Replace(HeldWeight& weight, void* data) {
+OwnedTensor WeightStore::Alias(const HeldWeight& weight, void* data) const {
+  return OwnedTensor::FromBlob(data, weight.layout, device_.torch_device_type(),
+                               device_.spec().index);
+}
+
+void* WeightStore::Replace(HeldWeight& weight, void* data, OwnedTensor tensor) {
   void* previous = weight.owned ? weight.data : nullptr;
-  weight.tensor = OwnedTensor::FromBlob(data, weight.layout, device_.torch_device_type(),
-                                        device_.spec().index);
+  weight.tensor = std::move(tensor);
   weight.data = data;
   weight.owned = true;
   weight.file.clear();

@@ -50,9 +50,12 @@ class WeightStore {
   const std::vector<std::unique_ptr<HeldWeight>>& all() const { return weights_; }
   size_t held_bytes() const;
 
-  // Replaces the memory behind `weight` by `data` (owned from now on) and
-  // returns the previous memory if the store owned it (else nullptr).
-  void* Replace(HeldWeight& weight, void* data);
+  // Replaces the memory behind `weight` by `data` (owned from now on), with
+  // `tensor` aliasing it, and returns the previous memory if the store owned
+  // it (else nullptr).
+  void* Replace(HeldWeight& weight, void* data, OwnedTensor tensor);
+  // A tensor aliasing `data` with `weight`'s layout, on the store's device.
+  OwnedTensor Alias(const HeldWeight& weight, void* data) const;
 
  private:
   HeldWeight* Add(const std::string& fqn, const TensorLayout& layout, void* data, bool owned);
