@@ -28,7 +28,7 @@ from conftest import counter_inputs
 
 _SAVER = textwrap.dedent("""
     import sys, aoti_sessions as ais
-    engine = ais.Engine(sys.argv[1])
+    engine = ais.Engine(sys.argv[1], device=sys.argv[3])
     s = engine.new_session()
     print("ready", flush=True)
     while True:
@@ -46,7 +46,7 @@ def test_saves_killed_mid_write_leave_nothing_for_long(decoder_pkg: Path, device
     target = tmp_path / "s.ais"
     orphans = 0
     for _ in range(8):
-        with subprocess.Popen([sys.executable, "-c", _SAVER, str(decoder_pkg), str(target)],
+        with subprocess.Popen([sys.executable, "-c", _SAVER, str(decoder_pkg), str(target), device],
                               stdout=subprocess.PIPE, text=True) as saver:
             assert saver.stdout is not None and saver.stdout.readline().strip() == "ready"
             time.sleep(0.3)
