@@ -1,12 +1,14 @@
-"""bench_switch.py on two builds of aoti-sessions, in one run, one table.
+"""A benchmark on two builds of aoti-sessions, in one run, one table.
 
 Builds the package at an old commit and from the working tree into separate
-folders (build/compare/), then runs bench/bench_switch.py (this checkout's)
+folders (build/compare/), then runs a benchmark of this checkout
+(bench/bench_switch.py by default; any that takes --device and --json)
 against each in alternating rounds, a fresh process per round, so drift on a
 noisy machine hits both alike. Prints per configuration the old and new
-per-call medians (min / median / max over rounds) and new / old.
+figures (min / median / max over rounds) and new / old.
 
-    python bench/compare_builds.py --old 59040ae [--rounds 6] [--device cpu]
+    python bench/compare_builds.py --old 59040ae [--rounds 6] [--device cpu] \
+        [--bench bench_load.py] [-- BENCH ARGS]
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ def _build(old: str, work: Path) -> dict[str, Path]:
     return sites
 
 
-def _round(site: Path, device: str, args: list[str]) -> dict[str, float]:
+def _round(bench: str, site: Path, device: str, args: list[str]) -> dict[str, float]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-        subprocess.run([sys.executable, str(ROOT / "bench" / "bench_switch.py"), "--device", device, "--json",
+        subprocess.run([sys.executable, str(ROOT / "bench" / bench), "--device", device, "--json",
                         out.name, *args], check=True, env=env, stdout=subprocess.DEVNULL, cwd=ROOT)
         return dict(json.load(open(out.name)))
 
@@ -55,21 +57,24 @@ def main() -> int:
     parser.add_argument("--old", required=True, help="commit of the old build")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("bench_args", nargs="*", help="passed to bench_switch.py (after --)")
+    parser.add_argument("--bench", default="bench_switch.py", help="a script in bench/")
+    parser.add_argument("--unit", choices=("us", "ms"), default="us")
+    parser.add_argument("bench_args", nargs="*", help="passed to the benchmark (after --)")
     args = parser.parse_args()
     sites = _build(args.old, ROOT / "build" / "compare")
     results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     for r in range(args.rounds):
         for which in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            results[which].append(_round(sites[which], args.device, args.bench_args))
+            results[which].append(_round(args.bench, sites[which], args.device, args.bench_args))
     rows = list(results["new"][0])
-    print(f"\ncompare_builds: bench_switch.py, old = {args.old}, new = working tree, {args.device}, "
-          f"{args.rounds} alternating rounds (a process each); per-call us, min / median / max over rounds")
+    scale = 1e6 if args.unit == "us" else 1e3
+    print(f"\ncompare_builds: {args.bench}, old = {args.old}, new = working tree, {args.device}, "
+          f"{args.rounds} alternating rounds (a process each); {args.unit}, min / median / max over rounds")
     print(f"  {'configuration':<36} {'old':>26} {'new':>26} {'new/old':>8}")
     for name in rows:
         cells = []
         for which in ("old", "new"):
-            v = sorted(x[name] * 1e6 for x in results[which])
+            v = sorted(x[name] * scale for x in results[which])
             cells.append((v[0], statistics.median(v), v[-1]))
         ratio = cells[1][1] / cells[0][1] if cells[0][1] else float("nan")
         fmt = [f"{a:7.2f} /{b:7.2f} /{c:7.2f}" for a, b, c in cells]
