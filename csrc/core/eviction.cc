@@ -44,40 +44,21 @@ void Residency::ReserveDevice(const SessionState* held, StreamHandle stream, int
                                       " cannot take an offloaded session (" +
                                       BytesText(host_bytes_) + " offloaded)");
     }
-    std::vector<std::shared_ptr<SessionState>> candidates = OpenStatesRegistryLocked();
+    std::vector<std::shared_ptr<SessionState>> open = OpenStatesRegistryLocked();
     // Device bytes reserved by creations and restores in flight (or held by
     // sessions being released): they become idle or free soon.
     int64_t resident = 0;
-    for (const auto& s : candidates) resident += s->resident() ? 1 : 0;
+    for (const auto& s : open) resident += s->resident() ? 1 : 0;
     const bool in_flight = device_bytes_ > resident * need;
     lock.Unlock();
-    // Sessions held by calls that are themselves waiting for room never
-    // become idle before this call proceeds: waiting for them is futile.
-    candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
-                                    [&](const auto& s) {
-                                      return s.get() == held || !s->resident() || s->closed() ||
-                                             s->waiting_for_room();
-                                    }),
-                     candidates.end());
-    std::sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
-      return a->last_use_ns() < b->last_use_ns();
-    });
-    bool evicted = false;
-    const bool any = !candidates.empty();
-    for (const auto& candidate : candidates) {
-      if (TryEvict(*candidate, stream, host_credit)) {
-        evicted = true;
-        break;
-      }
-    }
-    candidates.clear();
+    const Eviction outcome = EvictLeastRecentlyUsed(std::move(open), held, stream, host_credit);
     lock.Lock();
-    if (evicted) continue;
+    if (outcome == Eviction::kDone) continue;
     const int64_t ours = held != nullptr && held->resident() ? need : 0;
-    if (!any && device_bytes_ <= ours) {
+    if (outcome == Eviction::kNoCandidate && device_bytes_ <= ours) {
       Throw(ErrorKind::kCapacity, full + "; the only resident session is the one this call uses");
     }
-    if (!any && !in_flight) {
+    if (outcome == Eviction::kNoCandidate && !in_flight) {
       Throw(ErrorKind::kCapacity,
             full + "; every resident session is held by a call waiting for room itself");
     }
@@ -90,6 +71,25 @@ void Residency::ReserveDevice(const SessionState* held, StreamHandle stream, int
     lock.WaitFor(capacity_cv_, std::chrono::milliseconds(5));
     capacity_waiters_.fetch_sub(1);
   }
+}
+
+Residency::Eviction Residency::EvictLeastRecentlyUsed(
+    std::vector<std::shared_ptr<SessionState>> candidates, const SessionState* held,
+    StreamHandle stream, int64_t host_credit) {
+  // Sessions held by calls that are themselves waiting for room never become
+  // idle before this call proceeds: waiting for them is futile.
+  candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
+                                  [&](const auto& s) {
+                                    return s.get() == held || !s->resident() || s->closed() ||
+                                           s->waiting_for_room();
+                                  }),
+                   candidates.end());
+  std::sort(candidates.begin(), candidates.end(),
+            [](const auto& a, const auto& b) { return a->last_use_ns() < b->last_use_ns(); });
+  for (const auto& candidate : candidates) {
+    if (TryEvict(*candidate, stream, host_credit)) return Eviction::kDone;
+  }
+  return candidates.empty() ? Eviction::kNoCandidate : Eviction::kAllBusy;
 }
 
 bool Residency::TryEvict(SessionState& victim, StreamHandle stream, int64_t host_credit) {

@@ -117,6 +117,13 @@ class Model {
   // model_weights.cc: binds every method's weights to one held copy each
   // (loading weights files, adopting or copying embedded ones).
   void HoldWeights(const std::vector<std::unique_ptr<Container>>& containers, bool strict);
+  // The held copy of weight `c` of `method`: one already held with the same
+  // layout and content, or a new one read from its weights file / copied or
+  // (`adopt`) adopted from the container's `current` constants.
+  HeldWeight* HoldFromFile(const Method& method, const ConstantInfo& c, bool strict);
+  HeldWeight* HoldEmbedded(const Method& method, const ConstantInfo& c,
+                           const std::unordered_map<std::string, AtenTensorHandle>& current,
+                           bool adopt, bool strict);
   // After the templates are captured: releases the blobs of containers whose
   // weights are now shared, and the host copies of initial values.
   void FinishWeights(const std::vector<std::unique_ptr<Container>>& containers);

@@ -87,39 +87,8 @@ void Model::HoldWeights(const std::vector<std::unique_ptr<Container>>& container
     if (!method.weights_file) current = container.CurrentConstants(ErrorKind::kPackage);
     for (const ConstantInfo& c : container.constants()) {
       if (c.from_folded || is_mutable(c.fqn)) continue;
-      HeldWeight* held = nullptr;
-      bool differs = false;
-      if (method.weights_file) {
-        const WeightsFile& file = *method.weights_file;
-        const WeightEntry* entry = FindEntry(file, c.fqn);
-        if (entry == nullptr) {
-          Throw(ErrorKind::kPackage, "weights file " + file.path + " has no tensor for constant '" +
-                                         c.fqn + "' of method '" + method.name + "'");
-        }
-        if (entry->layout.dtype != c.dtype) {
-          Throw(ErrorKind::kPackage, "weights file " + file.path + ": '" + c.fqn + "' is " +
-                                         DtypeName(entry->layout.dtype) + " but method '" +
-                                         method.name + "' expects " + DtypeName(c.dtype));
-        }
-        held = weights_->FindFile(file, *entry, &differs);
-        if (held == nullptr) {
-          if (differs) NoteDifferingWeight(method, c.fqn, strict);
-          held = weights_->AddFile(file, *entry);
-        }
-      } else {
-        auto tensor = current.find(c.fqn);
-        if (tensor == current.end()) {
-          Throw(ErrorKind::kPackage, "method '" + method.name + "' lists constant '" + c.fqn +
-                                         "' but holds no tensor for it");
-        }
-        TensorLayout layout = ReadLayout(tensor->second);
-        void* data = DataPtr(tensor->second);
-        held = weights_->FindDevice(c.fqn, layout, data, &differs);
-        if (held == nullptr) {
-          if (differs) NoteDifferingWeight(method, c.fqn, strict);
-          held = adopt ? weights_->Adopt(c.fqn, layout, data) : weights_->AddCopy(c.fqn, layout, data);
-        }
-      }
+      HeldWeight* held = method.weights_file ? HoldFromFile(method, c, strict)
+                                             : HoldEmbedded(method, c, current, adopt, strict);
       held->methods.push_back(method.name);
       method.weight_bindings.emplace_back(held, c.name);
     }
@@ -132,6 +101,40 @@ void Model::HoldWeights(const std::vector<std::unique_ptr<Container>>& container
       container.ReclaimBindHandles(ErrorKind::kPackage);
     }
   }
+}
+
+HeldWeight* Model::HoldFromFile(const Method& method, const ConstantInfo& c, bool strict) {
+  const WeightsFile& file = *method.weights_file;
+  const WeightEntry* entry = FindEntry(file, c.fqn);
+  if (entry == nullptr) {
+    Throw(ErrorKind::kPackage, "weights file " + file.path + " has no tensor for constant '" +
+                                   c.fqn + "' of method '" + method.name + "'");
+  }
+  if (entry->layout.dtype != c.dtype) {
+    Throw(ErrorKind::kPackage, "weights file " + file.path + ": '" + c.fqn + "' is " +
+                                   DtypeName(entry->layout.dtype) + " but method '" + method.name +
+                                   "' expects " + DtypeName(c.dtype));
+  }
+  bool differs = false;
+  if (HeldWeight* held = weights_->FindFile(file, *entry, &differs)) return held;
+  if (differs) NoteDifferingWeight(method, c.fqn, strict);
+  return weights_->AddFile(file, *entry);
+}
+
+HeldWeight* Model::HoldEmbedded(const Method& method, const ConstantInfo& c,
+                                const std::unordered_map<std::string, AtenTensorHandle>& current,
+                                bool adopt, bool strict) {
+  auto tensor = current.find(c.fqn);
+  if (tensor == current.end()) {
+    Throw(ErrorKind::kPackage, "method '" + method.name + "' lists constant '" + c.fqn +
+                                   "' but holds no tensor for it");
+  }
+  TensorLayout layout = ReadLayout(tensor->second);
+  void* data = DataPtr(tensor->second);
+  bool differs = false;
+  if (HeldWeight* held = weights_->FindDevice(c.fqn, layout, data, &differs)) return held;
+  if (differs) NoteDifferingWeight(method, c.fqn, strict);
+  return adopt ? weights_->Adopt(c.fqn, layout, data) : weights_->AddCopy(c.fqn, layout, data);
 }
 
 void Model::NoteDifferingWeight(const Method& method, const std::string& fqn, bool strict) {

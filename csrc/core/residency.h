@@ -90,6 +90,12 @@ class Residency : public std::enable_shared_from_this<Residency> {
   void ReserveDevice(const SessionState* held, StreamHandle stream, int64_t host_credit)
       EXCLUDES(registry_mutex_);
   void UnreserveDevice() EXCLUDES(registry_mutex_);
+  // Offloads the least recently used idle session among `candidates`
+  // (resident, not `held`, not waiting for room itself).
+  enum class Eviction { kDone, kAllBusy, kNoCandidate };
+  Eviction EvictLeastRecentlyUsed(std::vector<std::shared_ptr<SessionState>> candidates,
+                                  const SessionState* held, StreamHandle stream,
+                                  int64_t host_credit) EXCLUDES(registry_mutex_);
   // Offloads `victim` if it is idle (its lock is free); false if it is busy.
   bool TryEvict(SessionState& victim, StreamHandle stream, int64_t host_credit)
       EXCLUDES(registry_mutex_);

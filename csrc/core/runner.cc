@@ -65,7 +65,7 @@ void Runner::Close() {
 }
 
 void Runner::CheckOpenRunLocked() const {
-  if (containers_.empty()) Throw(ErrorKind::kSessionClosed, "the engine is closed");
+  if (closed_) Throw(ErrorKind::kSessionClosed, "the engine is closed");
 }
 
 void Runner::AddStats(EngineStats& s) const {

@@ -61,8 +61,15 @@ class Runner {
   std::vector<HeldWeight*> ValidateUpdates(const std::vector<WeightUpdate>& updates) const;
   // Binds `state` to the method's container unless it is bound already.
   void BindRunLocked(size_t method, SessionState& state) REQUIRES(run_mutex_, state.mutex());
+  // Rebinds every method from the `targets`' memory to `fresh` (all or none)
+  // and returns the memory replaced (owned by the store) for freeing.
+  std::vector<void*> SwitchWeightsRunLocked(const std::vector<HeldWeight*>& targets,
+                                            const std::vector<void*>& fresh) REQUIRES(run_mutex_);
+  // Binds the weights of `method` that `tensors` names to the tensors there.
+  void BindWeightsRunLocked(size_t method, const WeightTensors& tensors) REQUIRES(run_mutex_);
   // Blocks until the work queued by runs so far has finished.
   void SyncRunStreamsRunLocked() REQUIRES(run_mutex_);
+  // Throws kSessionClosed once Close() released the containers.
   void CheckOpenRunLocked() const REQUIRES(run_mutex_);
 
   const std::shared_ptr<Model> model_;
@@ -72,7 +79,9 @@ class Runner {
   // Per method: SessionState::bind_key of the bound state; 0: none.
   std::vector<uint64_t> bound_keys_ GUARDED_BY(run_mutex_);
   std::vector<StreamHandle> run_streams_ GUARDED_BY(run_mutex_);  // streams runs were queued on
-  std::atomic<bool> closed_{false};  // mirrors containers_ being released (written under run_mutex_)
+  // Whether Close() released the containers (written under run_mutex_, read
+  // without it by closed()).
+  std::atomic<bool> closed_{false};
 
   // Counters for stats() only.
   std::atomic<int64_t> runs_{0};

@@ -74,6 +74,9 @@ void Runner::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double
   }
   // Fill new memory while runs go on.
   std::vector<void*> fresh;
+  auto free_fresh = [&] {
+    for (void* p : fresh) device_.Free(p, nullptr);
+  };
   try {
     for (size_t i = 0; i < targets.size(); ++i) {
       fresh.push_back(device_.Allocate(targets[i]->bytes, nullptr));
@@ -81,57 +84,19 @@ void Runner::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double
     }
     device_.Synchronize(nullptr);
   } catch (...) {
-    for (void* p : fresh) device_.Free(p, nullptr);
+    free_fresh();
     throw;
   }
   std::vector<void*> old;
   std::vector<StreamHandle> streams;
   {
     MutexLock lock(run_mutex_);
-    auto free_fresh = [&] {
-      for (void* p : fresh) device_.Free(p, nullptr);
-    };
-    if (containers_.empty()) {
-      free_fresh();
-      Throw(ErrorKind::kSessionClosed, "the engine is closed");
-    }
-    WeightStore& store = model_->weights();
-    std::vector<OwnedTensor> tensors;
-    WeightTensors to_new, to_old;
-    for (size_t i = 0; i < targets.size(); ++i) {
-      tensors.push_back(store.Alias(*targets[i], fresh[i]));
-      to_new[targets[i]] = tensors.back().get();
-      to_old[targets[i]] = targets[i]->tensor.get();
-    }
-    // Every method switches before the next run: none sees a mix. If one
-    // cannot, those switched already go back to the old weights.
-    size_t m = 0;
     try {
-      for (; m < containers_.size(); ++m) {
-        auto pairs = WeightPairs(model_->methods()[m], &to_new);
-        if (!pairs.empty()) containers_[m]->BindUserManaged(pairs, ErrorKind::kRun);
-      }
+      CheckOpenRunLocked();
+      old = SwitchWeightsRunLocked(targets, fresh);
     } catch (...) {
-      for (size_t back = 0; back <= m && back < containers_.size(); ++back) {
-        auto pairs = WeightPairs(model_->methods()[back], &to_old);
-        try {
-          if (!pairs.empty()) containers_[back]->BindUserManaged(pairs, ErrorKind::kRun);
-        } catch (...) {
-          // Nothing better to do: the error below reports the failure.
-        }
-      }
       free_fresh();
       throw;
-    }
-    for (size_t i = 0; i < targets.size(); ++i) {
-      old.push_back(store.Replace(*targets[i], fresh[i], std::move(tensors[i])));
-    }
-    for (auto& container : containers_) {
-      try {
-        container->ReclaimBindHandles(ErrorKind::kInternal);
-      } catch (...) {
-        // A failed extract only means a few handles stay leaked.
-      }
     }
     streams = run_streams_;
   }
@@ -140,6 +105,50 @@ void Runner::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double
   for (void* p : old) {
     if (p != nullptr) device_.Free(p, nullptr);
   }
+}
+
+std::vector<void*> Runner::SwitchWeightsRunLocked(const std::vector<HeldWeight*>& targets,
+                                                  const std::vector<void*>& fresh) {
+  WeightStore& store = model_->weights();
+  std::vector<OwnedTensor> tensors;
+  WeightTensors to_new, to_old;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    tensors.push_back(store.Alias(*targets[i], fresh[i]));
+    to_new[targets[i]] = tensors.back().get();
+    to_old[targets[i]] = targets[i]->tensor.get();
+  }
+  // Every method switches before the next run: none sees a mix. If one
+  // cannot, those switched already go back to the old weights.
+  size_t m = 0;
+  try {
+    for (; m < containers_.size(); ++m) BindWeightsRunLocked(m, to_new);
+  } catch (...) {
+    for (size_t back = 0; back <= m && back < containers_.size(); ++back) {
+      try {
+        BindWeightsRunLocked(back, to_old);
+      } catch (...) {
+        // Nothing better to do: the error being thrown reports the failure.
+      }
+    }
+    throw;
+  }
+  std::vector<void*> old;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    old.push_back(store.Replace(*targets[i], fresh[i], std::move(tensors[i])));
+  }
+  for (auto& container : containers_) {
+    try {
+      container->ReclaimBindHandles(ErrorKind::kInternal);
+    } catch (...) {
+      // A failed extract only means a few handles stay leaked.
+    }
+  }
+  return old;
+}
+
+void Runner::BindWeightsRunLocked(size_t method, const WeightTensors& tensors) {
+  auto pairs = WeightPairs(model_->methods()[method], &tensors);
+  if (!pairs.empty()) containers_[method]->BindUserManaged(pairs, ErrorKind::kRun);
 }
 
 }  // namespace aoti_sessions

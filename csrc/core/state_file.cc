@@ -186,63 +186,67 @@ StateFileReader::StateFileReader(const std::string& path) : path_(path) {
     ErrorKind kind = errno == ENOENT ? ErrorKind::kFileNotFound : ErrorKind::kSessionFile;
     Throw(kind, "cannot open session file " + path + ": " + ErrnoText(errno));
   }
-  {
-    struct stat st {};
-    if (::fstat(fd_.get(), &st) != 0) {
-      Throw(ErrorKind::kSessionFile, "cannot stat " + path + ": " + ErrnoText(errno));
-    }
-    if (S_ISDIR(st.st_mode)) Throw(ErrorKind::kSessionFile, path + " is a folder, not a session file");
-    if (!S_ISREG(st.st_mode)) {
-      Throw(ErrorKind::kSessionFile, path + " is not a regular file, so not a session file");
-    }
-    const uint64_t size = static_cast<uint64_t>(st.st_size);
-    char prefix[kPrefix];
-    if (size < kPrefix || !ReadExactly(fd_.get(), prefix, kPrefix, 0, path) ||
-        std::memcmp(prefix, kMagic, sizeof kMagic) != 0) {
-      Throw(ErrorKind::kSessionFile, path + " is not an aoti_sessions session file (bad magic)");
-    }
-    uint32_t version = 0;
-    std::memcpy(&version, prefix + 8, sizeof version);
-    if (version != kStateFileVersion) {
-      Throw(ErrorKind::kSessionFile, "session file " + path + " has format version " +
-                                         std::to_string(version) + "; this build reads version " +
-                                         std::to_string(kStateFileVersion));
-    }
-    uint64_t length = 0;
-    std::memcpy(&length, prefix + 16, sizeof length);
-    if (length > kMaxHeader) {
-      Throw(ErrorKind::kSessionFile, "session file " + path + " has a malformed header (length " +
-                                         std::to_string(length) + ")");
-    }
-    if (kPrefix + length + 8 > size) {
-      Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated (" +
-                                         std::to_string(size) + " bytes, shorter than its header)");
-    }
-    std::string head(kPrefix + length, '\0');
-    uint64_t stored = 0;
-    if (!ReadExactly(fd_.get(), &head[0], head.size(), 0, path) ||
-        !ReadExactly(fd_.get(), &stored, sizeof stored, head.size(), path)) {
-      Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated");
-    }
-    if (Checksum64(head.data(), head.size()) != stored) {
-      Throw(ErrorKind::kSessionFile, "session file " + path + " is corrupted (header checksum mismatch)");
-    }
-    header_ = DecodeHeader(head.substr(kPrefix), path);
-    payload_start_ = Aligned(head.size() + sizeof stored);
-    // Compared without forming payload_start_ + payload_bytes (it could wrap).
-    if (header_.payload_bytes > size || size - header_.payload_bytes < payload_start_) {
-      std::string want = header_.payload_bytes > UINT64_MAX - payload_start_
-                             ? std::string("more than 2^64")
-                             : std::to_string(payload_start_ + header_.payload_bytes);
-      Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated: " +
-                                         std::to_string(size) + " bytes, its header says " + want);
-    }
-    if (size - header_.payload_bytes > payload_start_) {
-      Throw(ErrorKind::kSessionFile, "session file " + path + " has " +
-                                         std::to_string(size - header_.payload_bytes - payload_start_) +
-                                         " unexpected bytes after its payload");
-    }
+  struct stat st {};
+  if (::fstat(fd_.get(), &st) != 0) {
+    Throw(ErrorKind::kSessionFile, "cannot stat " + path + ": " + ErrnoText(errno));
   }
+  if (S_ISDIR(st.st_mode)) Throw(ErrorKind::kSessionFile, path + " is a folder, not a session file");
+  if (!S_ISREG(st.st_mode)) {
+    Throw(ErrorKind::kSessionFile, path + " is not a regular file, so not a session file");
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  const uint64_t head_bytes = ReadHeader(size);
+  payload_start_ = Aligned(head_bytes);
+  // Compared without forming payload_start_ + payload_bytes (it could wrap).
+  if (header_.payload_bytes > size || size - header_.payload_bytes < payload_start_) {
+    std::string want = header_.payload_bytes > UINT64_MAX - payload_start_
+                           ? std::string("more than 2^64")
+                           : std::to_string(payload_start_ + header_.payload_bytes);
+    Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated: " +
+                                       std::to_string(size) + " bytes, its header says " + want);
+  }
+  if (size - header_.payload_bytes > payload_start_) {
+    Throw(ErrorKind::kSessionFile, "session file " + path + " has " +
+                                       std::to_string(size - header_.payload_bytes - payload_start_) +
+                                       " unexpected bytes after its payload");
+  }
+}
+
+uint64_t StateFileReader::ReadHeader(uint64_t size) {
+  const std::string& path = path_;
+  char prefix[kPrefix];
+  if (size < kPrefix || !ReadExactly(fd_.get(), prefix, kPrefix, 0, path) ||
+      std::memcmp(prefix, kMagic, sizeof kMagic) != 0) {
+    Throw(ErrorKind::kSessionFile, path + " is not an aoti_sessions session file (bad magic)");
+  }
+  uint32_t version = 0;
+  std::memcpy(&version, prefix + 8, sizeof version);
+  if (version != kStateFileVersion) {
+    Throw(ErrorKind::kSessionFile, "session file " + path + " has format version " +
+                                       std::to_string(version) + "; this build reads version " +
+                                       std::to_string(kStateFileVersion));
+  }
+  uint64_t length = 0;
+  std::memcpy(&length, prefix + 16, sizeof length);
+  if (length > kMaxHeader) {
+    Throw(ErrorKind::kSessionFile, "session file " + path + " has a malformed header (length " +
+                                       std::to_string(length) + ")");
+  }
+  if (kPrefix + length + 8 > size) {
+    Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated (" +
+                                       std::to_string(size) + " bytes, shorter than its header)");
+  }
+  std::string head(kPrefix + length, '\0');
+  uint64_t stored = 0;
+  if (!ReadExactly(fd_.get(), &head[0], head.size(), 0, path) ||
+      !ReadExactly(fd_.get(), &stored, sizeof stored, head.size(), path)) {
+    Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated");
+  }
+  if (Checksum64(head.data(), head.size()) != stored) {
+    Throw(ErrorKind::kSessionFile, "session file " + path + " is corrupted (header checksum mismatch)");
+  }
+  header_ = DecodeHeader(head.substr(kPrefix), path);
+  return head.size() + sizeof stored;
 }
 
 void StateFileReader::ReadBuffer(size_t index, void* dst) {

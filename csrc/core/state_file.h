@@ -70,6 +70,9 @@ class StateFileReader {
   void ReadBuffer(size_t index, void* dst);
 
  private:
+  // Reads and checks the prefix, the header and its checksum of a file of
+  // `size` bytes into header_; returns the bytes they take.
+  uint64_t ReadHeader(uint64_t size);
   std::string path_;
   FileDescriptor fd_;
   uint64_t payload_start_ = 0;
