@@ -101,3 +101,37 @@ class Wide(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.w
+
+
+class HostSync(nn.Module):
+    """A mutated buffer and an output whose size depends on the data
+    (nonzero): the run waits for the device on the host, so it cannot be
+    captured into a CUDA graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.acc.add_(x)
+        return torch.nonzero(self.acc > 1.0).flatten()
+
+    @staticmethod
+    def example() -> tuple[torch.Tensor]:
+        return (torch.rand(8),)
+
+
+class Batched(nn.Module):
+    """A mutated buffer and an input with a dynamic batch dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.acc.add_(x.sum(0))
+        return x * self.acc
+
+    @staticmethod
+    def example() -> tuple[torch.Tensor]:
+        return (torch.rand(4, 8),)

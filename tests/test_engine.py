@@ -116,7 +116,8 @@ def test_engine_reports_stats(counter_engine: ais.Engine, device: str) -> None:
     st = counter_engine.stats()
     assert st["live_sessions"] == 2 and st["live_bytes"] == 2 * counter_engine.bytes_per_session
     assert st["runs"] == 4
-    assert st["binds"] == 3  # a, then b, then a again: the second run of a needs none
+    # a and b get a lane (container) each: only their first runs bind.
+    assert st["binds"] == 2 and st["lanes"] >= 2
     a.close()
     b.close()
     assert counter_engine.stats()["live_sessions"] == 0

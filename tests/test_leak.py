@@ -19,7 +19,8 @@ SCRIPT = textwrap.dedent(
     def rss():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096
-    eng = ais.Engine(sys.argv[1], device=sys.argv[4])
+    # One lane and no graphs: every switch binds.
+    eng = ais.Engine(sys.argv[1], device=sys.argv[4], lanes=1, cuda_graphs=False)
     a, b = eng.new_session(), eng.new_session()
     x, slot = torch.ones(1, 8, device=sys.argv[4]), torch.tensor([0], device=sys.argv[4])
     def switch(n):

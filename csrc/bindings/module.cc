@@ -25,6 +25,64 @@ namespace {
 
 StreamHandle ToStream(uintptr_t stream) { return reinterpret_cast<StreamHandle>(stream); }
 
+// A GraphHost calling a Python object (aoti_sessions._graphs.TorchGraphHost),
+// with the GIL taken for each call (the core calls it from run threads that
+// released the GIL).
+class PyGraphHost final : public GraphHost {
+ public:
+  explicit PyGraphHost(py::object host) : host_(std::move(host)) {}
+  ~PyGraphHost() override {
+    if (!Py_IsInitialized()) {
+      host_.release();  // the interpreter is gone: nothing to give back
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    host_ = py::object();
+  }
+
+  Pool NewPool() override {
+    py::gil_scoped_acquire gil;
+    try {
+      auto pool = host_.attr("new_pool")().cast<std::pair<uint64_t, uint64_t>>();
+      return pool;
+    } catch (const std::exception& e) {
+      Throw(ErrorKind::kRun, std::string("creating a CUDA graph memory pool: ") + e.what());
+    }
+  }
+  void BeginAllocations(Pool pool, StreamHandle stream) override {
+    py::gil_scoped_acquire gil;
+    try {
+      host_.attr("begin")(py::make_tuple(pool.first, pool.second),
+                          reinterpret_cast<uintptr_t>(stream));
+    } catch (const std::exception& e) {
+      Throw(ErrorKind::kRun, std::string("routing allocations to a CUDA graph pool: ") + e.what());
+    }
+  }
+  void EndAllocations(Pool pool) noexcept override {
+    Call("end", py::make_tuple(pool.first, pool.second));
+  }
+  void ReleasePool(Pool pool) noexcept override {
+    Call("release", py::make_tuple(pool.first, pool.second));
+  }
+  void Note(const std::string& note) noexcept override { Call("note", note); }
+
+ private:
+  template <typename Arg>
+  void Call(const char* name, Arg&& arg) noexcept {
+    if (!Py_IsInitialized()) return;
+    py::gil_scoped_acquire gil;
+    try {
+      host_.attr(name)(std::forward<Arg>(arg));
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable(name);
+    } catch (...) {
+      // Nothing to report to: the call has no result.
+    }
+  }
+
+  py::object host_;
+};
+
 // Takes ownership of every handle in `capsules` (as made by
 // torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors), so none leaks if one of
 // them is not a capsule.
@@ -134,6 +192,11 @@ void BindValues(py::module_& m) {
       .value("OFFLOAD", IdleAction::kOffload)
       .value("CLOSE", IdleAction::kClose);
 
+  py::enum_<GraphMode>(m, "GraphMode")
+      .value("AUTO", GraphMode::kAuto)
+      .value("ON", GraphMode::kOn)
+      .value("OFF", GraphMode::kOff);
+
   py::class_<EngineOptions>(m, "EngineOptions", "Options of an engine (checked by the core).")
       .def(py::init<>())
       .def_readwrite("device", &EngineOptions::device)
@@ -145,7 +208,10 @@ void BindValues(py::module_& m) {
       .def_readwrite("idle_timeout", &EngineOptions::idle_timeout_seconds)
       .def_readwrite("idle_action", &EngineOptions::idle_action)
       .def_readwrite("reclaim_bind_handles", &EngineOptions::reclaim_bind_handles)
-      .def_readwrite("strict_weights", &EngineOptions::strict_weights);
+      .def_readwrite("strict_weights", &EngineOptions::strict_weights)
+      .def_readwrite("lanes", &EngineOptions::lanes)
+      .def_readwrite("cuda_graphs", &EngineOptions::cuda_graphs)
+      .def_readwrite("graph_output_views", &EngineOptions::graph_output_views);
 
   py::class_<MutableBuffer> buffer(m, "BufferInfo", "A mutable buffer (per-session state).");
   BindLayout(buffer);
@@ -188,7 +254,12 @@ void BindValues(py::module_& m) {
            {"saves", &EngineStats::saves},
            {"loads", &EngineStats::loads},
            {"runs", &EngineStats::runs},
-           {"binds", &EngineStats::binds}}) {
+           {"binds", &EngineStats::binds},
+           {"lanes", &EngineStats::lanes},
+           {"graph_replays", &EngineStats::graph_replays},
+           {"graph_captures", &EngineStats::graph_captures},
+           {"graphs", &EngineStats::graphs},
+           {"graph_pools", &EngineStats::graph_pools}}) {
     stats.def_readonly(name, field);
   }
   stats.def_property_readonly("bind_seconds", [](const EngineStats& s) { return s.bind_nanoseconds * 1e-9; })
@@ -264,8 +335,17 @@ void BindSession(py::module_& m) {
 
 void BindEngine(py::module_& m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
-      .def(py::init(&Engine::Create), py::arg("methods"), py::arg("options"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(py::init([](const std::vector<MethodSource>& methods, const EngineOptions& options,
+                       py::object graph_host) {
+             std::shared_ptr<GraphHost> host;
+             if (!graph_host.is_none()) host = std::make_shared<PyGraphHost>(std::move(graph_host));
+             py::gil_scoped_release release;
+             return Engine::Create(methods, options, std::move(host));
+           }),
+           py::arg("methods"), py::arg("options"), py::arg("graph_host") = py::none(),
+           "graph_host: an object with new_pool(), begin(pool, stream), end(pool), "
+           "release(pool) and note(text), routing torch's allocations during CUDA graph "
+           "captures (aoti_sessions._graphs); None: CUDA engines run eagerly.")
       .def_property_readonly("device", [](const Engine& e) { return e.device().ToString(); })
       .def_property_readonly("method_names", &Engine::method_names)
       .def("method_index", &Engine::method_index, py::arg("name"))

@@ -53,6 +53,7 @@ std::shared_ptr<ModelLibrary> ModelLibrary::Open(const std::string& path) {
   Require(h, path, lib->create_with_device, "AOTInductorModelContainerCreateWithDevice");
   Require(h, path, lib->destroy, "AOTInductorModelContainerDelete");
   Require(h, path, lib->run, "AOTInductorModelContainerRun");
+  Require(h, path, lib->run_single_threaded, "AOTInductorModelContainerRunSingleThreaded");
   Require(h, path, lib->num_constants, "AOTInductorModelContainerGetNumConstants");
   Require(h, path, lib->constant_name, "AOTInductorModelContainerGetConstantName");
   Require(h, path, lib->constant_fqn, "AOTInductorModelContainerGetConstantOriginalFQN");
@@ -266,7 +267,7 @@ std::vector<OwnedTensor> Container::Run(std::vector<OwnedTensor>&& inputs, Strea
   for (size_t i = 0; i < inputs.size(); ++i) in[i] = inputs[i].release();
   std::vector<AtenTensorHandle> out(num_outputs_, nullptr);
   AOTIRuntimeError err =
-      library_->run(handle_, in.data(), in.size(), out.data(), out.size(),
+      library_->run_single_threaded(handle_, in.data(), in.size(), out.data(), out.size(),
                     reinterpret_cast<AOTInductorStreamHandle>(stream), nullptr);
   std::vector<OwnedTensor> outputs;
   outputs.reserve(out.size());

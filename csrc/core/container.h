@@ -39,6 +39,7 @@ class ModelLibrary {
   abi::CreateWithDeviceFn create_with_device = nullptr;
   abi::DeleteFn destroy = nullptr;
   abi::RunFn run = nullptr;
+  abi::RunFn run_single_threaded = nullptr;
   abi::GetCountFn num_constants = nullptr;
   abi::GetNameFn constant_name = nullptr;
   abi::GetNameFn constant_fqn = nullptr;
@@ -93,6 +94,7 @@ class Container {
   Container& operator=(const Container&) = delete;
 
   const ModelLibrary& library() const { return *library_; }
+  const std::shared_ptr<ModelLibrary>& shared_library() const { return library_; }
   const std::vector<ConstantInfo>& constants() const { return constants_; }
   size_t num_inputs() const { return input_names_.size(); }
   size_t num_outputs() const { return num_outputs_; }
@@ -124,7 +126,12 @@ class Container {
   // the latest bind's. No-op unless the container reclaims.
   void ReclaimBindHandles(ErrorKind kind);
 
-  // Runs the model. Inputs are consumed; returns the outputs (owned).
+  // Runs the model through the container's single-threaded entry: every
+  // container is used by one thread at a time (the runner's lanes), and the
+  // threaded entry, with one model instance, waits on the host for the
+  // previous run's completion event before it queues the next, and records
+  // events a CUDA graph capture cannot contain (docs/aoti-runtime.md).
+  // Inputs are consumed; returns the outputs (owned).
   std::vector<OwnedTensor> Run(std::vector<OwnedTensor>&& inputs, StreamHandle stream);
 
  private:

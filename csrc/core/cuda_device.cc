@@ -147,6 +147,52 @@ class CudaDevice final : public Device {
     Check(err, "ordering streams");
   }
 
+  bool supports_graphs() const override { return true; }
+
+  void BeginCapture(StreamHandle stream) override {
+    DeviceGuard guard(spec_.index);
+    // Thread-local: only this thread's unsafe calls break the capture; other
+    // threads keep running their sessions.
+    Check(cudaStreamBeginCapture(ToCuda(stream), cudaStreamCaptureModeThreadLocal),
+          "cudaStreamBeginCapture");
+  }
+
+  void* EndCapture(StreamHandle stream) override {
+    DeviceGuard guard(spec_.index);
+    cudaGraph_t graph = nullptr;
+    cudaError_t err = cudaStreamEndCapture(ToCuda(stream), &graph);
+    if (err != cudaSuccess || graph == nullptr) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      Check(err != cudaSuccess ? err : cudaErrorStreamCaptureInvalidated, "capturing a CUDA graph");
+    }
+    cudaGraphExec_t exec = nullptr;
+    err = cudaGraphInstantiateWithFlags(&exec, graph, 0);
+    cudaGraphDestroy(graph);  // the executable graph keeps what it needs
+    Check(err, "cudaGraphInstantiate");
+    return exec;
+  }
+
+  void AbortCapture(StreamHandle stream) noexcept override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(ToCuda(stream), &status) == cudaSuccess &&
+        status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t graph = nullptr;
+      cudaStreamEndCapture(ToCuda(stream), &graph);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+    }
+    cudaGetLastError();  // a failed capture leaves a non-sticky error behind
+  }
+
+  void Launch(void* graph, StreamHandle stream) override {
+    Check(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), ToCuda(stream)), "cudaGraphLaunch");
+  }
+
+  void DestroyGraph(void* graph) noexcept override {
+    if (graph != nullptr && cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph)) != cudaSuccess) {
+      cudaGetLastError();
+    }
+  }
+
  private:
   cudaMemPool_t pool_ = nullptr;
 };

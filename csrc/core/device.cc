@@ -69,6 +69,16 @@ void* Device::AllocateHost(size_t bytes) { return AlignedAlloc(bytes); }
 
 void Device::FreeHost(void* ptr) noexcept { std::free(ptr); }
 
+void Device::BeginCapture(StreamHandle) {
+  Throw(ErrorKind::kRun, "CUDA graphs need a CUDA device, not " + spec_.ToString());
+}
+void* Device::EndCapture(StreamHandle) {
+  Throw(ErrorKind::kRun, "CUDA graphs need a CUDA device, not " + spec_.ToString());
+}
+void Device::Launch(void*, StreamHandle) {
+  Throw(ErrorKind::kRun, "CUDA graphs need a CUDA device, not " + spec_.ToString());
+}
+
 bool Device::IsZero(const void* src, size_t bytes, StreamHandle stream) {
   std::vector<unsigned char> host(bytes);
   Copy(host.data(), src, bytes, stream);

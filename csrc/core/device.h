@@ -66,6 +66,24 @@ class Device {
   // returns what Leave needs to restore the caller's device. No-op on the CPU.
   virtual int Enter() { return 0; }
   virtual void Leave(int /*previous*/) noexcept {}
+  // CUDA graphs (docs/aoti-runtime.md). Whether this device can capture work
+  // queued on a stream into a graph and replay it.
+  virtual bool supports_graphs() const { return false; }
+  // Starts capturing the work the calling thread queues on `stream` (other
+  // threads go on running). Throws kRun if the stream cannot be captured.
+  virtual void BeginCapture(StreamHandle stream);
+  // Ends the capture and returns the instantiated graph (an executable graph
+  // of the device runtime), or throws kRun with the runtime's reason (e.g. a
+  // host synchronisation inside the capture); the stream is out of capture
+  // mode either way.
+  virtual void* EndCapture(StreamHandle stream);
+  // Ends a capture that failed part-way, discarding it; the stream leaves
+  // capture mode. Never throws.
+  virtual void AbortCapture(StreamHandle /*stream*/) noexcept {}
+  // Queues one replay of `graph` on `stream`.
+  virtual void Launch(void* graph, StreamHandle stream);
+  // Destroys `graph`; a replay in flight finishes first (the runtime defers it).
+  virtual void DestroyGraph(void* /*graph*/) noexcept {}
   // Whether `bytes` of device memory at `src` are all zero (synchronous; load time only).
   bool IsZero(const void* src, size_t bytes, StreamHandle stream);
 

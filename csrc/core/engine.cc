@@ -7,7 +7,8 @@
 namespace aoti_sessions {
 
 std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
-                                       const EngineOptions& options) {
+                                       const EngineOptions& options,
+                                       std::shared_ptr<GraphHost> graph_host) {
   ValidateSources(methods);
   options.Validate();
   const uint64_t generation = ProcessGeneration();
@@ -17,8 +18,15 @@ std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
   auto parts = std::make_shared<EngineParts>();
   parts->model = loaded.model;
   parts->files = std::make_shared<SessionFiles>(loaded.model, fingerprint.Get());
-  parts->runner = std::make_shared<Runner>(loaded.model, std::move(loaded.containers));
-  parts->residency = Residency::Create(loaded.model, options);
+  auto runner = std::make_shared<Runner>(loaded.model, std::move(loaded.lanes), options,
+                                         std::move(graph_host));
+  parts->runner = runner;
+  // The residency tells the runner when a state leaves its block; weakly, so
+  // neither room owns the other.
+  parts->residency = Residency::Create(
+      loaded.model, options, [weak = std::weak_ptr<Runner>(runner)](const SessionState& state) {
+        if (auto r = weak.lock()) r->Forget(state);
+      });
   parts->process_generation = generation;
   return std::shared_ptr<Engine>(new Engine(std::move(parts)));
 }

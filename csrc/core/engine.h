@@ -2,7 +2,8 @@
 // any number of isolated sessions. A thin facade over its rooms:
 //
 //   Engine (facade)  ->  Session (public session operations)
-//                           |-> Runner        the run path: containers, bind, run, weight updates
+//                           |-> Runner        the run path: lanes, bind, run, weight updates
+//                           |     '-> GraphSet  per-session CUDA graphs and their pools
 //                           |-> Residency     registry, budgets, tiers, eviction, idle reaper
 //                           |-> SessionFiles  fingerprint, save, load
 //                           '-> SessionState  one session's block, tier, bind key, lock
@@ -20,23 +21,30 @@
 //      one session's lock, holding no other lock: another session's lock is
 //      only ever try-locked (eviction, idle expiry), so two calls never wait
 //      on each other's sessions.
-//   2. The run lock (Runner::run_mutex_): bind + run + weight updates on the
-//      containers, per engine (a container takes no lock of its own when
-//      rebinding).
+//   2. The weights lock (Runner::weights_mutex_), a reader-writer lock: every
+//      run holds it shared; weight updates and Close hold it exclusively.
+//      Under it, a run leases one lane (container) of its method for bind +
+//      run (a container takes no lock of its own when rebinding); a graph
+//      replay needs no lane.
 //   3. The registry lock (Residency::registry_mutex_): the session registry
 //      and the accounting of both tiers. Released before try-locking a
 //      session, and never held across a device copy or a run.
 //   4. Leaves, held for a few instructions with nothing taken under them: the
-//      host pool's lock, a StreamTracker's lock, the idle reaper's lock.
+//      host pool's lock, a StreamTracker's lock, the idle reaper's lock, the
+//      runner's lane lock (Runner::lanes_mutex_: lane fields and the stream
+//      list; a run waiting for a free lane waits on it) and the graph
+//      tables' lock (GraphSet::mutex_).
+//   A GraphHost (torch's allocator routing, the Python layer) is called with
+//   locks 1 and 2 held, never a leaf; it must not call into the engine.
 // Atomics read without a lock, each mirroring a field written under one:
 // SessionState::closed_, resident_, last_use_ns_ (session lock);
 // SessionState::waiting_for_room_ (set by the call that holds the session
-// lock, while it waits for device room); Runner::closed_ (run lock);
+// lock, while it waits for device room); Runner::closed_ (weights lock);
 // Residency::capacity_waiters_ (threads waiting under the registry lock). The
 // counters behind stats() mirror nothing.
 // Names: a function that needs a lock says so with REQUIRES (checked by
 // clang's -Wthread-safety build in tests/test_project.py); one that needs the
-// run lock or the registry lock also ends in RunLocked / RegistryLocked.
+// weights lock or the registry lock also ends in Locked / RegistryLocked.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +54,7 @@
 #include <vector>
 
 #include "device.h"
+#include "graphs.h"
 #include "options.h"
 #include "session.h"
 #include "torch_shim.h"
@@ -58,8 +67,11 @@ class Engine {
   // mutable-state descriptors and templates and fingerprints the model files,
   // before any run. Throws kPackage (unloadable or inconsistent model) or
   // kInvalidArgument (bad options); nothing stays allocated.
+  // `graph_host` routes torch's allocations during CUDA graph captures
+  // (graphs.h); without one, CUDA engines run eagerly.
   static std::shared_ptr<Engine> Create(const std::vector<MethodSource>& methods,
-                                        const EngineOptions& options);
+                                        const EngineOptions& options,
+                                        std::shared_ptr<GraphHost> graph_host = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;

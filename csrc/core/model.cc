@@ -24,7 +24,10 @@ LoadedModel Model::Load(const std::vector<MethodSource>& sources, const EngineOp
   model->HoldWeights(containers, options.strict_weights);
   model->CaptureTemplates(containers);
   model->FinishWeights(containers);
-  return {std::move(model), std::move(containers)};
+  const int64_t lanes = options.lanes.value_or(EngineOptions::kDefaultLanes);
+  auto all = model->MakeLanes(std::move(containers), static_cast<size_t>(lanes),
+                              options.reclaim_bind_handles);
+  return {std::move(model), std::move(all)};
 }
 
 Model::~Model() {
@@ -65,6 +68,7 @@ std::vector<std::unique_ptr<Container>> Model::OpenMethods(
     Method method;
     method.name = source.name;
     method.library_path = source.library_path;
+    method.cubin_dir = source.cubin_dir;
     method.weights_file = source.weights;
     method.inputs = source.inputs;
     method.call_spec = {container->in_spec(), container->out_spec()};

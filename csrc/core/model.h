@@ -25,6 +25,7 @@ namespace aoti_sessions {
 struct Method {
   std::string name;
   std::string library_path;
+  std::string cubin_dir;
   std::optional<WeightsFile> weights_file;
   std::optional<std::vector<InputSpec>> inputs;
   std::pair<std::string, std::string> call_spec;  // pytree (in, out) specs as JSON
@@ -47,11 +48,14 @@ std::vector<AOTInductorConstantMapEntry> WeightPairs(const Method& method,
 
 class Model;
 
-// What loading makes: the model, and one container per method (in method
+// Containers of one method (its lanes), all bound to the held weights.
+using Lanes = std::vector<std::unique_ptr<Container>>;
+
+// What loading makes: the model, and the lanes of each method (in method
 // order) for the runner.
 struct LoadedModel {
   std::shared_ptr<Model> model;
-  std::vector<std::unique_ptr<Container>> containers;
+  std::vector<Lanes> lanes;
 };
 
 class Model {
@@ -127,6 +131,15 @@ class Model {
   // After the templates are captured: releases the blobs of containers whose
   // weights are now shared, and the host copies of initial values.
   void FinishWeights(const std::vector<std::unique_ptr<Container>>& containers);
+  // Binds `container` (a new one of method `m`) to the held weights; its
+  // mutable constants point at the parking memory until a session binds.
+  void ShareWeights(size_t m, Container& container);
+  // Allocates the parking memory (once).
+  void EnsureParking();
+  // The method containers of `first` (one per method), each with `count - 1`
+  // more (model_weights.cc).
+  std::vector<Lanes> MakeLanes(std::vector<std::unique_ptr<Container>> first, size_t count,
+                               bool reclaim_bind_handles);
   std::unordered_map<std::string, InitialValue> InitialValues(const Method& method,
                                                               Container& container);
   // Records (or, with `strict`, refuses) a weight that differs between methods.

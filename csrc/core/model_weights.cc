@@ -161,22 +161,58 @@ void Model::FinishWeights(const std::vector<std::unique_ptr<Container>>& contain
     }
     if (!container.holds_own_constants()) continue;
     // Its weights are shared now: bind everything it reads elsewhere and free
-    // its blob. Mutable constants get parking memory until a session binds.
-    if (parking_ == nullptr) {
-      for (const MutableBuffer& b : buffers_) parking_bytes_ = std::max(parking_bytes_, b.bytes);
-      if (parking_bytes_ > 0) parking_ = device_->Allocate(parking_bytes_, nullptr);
-      for (const MutableBuffer& b : buffers_) {
-        parking_tensors_.push_back(OwnedTensor::FromBlob(
-            parking_, b.layout, device_->torch_device_type(), device_->spec().index));
-      }
-    }
-    auto pairs = WeightPairs(method);
-    for (const auto& [buffer, name] : method.state_bindings) {
-      pairs.push_back({name.c_str(), parking_tensors_[buffer].get()});
-    }
-    container.ReplaceAllUserManaged(pairs, ErrorKind::kPackage);
+    // its blob.
+    ShareWeights(m, container);
   }
   file_initial_.clear();
+}
+
+void Model::EnsureParking() {
+  if (parking_ != nullptr || !parking_tensors_.empty()) return;
+  for (const MutableBuffer& b : buffers_) parking_bytes_ = std::max(parking_bytes_, b.bytes);
+  if (parking_bytes_ > 0) parking_ = device_->Allocate(parking_bytes_, nullptr);
+  for (const MutableBuffer& b : buffers_) {
+    parking_tensors_.push_back(OwnedTensor::FromBlob(parking_, b.layout,
+                                                     device_->torch_device_type(),
+                                                     device_->spec().index));
+  }
+}
+
+void Model::ShareWeights(size_t m, Container& container) {
+  const Method& method = methods_[m];
+  if (!container.holds_own_constants()) {
+    // Compiled without weights: bind them; the state binds with a session.
+    if (method.weight_bindings.empty()) return;
+    container.BindUserManaged(WeightPairs(method), ErrorKind::kPackage);
+    container.ReclaimBindHandles(ErrorKind::kPackage);
+    return;
+  }
+  // Mutable constants get parking memory until a session binds (never read:
+  // every run binds a session first).
+  EnsureParking();
+  auto pairs = WeightPairs(method);
+  for (const auto& [buffer, name] : method.state_bindings) {
+    pairs.push_back({name.c_str(), parking_tensors_[buffer].get()});
+  }
+  container.ReplaceAllUserManaged(pairs, ErrorKind::kPackage);
+}
+
+std::vector<Lanes> Model::MakeLanes(std::vector<std::unique_ptr<Container>> first, size_t count,
+                                    bool reclaim_bind_handles) {
+  std::vector<Lanes> lanes(first.size());
+  for (size_t m = 0; m < first.size(); ++m) {
+    std::shared_ptr<ModelLibrary> library = first[m]->shared_library();
+    lanes[m].push_back(std::move(first[m]));
+    for (size_t i = 1; i < count; ++i) {
+      // A new container copies the library's embedded weights into a blob of
+      // its own; sharing the held weights frees it again.
+      auto lane = std::make_unique<Container>(library, device_->spec(), methods_[m].cubin_dir,
+                                              reclaim_bind_handles);
+      ShareWeights(m, *lane);
+      lanes[m].push_back(std::move(lane));
+    }
+  }
+  return lanes;
 }
 
 std::vector<WeightInfo> Model::weight_infos() const {

@@ -6,6 +6,7 @@
 
 #include <condition_variable>
 #include <mutex>
+#include <shared_mutex>
 
 #if defined(__clang__)
 #define AIS_THREAD_ANNOTATION(x) __attribute__((x))
@@ -20,6 +21,9 @@
 #define REQUIRES(...) AIS_THREAD_ANNOTATION(requires_capability(__VA_ARGS__))
 #define EXCLUDES(...) AIS_THREAD_ANNOTATION(locks_excluded(__VA_ARGS__))
 #define ACQUIRE(...) AIS_THREAD_ANNOTATION(acquire_capability(__VA_ARGS__))
+#define ACQUIRE_SHARED(...) AIS_THREAD_ANNOTATION(acquire_shared_capability(__VA_ARGS__))
+#define RELEASE_SHARED(...) AIS_THREAD_ANNOTATION(release_shared_capability(__VA_ARGS__))
+#define REQUIRES_SHARED(...) AIS_THREAD_ANNOTATION(requires_shared_capability(__VA_ARGS__))
 #define RELEASE(...) AIS_THREAD_ANNOTATION(release_capability(__VA_ARGS__))
 #define TRY_ACQUIRE(...) AIS_THREAD_ANNOTATION(try_acquire_capability(__VA_ARGS__))
 #define RETURN_CAPABILITY(x) AIS_THREAD_ANNOTATION(lock_returned(x))
@@ -68,6 +72,44 @@ class SCOPED_CAPABILITY MutexLock {
  private:
   Mutex& mutex_;
   bool held_ = true;
+};
+
+// A reader-writer lock: many holders in shared mode, or one in exclusive mode.
+class CAPABILITY("shared_mutex") SharedMutex {
+ public:
+  void lock() ACQUIRE() { mutex_.lock(); }
+  void unlock() RELEASE() { mutex_.unlock(); }
+  void lock_shared() ACQUIRE_SHARED() { mutex_.lock_shared(); }
+  void unlock_shared() RELEASE_SHARED() { mutex_.unlock_shared(); }
+
+ private:
+  std::shared_mutex mutex_;
+};
+
+// Holds a SharedMutex in shared mode for a scope.
+class SCOPED_CAPABILITY ReaderLock {
+ public:
+  explicit ReaderLock(SharedMutex& mutex) ACQUIRE_SHARED(mutex) : mutex_(mutex) {
+    mutex_.lock_shared();
+  }
+  ~ReaderLock() RELEASE() { mutex_.unlock_shared(); }
+  ReaderLock(const ReaderLock&) = delete;
+  ReaderLock& operator=(const ReaderLock&) = delete;
+
+ private:
+  SharedMutex& mutex_;
+};
+
+// Holds a SharedMutex in exclusive mode for a scope.
+class SCOPED_CAPABILITY WriterLock {
+ public:
+  explicit WriterLock(SharedMutex& mutex) ACQUIRE(mutex) : mutex_(mutex) { mutex_.lock(); }
+  ~WriterLock() RELEASE() { mutex_.unlock(); }
+  WriterLock(const WriterLock&) = delete;
+  WriterLock& operator=(const WriterLock&) = delete;
+
+ private:
+  SharedMutex& mutex_;
 };
 
 }  // namespace aoti_sessions

@@ -46,6 +46,15 @@ void EngineOptions::Validate() const {
     Throw(ErrorKind::kInvalidArgument,
           "host_budget must be >= 0 bytes, got " + std::to_string(*host_budget));
   }
+  if (lanes && (*lanes < 1 || *lanes > kMaxLanes)) {
+    Throw(ErrorKind::kInvalidArgument, "lanes must be between 1 and " +
+                                           std::to_string(kMaxLanes) + ", got " +
+                                           std::to_string(*lanes));
+  }
+  if (cuda_graphs == GraphMode::kOn && device.rfind("cuda", 0) != 0) {
+    Throw(ErrorKind::kInvalidArgument,
+          "cuda_graphs=True needs a CUDA engine, but the device is " + device);
+  }
   if (idle_timeout_seconds &&
       !(*idle_timeout_seconds > 0 && std::isfinite(*idle_timeout_seconds))) {
     Throw(ErrorKind::kInvalidArgument, "idle_timeout must be > 0 seconds and finite, got " +

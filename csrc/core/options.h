@@ -53,6 +53,11 @@ void ValidateSources(const std::vector<MethodSource>& methods);
 // What an idle_timeout does to a session left idle that long.
 enum class IdleAction { kOffload, kClose };
 
+// Per-session CUDA graphs (see graphs.h). kAuto: capture where a method can be
+// captured, run the rest eagerly (one note each saying why); kOn: as kAuto,
+// but a method that cannot be captured raises; kOff: always eager.
+enum class GraphMode { kAuto, kOn, kOff };
+
 struct EngineOptions {
   std::string device = "cpu";
   // Mutable state: FQNs or fnmatch patterns; nullopt selects every Buffer-typed
@@ -82,6 +87,18 @@ struct EngineOptions {
   // Refuse to load methods that disagree on a weight's layout or content (by
   // default both copies are kept, with a load note).
   bool strict_weights = false;
+  // Containers per method ("lanes"), all sharing the held weights: a session
+  // keeps the lane it last ran on bound to its state while the lane is not
+  // needed by others (LRU), so switching between up to `lanes` hot sessions
+  // binds nothing, and that many sessions run at once on different streams.
+  // nullopt: kDefaultLanes (bench/RESULTS_graphs.md says what a lane costs).
+  std::optional<int64_t> lanes;
+  static constexpr int64_t kDefaultLanes = 4;
+  static constexpr int64_t kMaxLanes = 64;
+  GraphMode cuda_graphs = GraphMode::kAuto;
+  // With CUDA graphs, hand out the graph's own output tensors (overwritten by
+  // the session's next run of the method) instead of copies.
+  bool graph_output_views = false;
 
   // Throws kInvalidArgument naming the first option out of range.
   void Validate() const;
@@ -151,6 +168,11 @@ struct EngineStats {
   int64_t binds = 0;
   int64_t bind_nanoseconds = 0;     // rebinding the containers (on the run path)
   int64_t reclaim_nanoseconds = 0;  // deleting handles torch leaked (after runs)
+  int64_t lanes = 0;                // containers per method
+  int64_t graph_replays = 0;        // runs served by replaying a session's graph
+  int64_t graph_captures = 0;
+  int64_t graphs = 0;               // captured graphs alive now
+  int64_t graph_pools = 0;          // activation pools (one per capture stream)
 };
 
 }  // namespace aoti_sessions

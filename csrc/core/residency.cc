@@ -12,8 +12,10 @@
 namespace aoti_sessions {
 
 std::shared_ptr<Residency> Residency::Create(std::shared_ptr<Model> model,
-                                             const EngineOptions& options) {
+                                             const EngineOptions& options,
+                                             LeftDevice left_device) {
   std::shared_ptr<Residency> residency(new Residency(std::move(model), options));
+  residency->left_device_ = std::move(left_device);
   if (residency->idle_timeout_seconds_) {
     // Check often enough to expire within an eighth of the timeout.
     auto period = std::chrono::duration<double>(*residency->idle_timeout_seconds_ / 8);
@@ -159,6 +161,7 @@ void Residency::OffloadWithCredit(SessionState& state, StreamHandle stream, Offl
     host_bytes_ -= need;
     throw;
   }
+  if (left_device_) left_device_(state);
   void* device_block = state.MoveToHost(host);
   try {
     if (device_block != nullptr) device_.Free(device_block, stream);
@@ -217,6 +220,7 @@ void Residency::Release(SessionState& state, const std::string& reason) {
   StreamHandle last = state.last_stream();
   SessionState::Released released = state.Close(reason);
   if (!released.was_open) return;
+  if (left_device_) left_device_(state);
   host_pool_.Give(released.host_block);
   try {
     // Freed in the order of the last stream that used it: after its runs finish.

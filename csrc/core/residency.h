@@ -29,8 +29,13 @@ enum class OffloadCause { kRequest, kEviction, kIdle };
 class Residency : public std::enable_shared_from_this<Residency> {
  public:
   // Starts the idle reaper when options.idle_timeout_seconds is set.
+  // `left_device` is told (under the session's lock) whenever a session's
+  // state leaves its device block for good: offloaded, evicted or closed
+  // (the runner drops what it captured with that block).
+  using LeftDevice = std::function<void(const SessionState&)>;
   static std::shared_ptr<Residency> Create(std::shared_ptr<Model> model,
-                                           const EngineOptions& options);
+                                           const EngineOptions& options,
+                                           LeftDevice left_device = nullptr);
   ~Residency();
   Residency(const Residency&) = delete;
   Residency& operator=(const Residency&) = delete;
@@ -111,6 +116,7 @@ class Residency : public std::enable_shared_from_this<Residency> {
   const std::shared_ptr<Model> model_;
   Device& device_;
   const int64_t block_bytes_;
+  LeftDevice left_device_;  // set once, before any session exists
   const std::optional<int64_t> max_sessions_;
   const std::optional<int64_t> memory_budget_;
   const std::optional<int64_t> host_budget_;

@@ -1,8 +1,10 @@
-// The run path: input checks, bind-if-needed, run, reclaim of leaked bind
-// handles. Weight updates, which share its lock, are in runner_weights.cc.
+// The run path: input checks, lanes (lease, bind-if-needed, warm-up counts),
+// eager runs, captures and replays, reclaim of leaked bind handles. Weight
+// updates are in runner_weights.cc.
 #include "runner.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "errors.h"
 #include "util.h"
@@ -49,30 +51,133 @@ class DeviceScope {
 
 }  // namespace
 
-Runner::Runner(std::shared_ptr<Model> model, std::vector<std::unique_ptr<Container>> containers)
-    : model_(std::move(model)), device_(model_->device()) {
-  MutexLock lock(run_mutex_);
-  containers_ = std::move(containers);
-  bound_keys_.assign(containers_.size(), 0);
+// Eager runs of a method on a lane and stream before the lane captures there:
+// kernels load lazily on a container's first runs, which a capture must not
+// contain (docs/aoti-runtime.md).
+constexpr int kWarmUpRuns = 3;
+
+// A lane held for one run: picked, marked busy, and on release the handles
+// of a fresh bind reclaimed (after the run is queued, so that on an
+// asynchronous device the work overlaps the model's execution) before the lane
+// is free again.
+class Runner::LaneLease {
+ public:
+  LaneLease(Runner& runner, size_t method, uint64_t key, StreamHandle stream, bool want_warm)
+      : runner_(runner), stream_(stream) {
+    MutexLock lock(runner_.lanes_mutex_);
+    while ((lane_ = Pick(runner_.lanes_[method], key, want_warm)) == nullptr) {
+      lock.WaitFor(runner_.lane_freed_, std::chrono::milliseconds(100));
+    }
+    lane_->busy = true;
+    lane_->last_use = ++runner_.lane_clock_;
+    if (lane_->bound_key != key) lane_->bound_key = 0;  // until the bind succeeds
+    for (const auto& [s, n] : lane_->runs_on) warm_ = warm_ || (s == stream && n >= kWarmUpRuns);
+  }
+  ~LaneLease() {
+    const int64_t start = SteadyNowNs();
+    try {
+      lane_->container->ReclaimBindHandles(ErrorKind::kInternal);
+    } catch (...) {
+      // A failed extract only means a few handles stay leaked.
+    }
+    runner_.reclaim_nanoseconds_.fetch_add(SteadyNowNs() - start, std::memory_order_relaxed);
+    {
+      MutexLock lock(runner_.lanes_mutex_);
+      lane_->busy = false;
+    }
+    runner_.lane_freed_.notify_all();
+  }
+  LaneLease(const LaneLease&) = delete;
+  LaneLease& operator=(const LaneLease&) = delete;
+
+  Lane& lane() const { return *lane_; }
+  // Whether the lane ran the method kWarmUpRuns times on this stream.
+  bool warm() const { return warm_; }
+  void CountRun() {
+    MutexLock lock(runner_.lanes_mutex_);
+    for (auto& [s, n] : lane_->runs_on) {
+      if (s == stream_) {
+        n += n < kWarmUpRuns ? 1 : 0;
+        return;
+      }
+    }
+    lane_->runs_on.emplace_back(stream_, 1);
+  }
+
+ private:
+  // The free lane to use: the one bound to `key` (warm on the stream, when
+  // capturing), else the least recently used free one (warm ones first, when
+  // capturing); nullptr if all are busy.
+  Lane* Pick(std::vector<Lane>& lanes, uint64_t key, bool want_warm) const {
+    Lane* bound = nullptr;
+    Lane* lru = nullptr;
+    Lane* lru_warm = nullptr;
+    for (Lane& lane : lanes) {
+      if (lane.busy) continue;
+      bool warm = false;
+      for (const auto& [s, n] : lane.runs_on) warm = warm || (s == stream_ && n >= kWarmUpRuns);
+      if (lane.bound_key == key && key != 0) bound = &lane;
+      if (lru == nullptr || lane.last_use < lru->last_use) lru = &lane;
+      if (warm && (lru_warm == nullptr || lane.last_use < lru_warm->last_use)) lru_warm = &lane;
+      if (bound == &lane && (!want_warm || warm)) return bound;
+    }
+    if (want_warm && lru_warm != nullptr) return lru_warm;
+    return bound != nullptr ? bound : lru;
+  }
+
+  Runner& runner_;
+  StreamHandle stream_;
+  Lane* lane_ = nullptr;
+  bool warm_ = false;
+};
+
+Runner::Runner(std::shared_ptr<Model> model, std::vector<Lanes> lanes,
+               const EngineOptions& options, std::shared_ptr<GraphHost> graph_host)
+    : model_(std::move(model)),
+      device_(model_->device()),
+      lanes_per_method_(lanes.empty() ? 0 : static_cast<int64_t>(lanes[0].size())),
+      graphs_(device_, std::move(graph_host), options.cuda_graphs, options.graph_output_views,
+              model_->methods()) {
+  for (Lanes& method_lanes : lanes) {
+    lanes_.emplace_back(method_lanes.size());
+    for (size_t i = 0; i < method_lanes.size(); ++i) {
+      lanes_.back()[i].container = std::move(method_lanes[i]);
+    }
+  }
 }
 
 Runner::~Runner() { Close(); }
 
 void Runner::Close() {
-  MutexLock lock(run_mutex_);
+  WriterLock lock(weights_mutex_);
   closed_ = true;
-  containers_.clear();
+  graphs_.Clear();
+  lanes_.clear();
 }
 
-void Runner::CheckOpenRunLocked() const {
+void Runner::CheckOpenLocked() const {
   if (closed_) Throw(ErrorKind::kSessionClosed, "the engine is closed");
 }
+
+void Runner::Forget(const SessionState& state) { graphs_.Forget(state.id()); }
 
 void Runner::AddStats(EngineStats& s) const {
   s.runs = runs_.load();
   s.binds = binds_.load();
   s.bind_nanoseconds = bind_nanoseconds_.load();
   s.reclaim_nanoseconds = reclaim_nanoseconds_.load();
+  s.lanes = lanes_per_method_;
+  s.graph_replays = graphs_.replays();
+  s.graph_captures = graphs_.captures();
+  s.graphs = graphs_.live_graphs();
+  s.graph_pools = graphs_.pools();
+}
+
+void Runner::NoteStream(StreamHandle stream) {
+  MutexLock lock(lanes_mutex_);
+  if (std::find(run_streams_.begin(), run_streams_.end(), stream) == run_streams_.end()) {
+    run_streams_.push_back(stream);
+  }
 }
 
 void Runner::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs) const {
@@ -126,18 +231,20 @@ void Runner::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inpu
   }
 }
 
-void Runner::BindRunLocked(size_t method, SessionState& state) {
-  if (bound_keys_[method] == state.bind_key()) return;
+void Runner::BindLane(Lane& lane, size_t method, SessionState& state) {
+  if (lane.bound_key == state.bind_key()) return;
   const int64_t start = SteadyNowNs();
-  bound_keys_[method] = 0;  // unknown until the bind succeeds
   std::vector<AOTInductorConstantMapEntry> pairs;
   const auto& bindings = model_->methods()[method].state_bindings;
   pairs.reserve(bindings.size());
   for (const auto& [buffer, name] : bindings) {
     pairs.push_back({name.c_str(), state.tensors()[buffer].get()});
   }
-  if (!pairs.empty()) containers_[method]->BindUserManaged(pairs, ErrorKind::kRun);
-  bound_keys_[method] = state.bind_key();
+  if (!pairs.empty()) lane.container->BindUserManaged(pairs, ErrorKind::kRun);
+  {
+    MutexLock lock(lanes_mutex_);
+    lane.bound_key = state.bind_key();
+  }
   binds_.fetch_add(1, std::memory_order_relaxed);
   bind_nanoseconds_.fetch_add(SteadyNowNs() - start, std::memory_order_relaxed);
 }
@@ -145,31 +252,35 @@ void Runner::BindRunLocked(size_t method, SessionState& state) {
 std::vector<OwnedTensor> Runner::Run(SessionState& state, size_t method,
                                      std::vector<OwnedTensor>&& inputs, StreamHandle stream) {
   ValidateInputs(model_->method(method), inputs);
-  MutexLock lock(run_mutex_);
-  CheckOpenRunLocked();
+  ReaderLock lock(weights_mutex_);
+  CheckOpenLocked();
   DeviceScope scope(device_);
-  BindRunLocked(method, state);
+  NoteStream(stream);
   runs_.fetch_add(1, std::memory_order_relaxed);
-  if (std::find(run_streams_.begin(), run_streams_.end(), stream) == run_streams_.end()) {
-    run_streams_.push_back(stream);
+  if (!graphs_.Captures(method)) return RunOnLane(state, method, inputs, stream, nullptr);
+  GraphKey key{state.bind_key(), weights_epoch_, stream, ShapeKey(inputs)};
+  if (Graph* graph = graphs_.Find(state.id(), method, key)) return graphs_.Replay(*graph, inputs);
+  return RunOnLane(state, method, inputs, stream, &key);
+}
+
+std::vector<OwnedTensor> Runner::RunOnLane(SessionState& state, size_t method,
+                                           std::vector<OwnedTensor>& inputs, StreamHandle stream,
+                                           GraphKey* key) {
+  LaneLease lease(*this, method, state.bind_key(), stream, key != nullptr);
+  Lane& lane = lease.lane();
+  BindLane(lane, method, state);
+  Container& container = *lane.container;
+  if (key != nullptr && lease.warm()) {
+    // Nothing runs during the capture: the replay right after is this run.
+    Graph* graph = graphs_.Capture(state.id(), method, std::move(*key), inputs,
+                                   [&](std::vector<OwnedTensor> static_inputs) {
+                                     return container.Run(std::move(static_inputs), stream);
+                                   });
+    if (graph != nullptr) return graphs_.Replay(*graph, inputs);
   }
-  Container& container = *containers_[method];
-  // Reclaim the handles of a fresh bind after the run is queued, so that on an
-  // asynchronous device the work overlaps the model's execution.
-  struct ReclaimAfterRun {
-    Container& container;
-    std::atomic<int64_t>& nanoseconds;
-    ~ReclaimAfterRun() {
-      const int64_t start = SteadyNowNs();
-      try {
-        container.ReclaimBindHandles(ErrorKind::kInternal);
-      } catch (...) {
-        // A failed extract only means a few handles stay leaked.
-      }
-      nanoseconds.fetch_add(SteadyNowNs() - start, std::memory_order_relaxed);
-    }
-  } reclaim{container, reclaim_nanoseconds_};
-  return container.Run(std::move(inputs), stream);
+  std::vector<OwnedTensor> outputs = container.Run(std::move(inputs), stream);
+  lease.CountRun();
+  return outputs;
 }
 
 }  // namespace aoti_sessions

@@ -1,19 +1,23 @@
-// The run path: the method containers, bound to one session's state at a time
-// (a bind only when the session changed), input checks, runs, the reclaim of
-// the handles torch leaks on every bind, and weight updates. One run lock
-// serialises bind + run + weight updates for the whole engine: a container
-// takes no lock of its own when rebinding (docs/aoti-runtime.md), and the
-// methods share the held weights. This is the room per-session CUDA graphs and
-// container lanes extend: what a run needs from a session is its state's
-// tensors and bind key, nothing else.
+// The run path: each method's containers ("lanes"), bound to one session's
+// state at a time (a bind only when the session changed), input checks, runs,
+// per-session CUDA graphs (graphs.h), the reclaim of the handles torch leaks
+// on every bind, and weight updates. A lane is used by one run at a time (a
+// container takes no lock of its own when rebinding, docs/aoti-runtime.md);
+// a session keeps the lane it last ran on while no other run needs it (LRU),
+// so switching between hot sessions binds nothing, and runs of different
+// sessions go on at once on different lanes and streams. Graph replays need
+// no lane at all. The weights lock is shared by runs and taken exclusively by
+// weight updates and Close.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "container.h"
+#include "graphs.h"
 #include "model.h"
 #include "mutex.h"
 #include "options.h"
@@ -23,64 +27,96 @@ namespace aoti_sessions {
 
 class Runner {
  public:
-  // Takes the containers Model::Load made, one per method in method order.
-  Runner(std::shared_ptr<Model> model, std::vector<std::unique_ptr<Container>> containers);
+  // Takes the lanes Model::Load made for each method (in method order).
+  // `graph_host` may be null (no CUDA graphs).
+  Runner(std::shared_ptr<Model> model, std::vector<Lanes> lanes, const EngineOptions& options,
+         std::shared_ptr<GraphHost> graph_host);
   ~Runner();
   Runner(const Runner&) = delete;
   Runner& operator=(const Runner&) = delete;
 
-  // Runs `method` on `state`, which must be resident. Inputs are consumed.
-  // Throws kInvalidArgument / kTypeMismatch for inputs that do not match the
-  // method (before the model runs), kRun if the model fails, kSessionClosed
-  // once the engine is closed.
+  // Runs `method` on `state`, which must be resident: a replay of the
+  // session's graph if it has a valid one, else on a lane (captured there
+  // into a new graph once the lane is warm, where the method captures).
+  // Inputs are consumed. Throws kInvalidArgument / kTypeMismatch for inputs
+  // that do not match the method (before the model runs), kRun if the model
+  // fails, kSessionClosed once the engine is closed.
   std::vector<OwnedTensor> Run(SessionState& state, size_t method,
                                std::vector<OwnedTensor>&& inputs, StreamHandle stream)
-      REQUIRES(state.mutex()) EXCLUDES(run_mutex_);
+      REQUIRES(state.mutex()) EXCLUDES(weights_mutex_, lanes_mutex_);
+
+  // Forgets what the runner keeps for `state` (its graphs); it is closing.
+  void Forget(const SessionState& state);
 
   // Copies CPU tensors into the held weights. Every update is validated (known
   // weight, dtype, sizes, strides, CPU memory) before anything is written.
-  // In place: waits for runs in flight and blocks new ones until done.
-  // double_buffer: fills new memory while runs go on, then rebinds every
-  // method to it at once (no run sees a mix) and frees the old memory after
-  // the runs that used it.
+  // In place: waits for runs in flight and blocks new ones until done (graphs
+  // stay valid). double_buffer: fills new memory while runs go on, then
+  // rebinds every lane of every method to it at once (no run sees a mix),
+  // frees the old memory after the runs that used it, and graphs recapture.
   void UpdateWeights(const std::vector<WeightUpdate>& updates, bool double_buffer)
-      EXCLUDES(run_mutex_);
+      EXCLUDES(weights_mutex_);
 
-  // Waits for the run in flight and releases the containers; later runs and
-  // updates throw kSessionClosed. Idempotent.
-  void Close() EXCLUDES(run_mutex_);
+  // Waits for the runs in flight and releases graphs and containers; later
+  // runs and updates throw kSessionClosed. Idempotent.
+  void Close() EXCLUDES(weights_mutex_);
   bool closed() const { return closed_.load(); }
-  // runs, binds, bind and reclaim time.
+  // runs, binds, bind and reclaim time, lanes and graphs.
   void AddStats(EngineStats& stats) const;
 
  private:
+  // One container of a method and what the runner knows of it.
+  struct Lane {
+    std::unique_ptr<Container> container;
+    // Written under lanes_mutex_; the container itself belongs to the run
+    // that marked the lane busy (or to the holder of the weights lock in
+    // exclusive mode).
+    uint64_t bound_key = 0;  // SessionState::bind_key bound; 0: none
+    bool busy = false;
+    uint64_t last_use = 0;   // lane clock
+    std::vector<std::pair<StreamHandle, int>> runs_on;  // runs per stream (warm-up count)
+  };
+  class LaneLease;
+
   // Checks inputs against the method (count, device, and the recorded specs);
   // may replace an input by a view with the exact strides the model expects.
   void ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs) const;
   // Checks every update; returns the held weight each one writes.
   std::vector<HeldWeight*> ValidateUpdates(const std::vector<WeightUpdate>& updates) const;
-  // Binds `state` to the method's container unless it is bound already.
-  void BindRunLocked(size_t method, SessionState& state) REQUIRES(run_mutex_, state.mutex());
-  // Rebinds every method from the `targets`' memory to `fresh` (all or none)
+  // Runs on a lane: eagerly, or captured into the session's graph and replayed.
+  std::vector<OwnedTensor> RunOnLane(SessionState& state, size_t method,
+                                     std::vector<OwnedTensor>& inputs, StreamHandle stream,
+                                     GraphKey* key)
+      REQUIRES(state.mutex()) REQUIRES_SHARED(weights_mutex_);
+  // Binds `state` to `lane` (a lane the caller holds) unless bound already.
+  void BindLane(Lane& lane, size_t method, SessionState& state) REQUIRES(state.mutex());
+  // Rebinds every lane from the `targets`' memory to `fresh` (all or none)
   // and returns the memory replaced (owned by the store) for freeing.
-  std::vector<void*> SwitchWeightsRunLocked(const std::vector<HeldWeight*>& targets,
-                                            const std::vector<void*>& fresh) REQUIRES(run_mutex_);
-  // Binds the weights of `method` that `tensors` names to the tensors there.
-  void BindWeightsRunLocked(size_t method, const WeightTensors& tensors) REQUIRES(run_mutex_);
+  std::vector<void*> SwitchWeightsLocked(const std::vector<HeldWeight*>& targets,
+                                         const std::vector<void*>& fresh) REQUIRES(weights_mutex_);
+  // Binds the weights of `method` that `tensors` names to the tensors there,
+  // in every lane of the method.
+  void BindWeightsLocked(size_t method, const WeightTensors& tensors) REQUIRES(weights_mutex_);
   // Blocks until the work queued by runs so far has finished.
-  void SyncRunStreamsRunLocked() REQUIRES(run_mutex_);
+  void SyncRunStreams() EXCLUDES(lanes_mutex_);
+  void NoteStream(StreamHandle stream) EXCLUDES(lanes_mutex_);
   // Throws kSessionClosed once Close() released the containers.
-  void CheckOpenRunLocked() const REQUIRES(run_mutex_);
+  void CheckOpenLocked() const REQUIRES_SHARED(weights_mutex_);
 
   const std::shared_ptr<Model> model_;
   Device& device_;
-  mutable Mutex run_mutex_;
-  std::vector<std::unique_ptr<Container>> containers_ GUARDED_BY(run_mutex_);
-  // Per method: SessionState::bind_key of the bound state; 0: none.
-  std::vector<uint64_t> bound_keys_ GUARDED_BY(run_mutex_);
-  std::vector<StreamHandle> run_streams_ GUARDED_BY(run_mutex_);  // streams runs were queued on
-  // Whether Close() released the containers (written under run_mutex_, read
-  // without it by closed()).
+  mutable SharedMutex weights_mutex_;
+  uint64_t weights_epoch_ GUARDED_BY(weights_mutex_) = 0;  // bumped when weights move
+  // Per method; the vectors never change size until Close (exclusive).
+  std::vector<std::vector<Lane>> lanes_;
+  const int64_t lanes_per_method_;
+  mutable Mutex lanes_mutex_;  // a leaf: lane fields and the stream list
+  std::condition_variable_any lane_freed_;
+  uint64_t lane_clock_ GUARDED_BY(lanes_mutex_) = 0;
+  std::vector<StreamHandle> run_streams_ GUARDED_BY(lanes_mutex_);  // streams runs were queued on
+  GraphSet graphs_;
+  // Whether Close() released the containers (written under the weights lock
+  // held exclusively, read without it by closed()).
   std::atomic<bool> closed_{false};
 
   // Counters for stats() only.

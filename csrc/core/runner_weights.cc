@@ -1,5 +1,6 @@
 // Weight updates: new values for held weights, in place (runs wait) or double
-// buffered (runs go on; every method switches at once), under the run lock.
+// buffered (runs go on; every lane of every method switches at once), under
+// the weights lock held exclusively.
 #include <set>
 
 #include "errors.h"
@@ -7,8 +8,13 @@
 
 namespace aoti_sessions {
 
-void Runner::SyncRunStreamsRunLocked() {
-  for (StreamHandle stream : run_streams_) device_.Synchronize(stream);
+void Runner::SyncRunStreams() {
+  std::vector<StreamHandle> streams;
+  {
+    MutexLock lock(lanes_mutex_);
+    streams = run_streams_;
+  }
+  for (StreamHandle stream : streams) device_.Synchronize(stream);
 }
 
 std::vector<HeldWeight*> Runner::ValidateUpdates(const std::vector<WeightUpdate>& updates) const {
@@ -63,9 +69,9 @@ void Runner::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double
   const std::vector<HeldWeight*> targets = ValidateUpdates(updates);
   if (targets.empty()) return;
   if (!double_buffer) {
-    MutexLock lock(run_mutex_);
-    CheckOpenRunLocked();
-    SyncRunStreamsRunLocked();  // runs in flight finish with the old weights
+    WriterLock lock(weights_mutex_);
+    CheckOpenLocked();
+    SyncRunStreams();  // runs in flight finish with the old weights
     for (size_t i = 0; i < targets.size(); ++i) {
       device_.Copy(targets[i]->data, DataPtr(updates[i].source), targets[i]->bytes, nullptr);
     }
@@ -88,26 +94,25 @@ void Runner::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double
     throw;
   }
   std::vector<void*> old;
-  std::vector<StreamHandle> streams;
   {
-    MutexLock lock(run_mutex_);
+    WriterLock lock(weights_mutex_);
     try {
-      CheckOpenRunLocked();
-      old = SwitchWeightsRunLocked(targets, fresh);
+      CheckOpenLocked();
+      old = SwitchWeightsLocked(targets, fresh);
     } catch (...) {
       free_fresh();
       throw;
     }
-    streams = run_streams_;
+    ++weights_epoch_;  // graphs hold the old addresses: recapture
   }
   // The old memory is free once the runs queued before the switch are done.
-  for (StreamHandle stream : streams) device_.Synchronize(stream);
+  SyncRunStreams();
   for (void* p : old) {
     if (p != nullptr) device_.Free(p, nullptr);
   }
 }
 
-std::vector<void*> Runner::SwitchWeightsRunLocked(const std::vector<HeldWeight*>& targets,
+std::vector<void*> Runner::SwitchWeightsLocked(const std::vector<HeldWeight*>& targets,
                                                   const std::vector<void*>& fresh) {
   WeightStore& store = model_->weights();
   std::vector<OwnedTensor> tensors;
@@ -121,11 +126,11 @@ std::vector<void*> Runner::SwitchWeightsRunLocked(const std::vector<HeldWeight*>
   // cannot, those switched already go back to the old weights.
   size_t m = 0;
   try {
-    for (; m < containers_.size(); ++m) BindWeightsRunLocked(m, to_new);
+    for (; m < lanes_.size(); ++m) BindWeightsLocked(m, to_new);
   } catch (...) {
-    for (size_t back = 0; back <= m && back < containers_.size(); ++back) {
+    for (size_t back = 0; back <= m && back < lanes_.size(); ++back) {
       try {
-        BindWeightsRunLocked(back, to_old);
+        BindWeightsLocked(back, to_old);
       } catch (...) {
         // Nothing better to do: the error being thrown reports the failure.
       }
@@ -136,19 +141,22 @@ std::vector<void*> Runner::SwitchWeightsRunLocked(const std::vector<HeldWeight*>
   for (size_t i = 0; i < targets.size(); ++i) {
     old.push_back(store.Replace(*targets[i], fresh[i], std::move(tensors[i])));
   }
-  for (auto& container : containers_) {
-    try {
-      container->ReclaimBindHandles(ErrorKind::kInternal);
-    } catch (...) {
-      // A failed extract only means a few handles stay leaked.
+  for (auto& method_lanes : lanes_) {
+    for (Lane& lane : method_lanes) {
+      try {
+        lane.container->ReclaimBindHandles(ErrorKind::kInternal);
+      } catch (...) {
+        // A failed extract only means a few handles stay leaked.
+      }
     }
   }
   return old;
 }
 
-void Runner::BindWeightsRunLocked(size_t method, const WeightTensors& tensors) {
+void Runner::BindWeightsLocked(size_t method, const WeightTensors& tensors) {
   auto pairs = WeightPairs(model_->methods()[method], &tensors);
-  if (!pairs.empty()) containers_[method]->BindUserManaged(pairs, ErrorKind::kRun);
+  if (pairs.empty()) return;
+  for (Lane& lane : lanes_[method]) lane.container->BindUserManaged(pairs, ErrorKind::kRun);
 }
 
 }  // namespace aoti_sessions

@@ -101,6 +101,16 @@ const TorchShim& Shim() {
       Resolve(s.get_device_index, "aoti_torch_get_device_index");
       Resolve(s.get_layout, "aoti_torch_get_layout");
       Resolve(s.dtype_element_size, "aoti_torch_dtype_element_size");
+      Resolve(s.new_tensor_handle, "aoti_torch_new_tensor_handle");
+      Resolve(s.empty_strided, "aoti_torch_empty_strided");
+      // CUDA-only entry points live in libtorch_cuda.
+      void* cuda_lib = dlopen("libtorch_cuda.so", RTLD_NOLOAD | RTLD_LAZY);
+      void* scope = cuda_lib != nullptr ? cuda_lib : RTLD_DEFAULT;
+      s.create_cuda_stream_guard = reinterpret_cast<decltype(s.create_cuda_stream_guard)>(
+          dlsym(scope, "aoti_torch_create_cuda_stream_guard"));
+      s.delete_cuda_stream_guard = reinterpret_cast<decltype(s.delete_cuda_stream_guard)>(
+          dlsym(scope, "aoti_torch_delete_cuda_stream_guard"));
+      if (s.delete_cuda_stream_guard == nullptr) s.create_cuda_stream_guard = nullptr;
       int32_t (*cpu)() = nullptr;
       int32_t (*cuda)() = nullptr;
       int32_t (*strided)() = nullptr;
@@ -246,6 +256,33 @@ OwnedTensor OwnedTensor::FromBlob(void* data, const TensorLayout& layout, int32_
                                        layout.dtype, device_type, device_index, &handle),
         "create_tensor_from_blob");
   return OwnedTensor(handle);
+}
+
+OwnedTensor OwnedTensor::Alias(AtenTensorHandle tensor) {
+  AtenTensorHandle handle = nullptr;
+  Check(Shim().new_tensor_handle(tensor, &handle), "new_tensor_handle");
+  return OwnedTensor(handle);
+}
+
+OwnedTensor OwnedTensor::Empty(const TensorLayout& layout, int32_t device_type,
+                               int32_t device_index) {
+  AtenTensorHandle handle = nullptr;
+  Check(Shim().empty_strided(static_cast<int64_t>(layout.sizes.size()), layout.sizes.data(),
+                             layout.strides.data(), layout.dtype, device_type, device_index,
+                             &handle),
+        "empty_strided");
+  return OwnedTensor(handle);
+}
+
+TorchStreamScope::TorchStreamScope(void* stream, int32_t device_index) {
+  const TorchShim& s = Shim();
+  if (s.create_cuda_stream_guard != nullptr) {
+    Check(s.create_cuda_stream_guard(stream, device_index, &guard_), "create_cuda_stream_guard");
+  }
+}
+
+TorchStreamScope::~TorchStreamScope() {
+  if (guard_ != nullptr) Shim().delete_cuda_stream_guard(guard_);
 }
 
 }  // namespace aoti_sessions

@@ -11,8 +11,8 @@
 
 namespace aoti_sessions {
 
-// Function table of the shim. Every entry is required; Shim() throws a kPackage
-// Error naming the first missing symbol.
+// Function table of the shim. Every entry is required unless marked optional;
+// Shim() throws a kPackage Error naming the first missing symbol.
 struct TorchShim {
   AOTITorchError (*delete_tensor_object)(AtenTensorHandle);
   AOTITorchError (*create_tensor_from_blob)(void*, int64_t, const int64_t*, const int64_t*,
@@ -30,6 +30,13 @@ struct TorchShim {
   AOTITorchError (*get_device_index)(AtenTensorHandle, int32_t*);
   AOTITorchError (*get_layout)(AtenTensorHandle, int32_t*);
   size_t (*dtype_element_size)(int32_t);
+  AOTITorchError (*new_tensor_handle)(AtenTensorHandle, AtenTensorHandle*);
+  AOTITorchError (*empty_strided)(int64_t, const int64_t*, const int64_t*, int32_t, int32_t,
+                                  int32_t, AtenTensorHandle*);
+  // Optional (nullptr without libtorch_cuda): make a stream torch's current
+  // CUDA stream for a scope.
+  AOTITorchError (*create_cuda_stream_guard)(void*, int32_t, void**);
+  AOTITorchError (*delete_cuda_stream_guard)(void*);
   int32_t device_type_cpu;
   int32_t device_type_cuda;
   int32_t layout_strided;
@@ -101,12 +108,30 @@ class OwnedTensor {
   // (keeps the storage alive).
   static OwnedTensor Restrided(AtenTensorHandle tensor, const std::vector<int64_t>& strides);
 
+  // A second handle to `tensor` (same storage, kept alive by either).
+  static OwnedTensor Alias(AtenTensorHandle tensor);
+  // A new tensor from torch's allocator (for torch's current stream on CUDA).
+  static OwnedTensor Empty(const TensorLayout& layout, int32_t device_type, int32_t device_index);
   // A tensor aliasing `data` (not owning it) with the given layout and device.
   static OwnedTensor FromBlob(void* data, const TensorLayout& layout, int32_t device_type,
                               int32_t device_index);
 
  private:
   AtenTensorHandle handle_ = nullptr;
+};
+
+// Makes `stream` torch's current CUDA stream on the calling thread for a
+// scope, so that what torch allocates meanwhile is ordered on it (as the
+// model's own run does). A no-op where the shim has no stream guard.
+class TorchStreamScope {
+ public:
+  TorchStreamScope(void* stream, int32_t device_index);
+  ~TorchStreamScope();
+  TorchStreamScope(const TorchStreamScope&) = delete;
+  TorchStreamScope& operator=(const TorchStreamScope&) = delete;
+
+ private:
+  void* guard_ = nullptr;
 };
 
 }  // namespace aoti_sessions

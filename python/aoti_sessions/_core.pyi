@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections.abc
 import typing
 import typing_extensions
-__all__: list[str] = ['BufferInfo', 'Engine', 'EngineOptions', 'EngineStats', 'IdleAction', 'InputSpec', 'MemoryReport', 'MethodSource', 'Session', 'SessionStats', 'WeightEntry', 'WeightInfo', 'WeightsFile', 'built_with_cuda', 'dtype_code', 'error_kinds']
+__all__: list[str] = ['BufferInfo', 'Engine', 'EngineOptions', 'EngineStats', 'GraphMode', 'IdleAction', 'InputSpec', 'MemoryReport', 'MethodSource', 'Session', 'SessionStats', 'WeightEntry', 'WeightInfo', 'WeightsFile', 'built_with_cuda', 'dtype_code', 'error_kinds']
 class InputSpec:
     def __init__(self) -> None:
         ...
@@ -113,11 +113,61 @@ class IdleAction:
     @property
     def value(self) -> int:
         ...
+class GraphMode:
+    """
+    Members:
+    
+      AUTO
+    
+      ON
+    
+      OFF
+    """
+    AUTO: typing.ClassVar[GraphMode]
+    OFF: typing.ClassVar[GraphMode]
+    ON: typing.ClassVar[GraphMode]
+    __members__: typing.ClassVar[dict[str, GraphMode]]
+    @typing.overload
+    def __eq__(self, other: GraphMode) -> bool:
+        ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> int:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __index__(self) -> int:
+        ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __int__(self) -> int:
+        ...
+    @typing.overload
+    def __ne__(self, other: GraphMode) -> bool:
+        ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __str__(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def value(self) -> int:
+        ...
 class EngineOptions:
     """
     Options of an engine (checked by the core).
     """
+    cuda_graphs: GraphMode
     device: str
+    graph_output_views: bool
     idle_action: IdleAction
     reclaim_bind_handles: bool
     strict_weights: bool
@@ -140,6 +190,12 @@ class EngineOptions:
         ...
     @known_mutated.setter
     def known_mutated(self, arg0: collections.abc.Sequence[str]) -> None:
+        ...
+    @property
+    def lanes(self) -> int | None:
+        ...
+    @lanes.setter
+    def lanes(self, arg0: typing.SupportsInt | typing.SupportsIndex | None) -> None:
         ...
     @property
     def max_sessions(self) -> int | None:
@@ -261,6 +317,18 @@ class EngineStats:
     def evictions(self) -> int:
         ...
     @property
+    def graph_captures(self) -> int:
+        ...
+    @property
+    def graph_pools(self) -> int:
+        ...
+    @property
+    def graph_replays(self) -> int:
+        ...
+    @property
+    def graphs(self) -> int:
+        ...
+    @property
     def host_bytes(self) -> int:
         ...
     @property
@@ -271,6 +339,9 @@ class EngineStats:
         ...
     @property
     def idle_offloads(self) -> int:
+        ...
+    @property
+    def lanes(self) -> int:
         ...
     @property
     def live_bytes(self) -> int:
@@ -351,8 +422,10 @@ class Session:
     def resident(self) -> bool:
         ...
 class Engine:
-    def __init__(self, methods: collections.abc.Sequence[MethodSource], options: EngineOptions) -> None:
-        ...
+    def __init__(self, methods: collections.abc.Sequence[MethodSource], options: EngineOptions, graph_host: typing.Any = None) -> None:
+        """
+        graph_host: an object with new_pool(), begin(pool, stream), end(pool), release(pool) and note(text), routing torch's allocations during CUDA graph captures (aoti_sessions._graphs); None: CUDA engines run eagerly.
+        """
     def call_spec(self, method: typing.SupportsInt | typing.SupportsIndex) -> tuple[str, str]:
         ...
     def close(self) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _core
+from ._graphs import TorchGraphHost
 from ._package import MethodFiles, open_model
 from ._session import Closable, MethodCall, Session, to_handles
 from .errors import PackageError
@@ -59,9 +60,19 @@ def _seconds_option(name: str, value: object) -> float | None:
     return float(value)
 
 
+_GRAPH_MODES = {"auto": _core.GraphMode.AUTO, True: _core.GraphMode.ON, False: _core.GraphMode.OFF}
+
+
+def _graph_mode(value: object) -> _core.GraphMode:
+    if isinstance(value, bool) or value == "auto":
+        return _GRAPH_MODES[value]
+    raise ValueError(f"cuda_graphs must be 'auto', True or False, got {value!r}")
+
+
 def _options(device: str, mutable: Sequence[str] | None, max_sessions: object, memory_budget: object,
              host_budget: object, idle_timeout: object, idle_action: str,
-             strict_weights: bool) -> _core.EngineOptions:
+             strict_weights: bool, lanes: object = None, cuda_graphs: object = "auto",
+             graph_output_views: bool = False) -> _core.EngineOptions:
     options = _core.EngineOptions()
     options.device = device
     if isinstance(mutable, str):
@@ -76,6 +87,9 @@ def _options(device: str, mutable: Sequence[str] | None, max_sessions: object, m
     options.idle_action = _IDLE_ACTIONS[idle_action]
     options.strict_weights = bool(strict_weights)
     options.reclaim_bind_handles = _torch_leaks_bind_handles()
+    options.lanes = _int_option("lanes", lanes)
+    options.cuda_graphs = _graph_mode(cuda_graphs)
+    options.graph_output_views = bool(graph_output_views)
     return options
 
 
@@ -150,7 +164,8 @@ _LAYOUT = ("fqn", "dtype", "sizes", "strides", "bytes")
 _MEMORY = ("weights", "templates", "sessions", "containers", "offloaded", "host_spare")
 _STATS = ("live_sessions", "live_bytes", "resident_sessions", "offloaded_sessions", "device_bytes",
           "host_bytes", "host_spare_bytes", "sessions_created", "offloads", "evictions", "idle_offloads",
-          "idle_closes", "restores", "saves", "loads", "runs", "binds", "bind_seconds", "reclaim_seconds")
+          "idle_closes", "restores", "saves", "loads", "runs", "binds", "bind_seconds", "reclaim_seconds",
+          "lanes", "graph_replays", "graph_captures", "graphs", "graph_pools")
 
 
 class Engine(Closable):
@@ -176,6 +191,21 @@ class Engine(Closable):
         idle_action: ``"offload"`` or ``"close"``.
         strict_weights: refuse methods that disagree on a weight (same FQN,
             other layout or content) instead of keeping both copies (logged).
+        lanes: containers per method, all sharing the weights (default 4). A session keeps the lane it last ran on bound to
+            its state until another session needs it (least recently used
+            first), so switching among up to ``lanes`` sessions binds nothing,
+            and up to ``lanes`` sessions run at once (on their own streams).
+        cuda_graphs: ``"auto"`` (default): on CUDA, a session's run of a
+            method is captured into a CUDA graph of its own (after 3 eager
+            warm-up runs of the method on that stream) and replayed from then
+            on; a method that cannot be captured (dynamic input shapes, a host
+            synchronisation inside) runs eagerly, logged once. ``True``: the
+            same, but such a method raises. ``False``: always eager. A graph
+            is recaptured after its session moved (restore, eviction), after a
+            double-buffered weight update, or when run on another stream.
+        graph_output_views: with CUDA graphs, return the graph's own output
+            tensors (no copy; overwritten by the session's next run of the
+            method) instead of fresh copies.
 
     Each weight is held once, whatever the number of methods: libraries
     compiled without weights (multi-method ``ais.compile``) bind to the
@@ -195,12 +225,15 @@ class Engine(Closable):
         host_budget: int | None = None,
         idle_timeout: float | None = None,
         idle_action: str = "offload",
+        lanes: int | None = None,
+        cuda_graphs: bool | str = "auto",
+        graph_output_views: bool = False,
     ) -> None:
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None and torch.cuda.is_available():
             self._device = torch.device("cuda", torch.cuda.current_device())
         options = _options(str(self._device), mutable, max_sessions, memory_budget, host_budget, idle_timeout,
-                           idle_action, strict_weights)
+                           idle_action, strict_weights, lanes, cuda_graphs, graph_output_views)
         files = _resolve_methods(model)
         for f in files:
             if f.device_key is not None and f.device_key != self._device.type:
@@ -218,7 +251,8 @@ class Engine(Closable):
         else:
             source = "every buffer (no declaration in the package; pass mutable= to choose)"
         sources = [_source(f) for f in files]
-        self._core = _core.Engine(sources, options)
+        host = TorchGraphHost(self._device) if self._device.type == "cuda" and cuda_graphs is not False else None
+        self._core = _core.Engine(sources, options, host)
         for note in self._core.load_notes:
             log.warning("%s", note)
         self._buffers = self._core.mutable_buffers
@@ -312,6 +346,9 @@ class Engine(Closable):
           room) and ``idle_offloads``; ``idle_closes``; ``restores``; ``saves``;
           ``loads``; ``sessions_created``; ``runs``; ``binds``, ``bind_seconds``,
           ``reclaim_seconds``.
+        - ``lanes`` (containers per method); CUDA graphs: ``graph_captures``,
+          ``graph_replays`` (runs served by a replay), ``graphs`` (alive now)
+          and ``graph_pools`` (activation pools, one per capture stream).
         - ``sessions``: per open session ``id``, ``resident``, ``bytes`` and
           ``last_use`` (seconds of :func:`time.monotonic`).
         """

@@ -85,6 +85,12 @@ class GreedyDecoding:
         return self.generated
 
 
+def _spread(seconds: list[float]) -> str:
+    """Median with min and max: one figure alone misleads on a loaded machine."""
+    us = [t * 1e6 for t in seconds]
+    return f"{statistics.median(us):.1f} us median (min {min(us):.1f}, max {max(us):.1f}, {len(us)} calls)"
+
+
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[(31 * i + 7 * j + 1) % vocab for j in range(length)] for i in range(n)]
 
@@ -133,8 +139,8 @@ def run_demo(device: str = "cpu", sessions: int = 4, steps: int = 32, out: TextI
         ("weights", f"{engine.weight_bytes / 2**20:.2f} MiB (loaded once)"),
         ("bytes per session", f"{engine.bytes_per_session / 2**20:.2f} MiB ({len(engine.mutable_fqns)} buffers)"),
         ("sessions x steps", f"{sessions} x {steps} (+{len(prompts[0]) - 1} prompt steps)"),
-        ("step, same session", f"{statistics.median(same) * 1e6:.1f} us (median)"),
-        ("step, switching", f"{statistics.median(switching) * 1e6:.1f} us (median)"),
+        ("step, same session", _spread(same)),
+        ("step, switching", _spread(switching)),
         ("bind (switch cost)", f"{bind_seconds * 1e6:.2f} us ({binds} binds)"),
     ]
     for i, good in enumerate(results):

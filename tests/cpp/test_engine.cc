@@ -57,6 +57,44 @@ TEST(Session, StartsFromTheTemplates) {
   for (int64_t v : ReadBuffer<int64_t>(*engine, *session, "hits")) EXPECT_EQ(v, 0);
 }
 
+// Interleaves two sessions, then runs a third alone: the results of the
+// first equal the third's, whatever the number of lanes.
+void CheckInterleavedRuns(const std::shared_ptr<Engine>& engine) {
+  auto a = engine->NewSession();
+  auto b = engine->NewSession();
+  std::vector<std::vector<float>> interleaved_a;
+  for (int step = 0; step < 5; ++step) {
+    interleaved_a.push_back(RunCounter(*a, 1.0f + step, step % 4));
+    RunCounter(*b, -2.0f, 3);
+  }
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *a, "hits"), (std::vector<int64_t>{2, 1, 1, 1}));
+  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *b, "hits"), (std::vector<int64_t>{0, 0, 0, 5}));
+  auto solo = engine->NewSession();
+  for (int step = 0; step < 5; ++step) {
+    EXPECT_EQ(RunCounter(*solo, 1.0f + step, step % 4), interleaved_a[step]) << step;
+  }
+  EXPECT_EQ(engine->stats().runs, 15);
+}
+
+TEST(Session, OneLaneBindsOnEverySwitch) {
+  EngineOptions options = Mutable({"acc", "hits"});
+  options.lanes = 1;
+  auto engine = CounterEngine(options);
+  CheckInterleavedRuns(engine);
+  // 10 interleaved runs, each a switch, + the solo session's first.
+  EXPECT_EQ(engine->stats().binds, 11);
+  EXPECT_EQ(engine->stats().lanes, 1);
+}
+
+TEST(Session, TwoLanesKeepTwoSessionsBound) {
+  EngineOptions options = Mutable({"acc", "hits"});
+  options.lanes = 2;
+  auto engine = CounterEngine(options);
+  CheckInterleavedRuns(engine);
+  // a and b keep a lane each; the solo session takes the least recently used.
+  EXPECT_EQ(engine->stats().binds, 3);
+}
+
 TEST(Session, InterleavedRunsAreIsolated) {
   auto engine = CounterEngine();
   auto a = engine->NewSession();
@@ -72,8 +110,8 @@ TEST(Session, InterleavedRunsAreIsolated) {
   for (int step = 0; step < 5; ++step) {
     EXPECT_EQ(RunCounter(*solo, 1.0f + step, step % 4), interleaved_a[step]) << step;
   }
-  // Binds happen only on switches: 10 interleaved runs + the solo session's first.
-  EXPECT_EQ(engine->stats().binds, 11);
+  // Four lanes by default: a, b and solo each bind once.
+  EXPECT_EQ(engine->stats().binds, 3);
   EXPECT_EQ(engine->stats().runs, 15);
 }
 

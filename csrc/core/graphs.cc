@@ -1,0 +1,238 @@
+// Per-session CUDA graphs: capture around one run, replay with copies in and
+// out, and the activation pools (one per capture stream).
+#include "graphs.h"
+
+#include "errors.h"
+
+namespace aoti_sessions {
+namespace {
+
+// The first input with a dynamic dimension, as "input I: [1, *]", or "".
+std::string DynamicInput(const Method& method) {
+  if (!method.inputs) return "";
+  for (size_t i = 0; i < method.inputs->size(); ++i) {
+    for (int64_t size : (*method.inputs)[i].sizes) {
+      if (size < 0) {
+        return "input " + std::to_string(i) + " is " + FormatDims((*method.inputs)[i].sizes);
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+std::vector<int64_t> ShapeKey(const std::vector<OwnedTensor>& inputs) {
+  std::vector<int64_t> key;
+  for (const OwnedTensor& input : inputs) {
+    TensorLayout layout = ReadLayout(input.get());
+    key.push_back(static_cast<int64_t>(layout.sizes.size()));
+    key.insert(key.end(), layout.sizes.begin(), layout.sizes.end());
+  }
+  return key;
+}
+
+GraphSet::GraphSet(Device& device, std::shared_ptr<GraphHost> host, GraphMode mode,
+                   bool output_views, const std::vector<Method>& methods)
+    : device_(device),
+      host_(std::move(host)),
+      mode_(mode),
+      output_views_(output_views),
+      method_names_(),
+      captures_method_(new std::atomic<bool>[methods.size()]) {
+  const bool possible = mode_ != GraphMode::kOff && device_.supports_graphs() && host_ != nullptr;
+  for (size_t m = 0; m < methods.size(); ++m) {
+    method_names_.push_back(methods[m].name);
+    captures_method_[m] = possible;
+    if (!possible) continue;
+    std::string dynamic = DynamicInput(methods[m]);
+    if (dynamic.empty()) continue;
+    captures_method_[m] = false;
+    std::string what = "method '" + methods[m].name + "' has dynamic input shapes (" + dynamic +
+                       ")";
+    if (mode_ == GraphMode::kOn) {
+      Throw(ErrorKind::kInvalidArgument,
+            "cuda_graphs=True: " + what + "; use cuda_graphs='auto' to run it eagerly");
+    }
+    host_->Note(what + ": it runs eagerly, without CUDA graphs");
+  }
+}
+
+GraphSet::~GraphSet() { Clear(); }
+
+bool GraphSet::Captures(size_t method) const { return captures_method_[method].load(); }
+
+Graph* GraphSet::Find(uint64_t session, size_t method, const GraphKey& key) {
+  std::unique_ptr<Graph> stale;
+  {
+    MutexLock lock(mutex_);
+    auto it = graphs_.find(session);
+    if (it == graphs_.end() || it->second.size() <= method || !it->second[method]) return nullptr;
+    if (it->second[method]->key == key) return it->second[method].get();
+    stale = std::move(it->second[method]);
+  }
+  Destroy(std::move(stale));
+  return nullptr;
+}
+
+GraphHost::Pool GraphSet::PoolFor(StreamHandle stream) {
+  {
+    MutexLock lock(mutex_);
+    auto it = pools_.find(stream);
+    if (it != pools_.end()) {
+      ++it->second.holds;  // the caller begins allocations in it next
+      return it->second.pool;
+    }
+  }
+  // The host is called without the lock held (it may take the GIL). A pool
+  // made but never begun holds nothing in torch.
+  GraphHost::Pool pool = host_->NewPool();
+  MutexLock lock(mutex_);
+  auto [it, added] = pools_.emplace(stream, PoolUse{pool, 0});
+  ++it->second.holds;
+  return it->second.pool;
+}
+
+Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
+                         const std::vector<OwnedTensor>& inputs, const RunFn& run) {
+  auto graph = std::make_unique<Graph>();
+  const int32_t type = device_.torch_device_type();
+  const int32_t index = device_.spec().index;
+  for (const OwnedTensor& input : inputs) {
+    TensorLayout layout = ReadLayout(input.get());
+    graph->input_bytes.push_back(layout.span_bytes());
+    graph->inputs.push_back(OwnedTensor::Empty(layout, type, index));
+  }
+  const GraphHost::Pool pool = PoolFor(key.stream);
+  try {
+    host_->BeginAllocations(pool, key.stream);
+  } catch (const Error& e) {
+    MutexLock lock(mutex_);
+    --pools_[key.stream].holds;  // the hold PoolFor counted was never taken
+    lock.Unlock();
+    return Refuse(method, e.what());
+  }
+  std::string failure;
+  try {
+    device_.BeginCapture(key.stream);
+    try {
+      std::vector<OwnedTensor> handles;
+      for (const OwnedTensor& input : graph->inputs) handles.push_back(OwnedTensor::Alias(input.get()));
+      graph->outputs = run(std::move(handles));
+      graph->exec = device_.EndCapture(key.stream);
+    } catch (...) {
+      device_.AbortCapture(key.stream);
+      graph->outputs.clear();
+      throw;
+    }
+  } catch (const Error& e) {
+    failure = e.what();
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  host_->EndAllocations(pool);
+  if (!failure.empty()) return Refuse(method, failure);
+  for (const OwnedTensor& out : graph->outputs) graph->output_layouts.push_back(ReadLayout(out.get()));
+  graph->key = std::move(key);
+  captures_.fetch_add(1, std::memory_order_relaxed);
+  Graph* result = graph.get();
+  std::unique_ptr<Graph> replaced;
+  {
+    MutexLock lock(mutex_);
+    auto& slots = graphs_[session];
+    if (slots.size() <= method) slots.resize(method_names_.size());
+    replaced = std::move(slots[method]);
+    slots[method] = std::move(graph);
+  }
+  Destroy(std::move(replaced));
+  return result;
+}
+
+Graph* GraphSet::Refuse(size_t method, const std::string& why) {
+  std::string what = "method '" + method_names_[method] +
+                     "' cannot be captured into a CUDA graph: " + why;
+  if (mode_ == GraphMode::kOn) Throw(ErrorKind::kRun, "cuda_graphs=True: " + what);
+  if (captures_method_[method].exchange(false)) host_->Note(what + "; it runs eagerly");
+  return nullptr;
+}
+
+std::vector<OwnedTensor> GraphSet::Replay(Graph& graph, const std::vector<OwnedTensor>& inputs) {
+  StreamHandle stream = graph.key.stream;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    void* dst = DataPtr(graph.inputs[i].get());
+    const void* src = DataPtr(inputs[i].get());
+    if (dst != src && graph.input_bytes[i] > 0) device_.Copy(dst, src, graph.input_bytes[i], stream);
+  }
+  device_.Launch(graph.exec, stream);
+  replays_.fetch_add(1, std::memory_order_relaxed);
+  std::vector<OwnedTensor> outputs;
+  outputs.reserve(graph.outputs.size());
+  if (output_views_) {
+    for (const OwnedTensor& out : graph.outputs) outputs.push_back(OwnedTensor::Alias(out.get()));
+    return outputs;
+  }
+  // Copies, allocated for the run's stream and filled on it.
+  TorchStreamScope scope(stream, device_.spec().index);
+  for (size_t i = 0; i < graph.outputs.size(); ++i) {
+    const TensorLayout& layout = graph.output_layouts[i];
+    outputs.push_back(OwnedTensor::Empty(layout, device_.torch_device_type(), device_.spec().index));
+    size_t bytes = layout.span_bytes();
+    if (bytes > 0) {
+      device_.Copy(DataPtr(outputs.back().get()), DataPtr(graph.outputs[i].get()), bytes, stream);
+    }
+  }
+  return outputs;
+}
+
+void GraphSet::Destroy(std::unique_ptr<Graph> graph) noexcept {
+  if (!graph) return;
+  device_.DestroyGraph(graph->exec);
+  graph->exec = nullptr;
+  // The static tensors go back to torch's allocator: the pool's outputs stay
+  // in the pool for later captures, ordered on its one stream.
+}
+
+void GraphSet::Forget(uint64_t session) {
+  std::vector<std::unique_ptr<Graph>> gone;
+  {
+    MutexLock lock(mutex_);
+    auto it = graphs_.find(session);
+    if (it == graphs_.end()) return;
+    gone = std::move(it->second);
+    graphs_.erase(it);
+  }
+  for (auto& graph : gone) Destroy(std::move(graph));
+}
+
+void GraphSet::Clear() {
+  std::unordered_map<uint64_t, std::vector<std::unique_ptr<Graph>>> gone;
+  std::map<StreamHandle, PoolUse> pools;
+  {
+    MutexLock lock(mutex_);
+    gone.swap(graphs_);
+    pools.swap(pools_);
+  }
+  for (auto& [session, graphs] : gone) {
+    for (auto& graph : graphs) Destroy(std::move(graph));
+  }
+  gone.clear();
+  for (const auto& [stream, use] : pools) {
+    for (int64_t i = 0; i < use.holds; ++i) host_->ReleasePool(use.pool);
+  }
+}
+
+int64_t GraphSet::live_graphs() const {
+  MutexLock lock(mutex_);
+  int64_t n = 0;
+  for (const auto& [session, graphs] : graphs_) {
+    for (const auto& graph : graphs) n += graph ? 1 : 0;
+  }
+  return n;
+}
+
+int64_t GraphSet::pools() const {
+  MutexLock lock(mutex_);
+  return static_cast<int64_t>(pools_.size());
+}
+
+}  // namespace aoti_sessions
