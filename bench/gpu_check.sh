@@ -21,7 +21,7 @@ fi
 if [ -d .deps/gtest ]; then
   export CMAKE_PREFIX_PATH=$PWD/.deps/gtest/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
 fi
-stage=${1:-all}  # all | test | bench | weights | lifecycle
+stage=${1:-all}  # all | test | some | bench | weights | lifecycle
 status=0
 
 {
@@ -36,6 +36,10 @@ if [ "$stage" = all ] || [ "$stage" = test ]; then
   python3 bench/warm_test_models.py --devices cpu cuda --jobs 12 > "$OUT/warm.log" 2>&1 || status=$?
   # A failing test must not keep the benchmarks from running: report it at the end.
   python3 -m pytest tests -m "not registry and not clang" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" || status=$?
+fi
+if [ "$stage" = some ]; then
+  # Chosen test files only (TESTS="tests/test_a.py ..."), models compiled as needed.
+  python3 -m pytest $TESTS -m "not registry and not clang" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" || status=$?
 fi
 if [ "$stage" = all ] || [ "$stage" = bench ]; then
   python3 bench/bench_switch.py --device cuda 2>&1 | tee "$OUT/bench_switch.txt"
