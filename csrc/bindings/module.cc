@@ -58,21 +58,22 @@ class PyGraphHost final : public GraphHost {
       Throw(ErrorKind::kRun, std::string("routing allocations to a CUDA graph pool: ") + e.what());
     }
   }
-  void EndAllocations(Pool pool) noexcept override {
-    Call("end", py::make_tuple(pool.first, pool.second));
-  }
-  void ReleasePool(Pool pool) noexcept override {
-    Call("release", py::make_tuple(pool.first, pool.second));
-  }
-  void Note(const std::string& note) noexcept override { Call("note", note); }
+  void EndAllocations(Pool pool) noexcept override { Call("end", &pool, nullptr); }
+  void ReleasePool(Pool pool) noexcept override { Call("release", &pool, nullptr); }
+  void Note(const std::string& note) noexcept override { Call("note", nullptr, &note); }
 
  private:
-  template <typename Arg>
-  void Call(const char* name, Arg&& arg) noexcept {
+  // Calls host.<name>(pool) or host.<name>(text). Every Python object is made
+  // under the GIL, here.
+  void Call(const char* name, const Pool* pool, const std::string* text) noexcept {
     if (!Py_IsInitialized()) return;
     py::gil_scoped_acquire gil;
     try {
-      host_.attr(name)(std::forward<Arg>(arg));
+      if (pool != nullptr) {
+        host_.attr(name)(py::make_tuple(pool->first, pool->second));
+      } else {
+        host_.attr(name)(*text);
+      }
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable(name);
     } catch (...) {

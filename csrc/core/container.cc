@@ -211,6 +211,13 @@ void Container::ReplaceAllUserManaged(const std::vector<AOTInductorConstantMapEn
   // The handles this bind made are in the set that is active now.
   TrackBindHandles(pairs);
   ReclaimBindHandles(kind);
+  // Bind the same pairs once more, into the active set: a container of torch
+  // 2.11 leaves the swapped-in set's folding state unset after a user-managed
+  // update of the inactive set, and every run then fails with "Unknown
+  // constant state"; an update of the active set marks it ready
+  // (docs/aoti-runtime.md).
+  BindUserManaged(pairs, kind);
+  ReclaimBindHandles(kind);
 }
 
 void Container::TrackBindHandles(const std::vector<AOTInductorConstantMapEntry>& pairs) {

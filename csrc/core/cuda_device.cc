@@ -6,6 +6,7 @@
 // carrying the CUDA error string.
 #include <cuda_runtime_api.h>
 
+#include <mutex>
 #include <string>
 
 #include "device.h"
@@ -80,6 +81,7 @@ class CudaDevice final : public Device {
     bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != spec_.index &&
                     cudaSetDevice(spec_.index) == cudaSuccess;
     cudaMemPoolDestroy(pool_);
+    if (capture_stream_ != nullptr) cudaStreamDestroy(capture_stream_);
     if (switched) cudaSetDevice(previous);
   }
 
@@ -149,6 +151,17 @@ class CudaDevice final : public Device {
 
   bool supports_graphs() const override { return true; }
 
+  StreamHandle CaptureStream(StreamHandle stream) override {
+    if (stream != nullptr && ToCuda(stream) != cudaStreamLegacy) return stream;
+    std::call_once(capture_stream_once_, [this] {
+      DeviceGuard guard(spec_.index);
+      Check(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking),
+            "creating the capture stream");
+    });
+    if (capture_stream_ == nullptr) Throw(ErrorKind::kRun, "no capture stream");
+    return capture_stream_;
+  }
+
   void BeginCapture(StreamHandle stream) override {
     DeviceGuard guard(spec_.index);
     // Thread-local: only this thread's unsafe calls break the capture; other
@@ -195,6 +208,8 @@ class CudaDevice final : public Device {
 
  private:
   cudaMemPool_t pool_ = nullptr;
+  std::once_flag capture_stream_once_;
+  cudaStream_t capture_stream_ = nullptr;  // for work of the legacy default stream
 };
 
 }  // namespace

@@ -69,6 +69,11 @@ class Device {
   // CUDA graphs (docs/aoti-runtime.md). Whether this device can capture work
   // queued on a stream into a graph and replay it.
   virtual bool supports_graphs() const { return false; }
+  // A stream on which the work of `stream` can be captured: `stream` itself,
+  // or, for the legacy default stream (which cannot be captured), a private
+  // stream of the device, shared by every caller (captures on it must be
+  // serialised). A graph captured on either replays on `stream`.
+  virtual StreamHandle CaptureStream(StreamHandle stream) { return stream; }
   // Starts capturing the work the calling thread queues on `stream` (other
   // threads go on running). Throws kRun if the stream cannot be captured.
   virtual void BeginCapture(StreamHandle stream);

@@ -34,8 +34,11 @@
 //      runner's lane lock (Runner::lanes_mutex_: lane fields and the stream
 //      list; a run waiting for a free lane waits on it) and the graph
 //      tables' lock (GraphSet::mutex_).
+//   Between 2 and 3: GraphSet::capture_mutex_, held across a capture on the
+//   device's shared capture stream (work of the legacy default stream).
 //   A GraphHost (torch's allocator routing, the Python layer) is called with
-//   locks 1 and 2 held, never a leaf; it must not call into the engine.
+//   locks 1, 2 and the capture lock held, never a leaf; it must not call into
+//   the engine.
 // Atomics read without a lock, each mirroring a field written under one:
 // SessionState::closed_, resident_, last_use_ns_ (session lock);
 // SessionState::waiting_for_room_ (set by the call that holds the session

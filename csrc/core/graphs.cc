@@ -2,10 +2,20 @@
 // out, and the activation pools (one per capture stream).
 #include "graphs.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "errors.h"
 
 namespace aoti_sessions {
 namespace {
+
+bool Tracing() {
+  static const bool on = std::getenv("AOTI_SESSIONS_TRACE") != nullptr;
+  return on;
+}
+#define TRACE(what) \
+  if (Tracing()) std::fprintf(stderr, "[graphs] %s\n", what), std::fflush(stderr)
 
 // The first input with a dynamic dimension, as "input I: [1, *]", or "".
 std::string DynamicInput(const Method& method) {
@@ -95,6 +105,7 @@ GraphHost::Pool GraphSet::PoolFor(StreamHandle stream) {
 
 Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
                          const std::vector<OwnedTensor>& inputs, const RunFn& run) {
+  TRACE("capture: static inputs");
   auto graph = std::make_unique<Graph>();
   const int32_t type = device_.torch_device_type();
   const int32_t index = device_.spec().index;
@@ -103,7 +114,9 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
     graph->input_bytes.push_back(layout.span_bytes());
     graph->inputs.push_back(OwnedTensor::Empty(layout, type, index));
   }
+  TRACE("capture: pool");
   const GraphHost::Pool pool = PoolFor(key.stream);
+  TRACE("capture: begin allocations");
   try {
     host_->BeginAllocations(pool, key.stream);
   } catch (const Error& e) {
@@ -114,14 +127,22 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
   }
   std::string failure;
   try {
-    device_.BeginCapture(key.stream);
+    // The legacy default stream cannot be captured: its work is captured on
+    // the device's private stream, one capture at a time, and replayed on it.
+    StreamHandle capture = device_.CaptureStream(key.stream);
+    std::unique_lock<std::mutex> one_at_a_time(capture_mutex_, std::defer_lock);
+    if (capture != key.stream) one_at_a_time.lock();
+    TRACE("capture: begin capture");
+    device_.BeginCapture(capture);
+    TRACE("capture: run");
     try {
       std::vector<OwnedTensor> handles;
       for (const OwnedTensor& input : graph->inputs) handles.push_back(OwnedTensor::Alias(input.get()));
-      graph->outputs = run(std::move(handles));
-      graph->exec = device_.EndCapture(key.stream);
+      graph->outputs = run(std::move(handles), capture);
+      TRACE("capture: end capture");
+      graph->exec = device_.EndCapture(capture);
     } catch (...) {
-      device_.AbortCapture(key.stream);
+      device_.AbortCapture(capture);
       graph->outputs.clear();
       throw;
     }
@@ -130,7 +151,9 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
   } catch (const std::exception& e) {
     failure = e.what();
   }
+  TRACE("capture: end allocations");
   host_->EndAllocations(pool);
+  TRACE(failure.empty() ? "capture: done" : failure.c_str());
   if (!failure.empty()) return Refuse(method, failure);
   for (const OwnedTensor& out : graph->outputs) graph->output_layouts.push_back(ReadLayout(out.get()));
   graph->key = std::move(key);
@@ -158,6 +181,7 @@ Graph* GraphSet::Refuse(size_t method, const std::string& why) {
 
 std::vector<OwnedTensor> GraphSet::Replay(Graph& graph, const std::vector<OwnedTensor>& inputs) {
   StreamHandle stream = graph.key.stream;
+  TRACE("replay");
   for (size_t i = 0; i < inputs.size(); ++i) {
     void* dst = DataPtr(graph.inputs[i].get());
     const void* src = DataPtr(inputs[i].get());
@@ -172,7 +196,9 @@ std::vector<OwnedTensor> GraphSet::Replay(Graph& graph, const std::vector<OwnedT
     return outputs;
   }
   // Copies, allocated for the run's stream and filled on it.
+  TRACE("replay: copies");
   TorchStreamScope scope(stream, device_.spec().index);
+  TRACE("replay: stream scope");
   for (size_t i = 0; i < graph.outputs.size(); ++i) {
     const TensorLayout& layout = graph.output_layouts[i];
     outputs.push_back(OwnedTensor::Empty(layout, device_.torch_device_type(), device_.spec().index));

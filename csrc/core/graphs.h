@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -91,10 +92,13 @@ class GraphSet {
   // captured with another key is destroyed. Call under the session's lock.
   Graph* Find(uint64_t session, size_t method, const GraphKey& key);
   // Captures the session's run of `method`: `run` queues the model's run on
-  // key.stream with the static inputs it is given and returns its outputs.
+  // the stream it is given (key.stream, or the device's capture stream for
+  // the legacy default stream) with the static inputs it is given and
+  // returns its outputs.
   // Nothing executes. Returns nullptr if the method cannot be captured (kAuto:
   // noted once, the method then runs eagerly); throws kRun under kOn.
-  using RunFn = std::function<std::vector<OwnedTensor>(std::vector<OwnedTensor>)>;
+  // (static inputs, the stream to queue the run on) -> outputs.
+  using RunFn = std::function<std::vector<OwnedTensor>(std::vector<OwnedTensor>, StreamHandle)>;
   Graph* Capture(uint64_t session, size_t method, GraphKey key,
                  const std::vector<OwnedTensor>& inputs, const RunFn& run);
   // Queues a replay with `inputs` copied into the static inputs; returns
@@ -123,6 +127,9 @@ class GraphSet {
   const bool output_views_;
   std::vector<std::string> method_names_;
   std::unique_ptr<std::atomic<bool>[]> captures_method_;  // per method
+  // Serialises captures on the device's shared capture stream; held across a
+  // capture (the GraphHost is called under it), so never under a leaf.
+  std::mutex capture_mutex_;
   mutable Mutex mutex_;  // a leaf: the tables below, never a graph's contents
   // Per session, per method (index); a graph's contents belong to its
   // session's lock holder.

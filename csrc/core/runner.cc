@@ -273,8 +273,8 @@ std::vector<OwnedTensor> Runner::RunOnLane(SessionState& state, size_t method,
   if (key != nullptr && lease.warm()) {
     // Nothing runs during the capture: the replay right after is this run.
     Graph* graph = graphs_.Capture(state.id(), method, std::move(*key), inputs,
-                                   [&](std::vector<OwnedTensor> static_inputs) {
-                                     return container.Run(std::move(static_inputs), stream);
+                                   [&](std::vector<OwnedTensor> static_inputs, StreamHandle on) {
+                                     return container.Run(std::move(static_inputs), on);
                                    });
     if (graph != nullptr) return graphs_.Replay(*graph, inputs);
   }
