@@ -200,24 +200,26 @@ void Container::BindUserManaged(const std::vector<AOTInductorConstantMapEntry>& 
 
 void Container::ReplaceAllUserManaged(const std::vector<AOTInductorConstantMapEntry>& pairs,
                                       ErrorKind kind) {
-  if (library_->update_user_managed_pairs(handle_, pairs.data(), pairs.size(), true, false) != 0) {
-    Fail(kind, "UpdateUserManagedConstantBufferPairs (inactive set)");
-  }
-  if (library_->swap_constant_buffer(handle_) != 0) Fail(kind, "SwapConstantBuffer");
-  if (library_->free_inactive_constant_buffer(handle_) != 0) {
-    Fail(kind, "FreeInactiveConstantBuffer");
+  // Two rounds of (bind the inactive set, swap it in, free the other): the
+  // first frees the container's own blob, the second makes the set the
+  // container started with the active one again, now holding `pairs`. torch
+  // 2.11's single-threaded run checks the folding state of that first set
+  // whichever set is active, and refuses to run ("Unknown constant state")
+  // once it was freed (docs/aoti-runtime.md).
+  for (int round = 0; round < 2; ++round) {
+    if (library_->update_user_managed_pairs(handle_, pairs.data(), pairs.size(), true, false) !=
+        0) {
+      Fail(kind, "UpdateUserManagedConstantBufferPairs (inactive set)");
+    }
+    if (library_->swap_constant_buffer(handle_) != 0) Fail(kind, "SwapConstantBuffer");
+    if (library_->free_inactive_constant_buffer(handle_) != 0) {
+      Fail(kind, "FreeInactiveConstantBuffer");
+    }
+    // The handles this bind made are in the set that is active now.
+    TrackBindHandles(pairs);
+    ReclaimBindHandles(kind);
   }
   holds_own_constants_ = false;
-  // The handles this bind made are in the set that is active now.
-  TrackBindHandles(pairs);
-  ReclaimBindHandles(kind);
-  // Bind the same pairs once more, into the active set: a container of torch
-  // 2.11 leaves the swapped-in set's folding state unset after a user-managed
-  // update of the inactive set, and every run then fails with "Unknown
-  // constant state"; an update of the active set marks it ready
-  // (docs/aoti-runtime.md).
-  BindUserManaged(pairs, kind);
-  ReclaimBindHandles(kind);
 }
 
 void Container::TrackBindHandles(const std::vector<AOTInductorConstantMapEntry>& pairs) {
