@@ -14,7 +14,18 @@ For each model:
 Writes a Markdown report (default bench/RESULTS.md) with the card, torch
 version and date, and prints it.
 
+``--suite graphs`` (issue 11) measures instead, per model, with min / median /
+max over rounds: per-step time of torch's runner captured in one CUDA graph
+(the baseline), our graph step with one session and switching every step, our
+eager step (graphs off) with one session and switching, torch's eager runner
+and ``torch.compile(mode="reduce-overhead")`` of the same module; aggregate
+steps/s with 1, 2, 4, 8 threads each driving its own session on its own
+stream (graphs on, and off with 8 lanes); device memory with 8 captured
+sessions against W + 8 S, per graph and per pool; and what one extra lane
+(container) costs in load time and device memory.
+
     python bench/bench_sessions.py [--models small,large] [--out bench/RESULTS.md]
+    python bench/bench_sessions.py --suite graphs [--models small,large] [--out bench/RESULTS_graphs.md]
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import datetime
 import gc
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -224,16 +236,279 @@ def report(cfg_name: str, cfg: models.DecoderConfig, steps: dict[str, float], cr
     return lines, targets
 
 
+# -- issue 11: graphs, threads, memory, lanes ---------------------------------------------
+
+
+def spread(samples: list[float], scale: float = 1e6) -> tuple[float, float, float]:
+    """(min, median, max) of `samples` times `scale`."""
+    return min(samples) * scale, statistics.median(samples) * scale, max(samples) * scale
+
+
+def fmt(t: tuple[float, float, float]) -> str:
+    return f"{t[1]:.1f} ({t[0]:.1f} / {t[2]:.1f})"
+
+
+def torch_runner_graph(path: Path, token: torch.Tensor, position: torch.Tensor) -> Callable[[torch.Tensor], object]:
+    """torch's runner (single-threaded entry) captured in one CUDA graph: a step
+    copies the inputs in, replays, and clones the logits out (what our graph
+    step does)."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, torch.cuda.current_device())
+    tok, pos = token.clone(), position.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            loader.run([tok, pos])
+    side.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out = loader.run([tok, pos])
+
+    def step(p: torch.Tensor) -> object:
+        tok.copy_(token)
+        pos.copy_(p)
+        graph.replay()
+        return out[0].clone()
+
+    step.keep = (loader, graph, out)  # type: ignore[attr-defined]
+    return step
+
+
+def graph_steps(path: Path, cfg: models.DecoderConfig, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Seconds per step of each configuration, one figure per round (bursts of
+    `steps` steps, the device synchronised only around each burst)."""
+    token = torch.tensor([[7]], device="cuda")
+    positions = [torch.tensor([p], device="cuda") for p in range(cfg.max_seq)]
+    graphs = ais.Engine(path, device="cuda")
+    eager = ais.Engine(path, device="cuda", cuda_graphs=False)
+    gs = [graphs.new_session() for _ in range(2)]
+    es = [eager.new_session() for _ in range(2)]
+    runner = torch._inductor.aoti_load_package(str(path)).loader
+    baseline = torch_runner_graph(path, token, positions[0])
+    module = models.TinyDecoder(cfg).to("cuda").eval()
+    compiled = torch.compile(module, mode="reduce-overhead")
+
+    def compiled_step(p: torch.Tensor) -> object:
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(token, p)
+
+    configs: dict[str, Callable[[int], object]] = {
+        "torch_graph": lambda i: baseline(positions[i]),
+        "graph_same": lambda i: gs[0](token, positions[i]),
+        "graph_switch": lambda i: gs[i % 2](token, positions[i]),
+        "eager_same": lambda i: es[0](token, positions[i]),
+        "eager_switch": lambda i: es[i % 2](token, positions[i]),
+        "runner": lambda i: runner.run([token, positions[i]]),
+        "compile_ro": lambda i: compiled_step(positions[i]),
+    }
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    with torch.no_grad():
+        for fn in configs.values():  # warm-up: captures, autotuning, lazy loads
+            for i in range(12):
+                fn(i % cfg.max_seq)
+        for r in range(rounds):
+            for name, fn in configs.items():
+                sync()
+                start = time.perf_counter()
+                for i in range(steps):
+                    fn((r * steps + i) % cfg.max_seq)
+                sync()
+                times[name].append((time.perf_counter() - start) / steps)
+    stats = graphs.stats()
+    assert stats["graph_replays"] > rounds * steps, stats  # the graph steps were replays
+    for x in (*gs, *es):
+        x.close()
+    graphs.close()
+    eager.close()
+    return times
+
+
+def thread_rates(path: Path, cfg: models.DecoderConfig, graphs: bool, rounds: int,
+                 steps: int) -> dict[int, list[float]]:
+    """Aggregate steps/s with K threads, each driving its own session on its own stream."""
+    engine = ais.Engine(path, device="cuda", cuda_graphs=graphs, lanes=8)
+    token = torch.tensor([[7]], device="cuda")
+    positions = [torch.tensor([p], device="cuda") for p in range(cfg.max_seq)]
+    rates: dict[int, list[float]] = {}
+    for k in (1, 2, 4, 8):
+        sessions = [engine.new_session() for _ in range(k)]
+        streams = [torch.cuda.Stream() for _ in range(k)]
+        sync()
+
+        def drive(i: int, n: int, start: threading.Barrier) -> None:
+            with torch.cuda.stream(streams[i]), torch.no_grad():
+                start.wait()
+                for j in range(n):
+                    sessions[i](token, positions[j % cfg.max_seq])
+                streams[i].synchronize()
+
+        rates[k] = []
+        for r in range(rounds + 1):  # the first round warms up (captures)
+            n = 16 if r == 0 else steps
+            barrier = threading.Barrier(k + 1)
+            threads = [threading.Thread(target=drive, args=(i, n, barrier)) for i in range(k)]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            begin = time.perf_counter()
+            for t in threads:
+                t.join()
+            if r > 0:
+                rates[k].append(k * n / (time.perf_counter() - begin))
+        for x in sessions:
+            x.close()
+    engine.close()
+    return rates
+
+
+def pool_bytes() -> int:
+    """Bytes torch's allocator reserves in private (graph) pools."""
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
+def graph_memory(path: Path, cfg: models.DecoderConfig, n: int = 8) -> dict[str, float]:
+    token = torch.tensor([[7]], device="cuda")
+    positions = [torch.tensor([p], device="cuda") for p in range(8)]
+    base = used_bytes()
+    engine = ais.Engine(path, device="cuda")
+    loaded = used_bytes() - base
+    sessions = [engine.new_session() for _ in range(n)]
+    with_sessions = used_bytes() - base
+    marks = []
+    with torch.no_grad():
+        for s in sessions:
+            for p in positions:
+                s(token, p)
+            sync()
+            marks.append((used_bytes() - base, pool_bytes(), engine.stats()["graphs"]))
+    total, pools, graphs = marks[-1]
+    out = {"W": engine.weight_bytes, "S": engine.bytes_per_session, "n": n, "loaded": loaded,
+           "sessions": with_sessions, "total": total, "pool": pools, "graphs": graphs,
+           "first_graph": marks[0][0] - with_sessions,
+           "per_graph": (marks[-1][0] - marks[0][0]) / max(n - 1, 1),
+           "pools": engine.stats()["graph_pools"]}
+    for s in sessions:
+        s.close()
+    engine.close()
+    return out
+
+
+def lane_cost(path: Path) -> dict[str, float]:
+    """Load time and device bytes of an engine with 1 and 4 lanes (three extra containers)."""
+    out: dict[str, float] = {}
+    for lanes in (1, 4, 1, 4):
+        base = used_bytes()
+        start = time.perf_counter()
+        engine = ais.Engine(path, device="cuda", lanes=lanes)
+        out[f"load_{lanes}"] = min(out.get(f"load_{lanes}", 1e9), time.perf_counter() - start)
+        out[f"bytes_{lanes}"] = used_bytes() - base
+        engine.close()
+        del engine
+    return out
+
+
+def graphs_report(name: str, cfg: models.DecoderConfig, times: dict[str, list[float]],
+                  on: dict[int, list[float]], off: dict[int, list[float]], mem: dict[str, float],
+                  lanes: dict[str, float]) -> tuple[list[str], list[tuple[str, bool]]]:
+    s = {k: spread(v) for k, v in times.items()}
+    w, st = mem["W"], mem["S"]
+    roofline = (w + st) / 3.35e12 if "H100" in torch.cuda.get_device_name() else (w + st) / 4.8e12
+    lines = [f"### {name}: {cfg.layers} layers, dim {cfg.dim}, {cfg.dtype}; W = {w / MiB:.1f} MiB, "
+             f"S = {st / MiB:.2f} MiB", "",
+             "| per decode step | us: median (min / max) | vs our graph step |", "|---|---:|---:|"]
+    names = {"torch_graph": "torch's runner in one CUDA graph (copy in, replay, clone out)",
+             "graph_same": "our session, graphs, same session every step",
+             "graph_switch": "our sessions, graphs, switching every step",
+             "eager_same": "our session, eager (graphs off), same session",
+             "eager_switch": "our sessions, eager, switching every step (lanes: no bind)",
+             "runner": "torch's eager runner (`loader.run`)",
+             "compile_ro": "torch.compile(mode=\"reduce-overhead\") of the module"}
+    for key, label in names.items():
+        lines.append(f"| {label} | {fmt(s[key])} | {s[key][1] / s['graph_same'][1]:.2f}x |")
+    lines.append(f"| memory roofline ((W + S) / nominal HBM bandwidth) | {roofline * 1e6:.1f} | "
+                 f"{roofline * 1e6 / s['graph_same'][1]:.2f}x |")
+    lines += ["", "| threads K | graphs on: steps/s median (min / max) | vs K=1 | graphs off (8 lanes) | vs K=1 |",
+              "|---:|---:|---:|---:|---:|"]
+    for k in (1, 2, 4, 8):
+        a, b = spread(on[k], 1), spread(off[k], 1)
+        lines.append(f"| {k} | {a[1]:.0f} ({a[0]:.0f} / {a[2]:.0f}) | {a[1] / spread(on[1], 1)[1]:.2f}x | "
+                     f"{b[1]:.0f} ({b[0]:.0f} / {b[2]:.0f}) | {b[1] / spread(off[1], 1)[1]:.2f}x |")
+    ideal = w + mem["n"] * st
+    lines += ["", f"Device memory, {int(mem['n'])} sessions each captured ({int(mem['graphs'])} graphs, "
+              f"{int(mem['pools'])} pool): total {mem['total'] / MiB:.1f} MiB vs W + N*S = {ideal / MiB:.1f} MiB "
+              f"= **{mem['total'] / ideal:.3f}x**. Engine loaded {mem['loaded'] / MiB:.1f} MiB; sessions "
+              f"{(mem['sessions'] - mem['loaded']) / MiB:.1f} MiB; first capture (pool + graph) "
+              f"{mem['first_graph'] / MiB:.2f} MiB; each further graph {mem['per_graph'] / MiB:.3f} MiB; "
+              f"graph pool reserved {mem['pool'] / MiB:.2f} MiB.", "",
+              f"Lanes: engine load {lanes['load_1']:.2f} s and {lanes['bytes_1'] / MiB:.1f} MiB with 1 lane, "
+              f"{lanes['load_4']:.2f} s and {lanes['bytes_4'] / MiB:.1f} MiB with 4: one extra container "
+              f"costs {(lanes['load_4'] - lanes['load_1']) / 3 * 1e3:.0f} ms and "
+              f"{(lanes['bytes_4'] - lanes['bytes_1']) / 3 / MiB:.1f} MiB of device memory.", ""]
+    g = s["graph_same"][1]
+    on1, off1 = spread(on[1], 1)[1], spread(off[1], 1)[1]
+    targets = [
+        (f"{name}: graph step same session <= 1.05x torch's runner in one graph",
+         g <= 1.05 * s["torch_graph"][1]),
+        (f"{name}: graph step switching <= 1.02x same session", s["graph_switch"][1] <= 1.02 * g),
+        (f"{name}: graph step >= {1.9 if name == 'large' else 4}x faster than our eager step",
+         s["eager_same"][1] >= (1.9 if name == "large" else 4) * g),
+        (f"{name}: graph step faster than torch.compile reduce-overhead", g < s["compile_ro"][1]),
+        (f"{name}: eager switching <= 1.03x eager same session", s["eager_switch"][1] <= 1.03 * s["eager_same"][1]),
+        (f"{name}: graphs on, K=4 >= 3x and K=8 >= 4.5x K=1",
+         spread(on[4], 1)[1] >= 3 * on1 and spread(on[8], 1)[1] >= 4.5 * on1),
+        (f"{name}: graphs off, K=4 >= 2x K=1", spread(off[4], 1)[1] >= 2 * off1),
+        (f"{name}: memory with 8 sessions, graphs on, <= 1.10x W + N*S", mem["total"] <= 1.10 * ideal),
+    ]
+    return lines, targets
+
+
+def graphs_suite(args: argparse.Namespace) -> int:
+    configs = {"small": models.SMALL, "large": models.LARGE}
+    doc = ["# Per-session CUDA graphs, lanes and threads (bench/bench_sessions.py --suite graphs)", "",
+           f"Card: {torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
+           f"{datetime.date.today().isoformat()}. Per-step figures: bursts of {args.steps} steps with the "
+           f"device synchronised around each burst, configurations interleaved, {args.rounds} rounds: "
+           "median (min / max) over rounds.", ""]
+    targets: list[tuple[str, bool]] = []
+    for name in args.models.split(","):
+        cfg = configs[name]
+        path = compiled_decoder(cfg, "cuda")
+        print(f"[{name}] steps", flush=True)
+        times = graph_steps(path, cfg, args.rounds, args.steps)
+        print(f"[{name}] threads", flush=True)
+        on = thread_rates(path, cfg, True, 3, args.steps * 2)
+        off = thread_rates(path, cfg, False, 3, args.steps)
+        print(f"[{name}] memory", flush=True)
+        mem = graph_memory(path, cfg)
+        lanes = lane_cost(path)
+        lines, met = graphs_report(name, cfg, times, on, off, mem, lanes)
+        print("\n".join(lines), flush=True)
+        doc += lines
+        targets += met
+    doc += ["## Targets", "", "| target | |", "|---|---|"]
+    doc += [f"| {t} | {'met' if ok else 'MISSED'} |" for t, ok in targets]
+    text = "\n".join(doc) + "\n"
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="small,large")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--out", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("--out", default=None, help="default bench/RESULTS.md (graphs: RESULTS_graphs.md)")
+    parser.add_argument("--suite", choices=("sessions", "graphs"), default="sessions")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_sessions needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.suite == "graphs":
+        args.out = args.out or str(Path(__file__).with_name("RESULTS_graphs.md"))
+        return graphs_suite(args)
+    args.out = args.out or str(Path(__file__).with_name("RESULTS.md"))
     configs = {"small": models.SMALL, "large": models.LARGE}
     doc = [
         "# aoti-sessions on a GPU (bench/bench_sessions.py)",

@@ -2,13 +2,16 @@
 
 Compares, in one run and on one model:
   * a plain ``torch._inductor.aoti_load_package`` call (no sessions),
+  * torch's bare runner (``loader.run``, no Python wrapper),
   * an aoti_sessions session stepping alone (no bind after its first step),
-  * sessions switched every step (one bind per step),
+  * two sessions switched every step (each keeps a lane: no bind),
+  * the same with one lane (one bind per step),
 and the cost of one bind against torch's own ``load_constants(...,
 user_managed=True)`` from Python and against switching by copying state in/out.
 
 Configurations are measured in interleaved rounds, so drift hits all alike;
-figures are medians of per-call wall time. Prints one line per configuration.
+each round gives one figure per configuration (the median of its calls), and
+the report prints median (min / max) over rounds. One line per configuration.
 
     python bench/bench_switch.py [--device cpu|cuda] [--model small|large] [--json FILE]
 """
@@ -56,9 +59,11 @@ def main() -> int:
     once = _timer(device)
 
     plain = torch._inductor.aoti_load_package(str(path))
-    engine = ais.Engine(path, device=args.device)
+    engine = ais.Engine(path, device=args.device, cuda_graphs=False)
     solo = engine.new_session()
     pair = [engine.new_session(), engine.new_session()]
+    one_lane = ais.Engine(path, device=args.device, cuda_graphs=False, lanes=1)
+    thrash = [one_lane.new_session(), one_lane.new_session()]
     token = torch.tensor([[7]], device=device)
     positions = [torch.tensor([p], device=device) for p in range(cfg.max_seq)]
 
@@ -71,16 +76,21 @@ def main() -> int:
     live = pair[0].state()
     parked = [s.state() for s in pair]
 
-    times: dict[str, list[float]] = {k: [] for k in ("plain", "same", "switch", "torch_bind", "copy_switch")}
+    keys = ("plain", "runner", "same", "switch", "switch_one_lane", "torch_bind", "copy_switch")
+    rounds: dict[str, list[float]] = {k: [] for k in keys}
     step = 0
     for _ in range(args.rounds):
+        times: dict[str, list[float]] = {k: [] for k in keys}
         for _ in range(args.steps):
             pos = positions[step % cfg.max_seq]
             step += 1
             times["plain"].append(once(lambda: plain(token, pos)))
+            times["runner"].append(once(lambda: plain.loader.run([token, pos])))
             times["same"].append(once(lambda: solo(token, pos)))
             s = pair[step % 2]
             times["switch"].append(once(lambda: s(token, pos)))
+            t = thrash[step % 2]
+            times["switch_one_lane"].append(once(lambda: t(token, pos)))
             target = state_sets[step % 2]
             times["torch_bind"].append(
                 once(lambda: rebound.load_constants(target, check_full_update=False, user_managed=True))
@@ -93,30 +103,44 @@ def main() -> int:
                     live[k].copy_(into[k])
 
             times["copy_switch"].append(once(copy_switch))
+        for k in keys:
+            rounds[k].append(statistics.median(times[k]))
 
-    stats = engine.stats()
+    stats = one_lane.stats()
     bind = stats["bind_seconds"] / stats["binds"]
     reclaim = stats["reclaim_seconds"] / stats["binds"]
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in rounds.items()}
     base = med["plain"]
     print(f"\nbench_switch: {cfg.layers}-layer decoder ({args.model}), {engine.bytes_per_session / 2**20:.2f} MiB "
           f"state in {len(fqns)} buffers, {engine.weight_bytes / 2**20:.1f} MiB weights, {device}, "
           f"torch {torch.__version__}, {args.rounds}x{args.steps} calls each")
     rows = [
         ("plain aoti_load_package call", med["plain"], f"{1.0:.3f}x plain"),
-        ("session, same every step", med["same"], f"{med['same'] / base:.3f}x plain"),
-        ("sessions, switching every step", med["switch"], f"{med['switch'] / base:.3f}x plain"),
+        ("torch's bare runner (loader.run)", med["runner"], f"{med['runner'] / base:.3f}x plain"),
+        ("session, same every step", med["same"],
+         f"{med['same'] / base:.3f}x plain, {med['same'] / med['runner']:.3f}x runner"),
+        ("sessions, switching every step", med["switch"],
+         f"{med['switch'] / med['same']:.3f}x same session ({engine.stats()['binds']} binds in all)"),
+        ("switching, one lane (binds)", med["switch_one_lane"],
+         f"{med['switch_one_lane'] / med['same']:.3f}x same session"),
         ("bind on switch (ours, run path)", bind, f"{stats['binds']} binds"),
         ("handle reclaim (ours, after run)", reclaim, "leak fix, off the bind"),
         ("torch load_constants(user_managed)", med["torch_bind"], f"{med['torch_bind'] / bind:.1f}x our bind"),
         ("switch by copying state out+in", med["copy_switch"], f"{med['copy_switch'] / bind:.1f}x our bind"),
     ]
+    spreads = {"plain aoti_load_package call": "plain", "torch's bare runner (loader.run)": "runner",
+               "session, same every step": "same", "sessions, switching every step": "switch",
+               "switching, one lane (binds)": "switch_one_lane", "torch load_constants(user_managed)": "torch_bind",
+               "switch by copying state out+in": "copy_switch"}
     for name, seconds, note in rows:
-        print(f"  {name:<36} {seconds * 1e6:10.2f} us   {note}")
+        key = spreads.get(name)
+        extra = f" ({min(rounds[key]) * 1e6:.2f} / {max(rounds[key]) * 1e6:.2f})" if key else ""
+        print(f"  {name:<36} {seconds * 1e6:10.2f} us{extra}   {note}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({name: seconds for name, seconds, _ in rows}, f)
     engine.close()
+    one_lane.close()
     return 0
 
 

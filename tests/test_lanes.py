@@ -111,12 +111,12 @@ def test_weight_updates_reach_every_lane(counter_pkg: Path, device: str, double_
         assert torch.equal(a, b)
 
 
-def test_lanes_option_is_checked(counter_pkg: Path) -> None:
+def test_lanes_option_is_checked(counter_cpu_pkg: Path) -> None:
     for bad in (0, -1, 65):
         with pytest.raises(ValueError, match="lanes must be between 1 and 64"):
-            ais.Engine(counter_pkg, device="cpu", lanes=bad)
+            ais.Engine(counter_cpu_pkg, device="cpu", lanes=bad)
     with pytest.raises(TypeError, match="lanes must be an int"):
-        ais.Engine(counter_pkg, device="cpu", lanes=2.0)  # type: ignore[arg-type]
+        ais.Engine(counter_cpu_pkg, device="cpu", lanes=2.0)  # type: ignore[arg-type]
 
 
 def test_cuda_graphs_option_is_checked(counter_cpu_pkg: Path) -> None:

@@ -5,9 +5,10 @@ into the dictionaries the README documents."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -251,12 +252,19 @@ class Engine(Closable):
         else:
             source = "every buffer (no declaration in the package; pass mutable= to choose)"
         sources = [_source(f) for f in files]
+        if self._device.type == "cuda":
+            self._current_stream: Callable[[], int] = functools.partial(
+                torch._C._cuda_getCurrentRawStream, self._device.index)
+        else:
+            self._current_stream = int  # int() == 0: no stream
         host = TorchGraphHost(self._device) if self._device.type == "cuda" and cuda_graphs is not False else None
         self._core = _core.Engine(sources, options, host)
         for note in self._core.load_notes:
             log.warning("%s", note)
         self._buffers = self._core.mutable_buffers
         self._methods = {f.name: _describe(self._core, f.name, src) for f, src in zip(files, sources)}
+        # What `session(...)` calls: the only method (None with several).
+        self._only: MethodCall | None = next(iter(self._methods.values())) if len(self._methods) == 1 else None
         fqns = [b.fqn for b in self._buffers]
         level = logging.WARNING if options.mutable_patterns is None or not fqns else logging.INFO
         log.log(level, "mutable state from %s: %s", source, ", ".join(fqns) or "none (stateless model)")
@@ -363,10 +371,9 @@ class Engine(Closable):
 
     # -- sessions --------------------------------------------------------
     def _stream(self) -> int:
-        if self._device.type == "cuda":
-            # The raw handle of torch's current stream, without building a Stream object.
-            return int(torch._C._cuda_getCurrentRawStream(self._device.index))
-        return 0
+        """The raw handle of torch's current stream (0 on the CPU), without
+        building a Stream object."""
+        return self._current_stream()
 
     def new_session(self) -> Session:
         """A new session in the initial state. Raises CapacityError when full."""

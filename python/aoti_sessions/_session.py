@@ -146,12 +146,13 @@ class Session(Closable):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the engine's only method."""
-        methods = self._engine._methods
-        if len(methods) != 1:
+        call = self._engine._only
+        if call is None:
+            methods = self._engine._methods
             raise TypeError(
                 f"this engine has {len(methods)} methods ({', '.join(methods)}); use session.run(name, ...)"
             )
-        return self._run(next(iter(methods.values())), args, kwargs)
+        return self._run(call, args, kwargs)
 
     def run(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on this session's state, returning what the model returns."""
