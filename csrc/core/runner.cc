@@ -56,6 +56,11 @@ class DeviceScope {
 // contain (docs/aoti-runtime.md).
 constexpr int kWarmUpRuns = 3;
 
+static uint64_t NextRunnerId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
+}
+
 // A lane held for one run: picked, marked busy, and on release the handles
 // of a fresh bind reclaimed (after the run is queued, so that on an
 // asynchronous device the work overlaps the model's execution) before the lane
@@ -133,7 +138,8 @@ class Runner::LaneLease {
 
 Runner::Runner(std::shared_ptr<Model> model, std::vector<Lanes> lanes,
                const EngineOptions& options, std::shared_ptr<GraphHost> graph_host)
-    : model_(std::move(model)),
+    : id_(NextRunnerId()),
+      model_(std::move(model)),
       device_(model_->device()),
       lanes_per_method_(lanes.empty() ? 0 : static_cast<int64_t>(lanes[0].size())),
       graphs_(device_, std::move(graph_host), options.cuda_graphs, options.graph_output_views,
@@ -174,6 +180,13 @@ void Runner::AddStats(EngineStats& s) const {
 }
 
 void Runner::NoteStream(StreamHandle stream) {
+  // Threads mostly keep to one stream: skip the shared lock when this thread
+  // noted the same stream for this runner last time.
+  thread_local uint64_t last_runner = 0;
+  thread_local StreamHandle last_stream = nullptr;
+  if (last_runner == id_ && last_stream == stream) return;
+  last_runner = id_;
+  last_stream = stream;
   MutexLock lock(lanes_mutex_);
   if (std::find(run_streams_.begin(), run_streams_.end(), stream) == run_streams_.end()) {
     run_streams_.push_back(stream);

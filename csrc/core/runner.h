@@ -103,6 +103,7 @@ class Runner {
   // Throws kSessionClosed once Close() released the containers.
   void CheckOpenLocked() const REQUIRES_SHARED(weights_mutex_);
 
+  const uint64_t id_;  // unique in the process (a per-thread cache keys on it)
   const std::shared_ptr<Model> model_;
   Device& device_;
   mutable SharedMutex weights_mutex_;

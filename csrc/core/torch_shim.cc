@@ -110,7 +110,11 @@ const TorchShim& Shim() {
           dlsym(scope, "aoti_torch_create_cuda_stream_guard"));
       s.delete_cuda_stream_guard = reinterpret_cast<decltype(s.delete_cuda_stream_guard)>(
           dlsym(scope, "aoti_torch_delete_cuda_stream_guard"));
-      if (s.delete_cuda_stream_guard == nullptr) s.create_cuda_stream_guard = nullptr;
+      s.get_current_cuda_stream = reinterpret_cast<decltype(s.get_current_cuda_stream)>(
+          dlsym(scope, "aoti_torch_get_current_cuda_stream"));
+      if (s.delete_cuda_stream_guard == nullptr || s.get_current_cuda_stream == nullptr) {
+        s.create_cuda_stream_guard = nullptr;
+      }
       int32_t (*cpu)() = nullptr;
       int32_t (*cuda)() = nullptr;
       int32_t (*strided)() = nullptr;
@@ -276,9 +280,10 @@ OwnedTensor OwnedTensor::Empty(const TensorLayout& layout, int32_t device_type,
 
 TorchStreamScope::TorchStreamScope(void* stream, int32_t device_index) {
   const TorchShim& s = Shim();
-  if (s.create_cuda_stream_guard != nullptr) {
-    Check(s.create_cuda_stream_guard(stream, device_index, &guard_), "create_cuda_stream_guard");
-  }
+  if (s.create_cuda_stream_guard == nullptr) return;
+  void* current = nullptr;
+  if (s.get_current_cuda_stream(device_index, &current) == 0 && current == stream) return;
+  Check(s.create_cuda_stream_guard(stream, device_index, &guard_), "create_cuda_stream_guard");
 }
 
 TorchStreamScope::~TorchStreamScope() {

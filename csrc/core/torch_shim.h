@@ -37,6 +37,7 @@ struct TorchShim {
   // CUDA stream for a scope.
   AOTITorchError (*create_cuda_stream_guard)(void*, int32_t, void**);
   AOTITorchError (*delete_cuda_stream_guard)(void*);
+  AOTITorchError (*get_current_cuda_stream)(int32_t, void**);
   int32_t device_type_cpu;
   int32_t device_type_cuda;
   int32_t layout_strided;
@@ -122,7 +123,8 @@ class OwnedTensor {
 
 // Makes `stream` torch's current CUDA stream on the calling thread for a
 // scope, so that what torch allocates meanwhile is ordered on it (as the
-// model's own run does). A no-op where the shim has no stream guard.
+// model's own run does). A no-op where it is current already, or where the
+// shim has no stream guard.
 class TorchStreamScope {
  public:
   TorchStreamScope(void* stream, int32_t device_index);
