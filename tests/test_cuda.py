@@ -47,10 +47,13 @@ def test_sessions_have_distinct_device_blocks(gpu_engine: ais.Engine) -> None:
 def test_device_memory_grows_per_session_and_returns(gpu_engine: ais.Engine) -> None:
     per = gpu_engine.bytes_per_session
     start = _free_bytes()
-    sessions = [gpu_engine.new_session() for _ in range(8)]
+    n = 64
+    sessions = [gpu_engine.new_session() for _ in range(n)]
     grown = start - _free_bytes()
-    # The pool maps device memory in chunks: allow one chunk of slack overall.
-    assert 8 * per <= grown <= 8 * per + (32 << 20), f"grew {grown} bytes for 8 sessions of {per}"
+    # The pool maps device memory in chunks (one may be mapped already, by the
+    # lanes' parking memory): allow one chunk of slack either way.
+    chunk = 32 << 20
+    assert n * per - chunk <= grown <= n * per + chunk, f"grew {grown} bytes for {n} sessions of {per}"
     for s in sessions:
         s.close()
     back = _free_bytes()

@@ -271,7 +271,7 @@ def test_host_sync_falls_back_to_eager_once_logged(host_sync_pkg: Path, caplog: 
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert stats["graph_replays"] == 0 and stats["graphs"] == 0
     notes = [r.getMessage() for r in caplog.records if "cannot be captured" in r.getMessage()]
-    assert len(notes) == 1 and "'forward'" in notes[0], notes
+    assert len(notes) == 1 and "method 'model'" in notes[0], notes
 
 
 def test_host_sync_raises_with_graphs_required(host_sync_pkg: Path) -> None:
@@ -280,7 +280,7 @@ def test_host_sync_raises_with_graphs_required(host_sync_pkg: Path) -> None:
         other = g.new_session()
         for _ in range(3):
             s(x)  # warm-up runs are eager
-        with pytest.raises(ais.RunError, match="cuda_graphs=True: method 'forward' cannot be captured"):
+        with pytest.raises(ais.RunError, match="cuda_graphs=True: method 'model' cannot be captured"):
             s(x)
         # Nothing ran: the state holds the three warm-up steps; the other session is untouched.
         assert torch.allclose(s.state()["acc"], torch.full((8,), 0.9, device="cuda"))

@@ -32,8 +32,9 @@
 //   4. Leaves, held for a few instructions with nothing taken under them: the
 //      host pool's lock, a StreamTracker's lock, the idle reaper's lock, the
 //      runner's lane lock (Runner::lanes_mutex_: lane fields and the stream
-//      list; a run waiting for a free lane waits on it) and the graph
-//      tables' lock (GraphSet::mutex_).
+//      list; a run waiting for a free lane waits on it), the graph
+//      tables' lock (GraphSet::mutex_) and a graph pool's replay lock
+//      (GraphSet::PoolUse::replay_mutex: copies in, launch, copies out).
 //   Between 2 and 3: GraphSet::capture_mutex_, held across a capture on the
 //   device's shared capture stream (work of the legacy default stream).
 //   A GraphHost (torch's allocator routing, the Python layer) is called with

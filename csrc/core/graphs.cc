@@ -85,22 +85,22 @@ Graph* GraphSet::Find(uint64_t session, size_t method, const GraphKey& key) {
   return nullptr;
 }
 
-GraphHost::Pool GraphSet::PoolFor(StreamHandle stream) {
+std::pair<GraphHost::Pool, std::mutex*> GraphSet::PoolFor(StreamHandle stream) {
   {
     MutexLock lock(mutex_);
     auto it = pools_.find(stream);
     if (it != pools_.end()) {
       ++it->second.holds;  // the caller begins allocations in it next
-      return it->second.pool;
+      return {it->second.pool, it->second.replay_mutex.get()};
     }
   }
   // The host is called without the lock held (it may take the GIL). A pool
   // made but never begun holds nothing in torch.
   GraphHost::Pool pool = host_->NewPool();
   MutexLock lock(mutex_);
-  auto [it, added] = pools_.emplace(stream, PoolUse{pool, 0});
+  auto it = pools_.emplace(stream, PoolUse{pool}).first;
   ++it->second.holds;
-  return it->second.pool;
+  return {it->second.pool, it->second.replay_mutex.get()};
 }
 
 Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
@@ -115,7 +115,8 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
     graph->inputs.push_back(OwnedTensor::Empty(layout, type, index));
   }
   TRACE("capture: pool");
-  const GraphHost::Pool pool = PoolFor(key.stream);
+  const auto [pool, replay_mutex] = PoolFor(key.stream);
+  graph->replay_mutex = replay_mutex;
   TRACE("capture: begin allocations");
   try {
     host_->BeginAllocations(pool, key.stream);
@@ -182,6 +183,7 @@ Graph* GraphSet::Refuse(size_t method, const std::string& why) {
 std::vector<OwnedTensor> GraphSet::Replay(Graph& graph, const std::vector<OwnedTensor>& inputs) {
   StreamHandle stream = graph.key.stream;
   TRACE("replay");
+  std::lock_guard<std::mutex> queued_together(*graph.replay_mutex);
   for (size_t i = 0; i < inputs.size(); ++i) {
     void* dst = DataPtr(graph.inputs[i].get());
     const void* src = DataPtr(inputs[i].get());

@@ -72,6 +72,8 @@ struct Graph {
   std::vector<size_t> input_bytes;
   std::vector<OwnedTensor> outputs;       // in the pool; rewritten by every replay
   std::vector<TensorLayout> output_layouts;
+  // The replay lock of the graph's pool (see PoolUse).
+  std::mutex* replay_mutex = nullptr;
 };
 
 class GraphSet {
@@ -102,7 +104,8 @@ class GraphSet {
   Graph* Capture(uint64_t session, size_t method, GraphKey key,
                  const std::vector<OwnedTensor>& inputs, const RunFn& run);
   // Queues a replay with `inputs` copied into the static inputs; returns
-  // copies of the outputs (or, with output views, the graph's own).
+  // copies of the outputs (or, with output views, the graph's own: they are
+  // rewritten by the next replay of any graph of the same stream).
   std::vector<OwnedTensor> Replay(Graph& graph, const std::vector<OwnedTensor>& inputs);
   // Destroys the session's graphs (it closed).
   void Forget(uint64_t session);
@@ -118,7 +121,9 @@ class GraphSet {
  private:
   // Refuses `method` for graphs: a note (kAuto) or kRun (kOn).
   Graph* Refuse(size_t method, const std::string& why);
-  GraphHost::Pool PoolFor(StreamHandle stream);
+  // The pool of `stream` (made on first use) and its replay lock; counts one
+  // hold the caller is about to take.
+  std::pair<GraphHost::Pool, std::mutex*> PoolFor(StreamHandle stream);
   void Destroy(std::unique_ptr<Graph> graph) noexcept;
 
   Device& device_;
@@ -139,6 +144,11 @@ class GraphSet {
   struct PoolUse {
     GraphHost::Pool pool;
     int64_t holds = 0;
+    // Graphs of a pool share memory: one graph's outputs may sit where
+    // another, captured earlier, keeps its intermediates. Each replay queues
+    // its input copies, launch and output copies under this lock (a leaf), so
+    // no other replay of the pool comes between a launch and its copy-out.
+    std::unique_ptr<std::mutex> replay_mutex = std::make_unique<std::mutex>();
   };
   std::map<StreamHandle, PoolUse> pools_ GUARDED_BY(mutex_);
   std::atomic<int64_t> replays_{0};

@@ -205,8 +205,9 @@ class Engine(Closable):
             is recaptured after its session moved (restore, eviction), after a
             double-buffered weight update, or when run on another stream.
         graph_output_views: with CUDA graphs, return the graph's own output
-            tensors (no copy; overwritten by the session's next run of the
-            method) instead of fresh copies.
+            tensors (no copy) instead of fresh copies. Graphs replayed on one
+            stream share their memory: such a view is valid until the next
+            graph run on that stream, of any session.
 
     Each weight is held once, whatever the number of methods: libraries
     compiled without weights (multi-method ``ais.compile``) bind to the
