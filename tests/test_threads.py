@@ -167,6 +167,11 @@ def test_state_is_one_snapshot_while_the_session_runs(counter_engine: ais.Engine
             # schedule it rarely), and never past the steps precomputed.
             for _ in range(steps):
                 s(x, slot)
+                if device == "cuda":
+                    # Runs queue in microseconds (graphs): keep them at the
+                    # device's pace, or all of them are queued before the
+                    # reader looks often enough.
+                    torch.cuda.current_stream().synchronize()
                 if seen >= wanted:
                     break
             done.set()
