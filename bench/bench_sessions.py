@@ -478,9 +478,10 @@ def graphs_report(name: str, cfg: models.DecoderConfig, times: dict[str, list[fl
               f"{mem['first_graph'] / MiB:.2f} MiB; each further graph {mem['per_graph'] / MiB:.3f} MiB; "
               f"graph pool reserved {mem['pool'] / MiB:.2f} MiB.", "",
               f"Lanes: engine load {lanes['load_1']:.2f} s and {lanes['bytes_1'] / MiB:.1f} MiB with 1 lane, "
-              f"{lanes['load_4']:.2f} s and {lanes['bytes_4'] / MiB:.1f} MiB with 4: one extra container "
-              f"costs {(lanes['load_4'] - lanes['load_1']) / 3 * 1e3:.0f} ms and "
-              f"{(lanes['bytes_4'] - lanes['bytes_1']) / 3 / MiB:.1f} MiB of device memory.", ""]
+              f"{lanes['load_4']:.2f} s and {lanes['bytes_4'] / MiB:.1f} MiB with 4: "
+              f"{(lanes['load_4'] - lanes['load_1']) / 3 * 1e3:.0f} ms of load time per extra container; "
+              f"{(lanes['bytes_4'] - lanes['bytes_1']) / MiB:.1f} MiB more device memory in all (the pool "
+              "chunk mapped for the lanes' parking memory, later used by sessions).", ""]
     g = s["graph_same"][1]
     on1, off1 = spread(on[1], 1)[1], spread(off[1], 1)[1]
     targets = [
@@ -491,11 +492,15 @@ def graphs_report(name: str, cfg: models.DecoderConfig, times: dict[str, list[fl
          s["eager_same"][1] >= (1.9 if name == "large" else 4) * g),
         (f"{name}: graph step faster than torch.compile reduce-overhead", g < s["compile_ro"][1]),
         (f"{name}: eager switching <= 1.03x eager same session", s["eager_switch"][1] <= 1.03 * s["eager_same"][1]),
-        (f"{name}: graphs on, K=4 >= 3x and K=8 >= 4.5x K=1",
-         spread(on[4], 1)[1] >= 3 * on1 and spread(on[8], 1)[1] >= 4.5 * on1),
-        (f"{name}: graphs off, K=4 >= 2x K=1", spread(off[4], 1)[1] >= 2 * off1),
-        (f"{name}: memory with 8 sessions, graphs on, <= 1.10x W + N*S", mem["total"] <= 1.10 * ideal),
     ]
+    if name == "small":  # the issue sets the thread targets on the small model
+        targets += [
+            (f"{name}: graphs on, K=4 >= 3x K=1", spread(on[4], 1)[1] >= 3 * on1),
+            (f"{name}: graphs on, K=8 >= 4.5x K=1", spread(on[8], 1)[1] >= 4.5 * on1),
+            (f"{name}: graphs off, K=4 >= 2x K=1", spread(off[4], 1)[1] >= 2 * off1),
+        ]
+    if name == "large":  # and the memory target on the large one
+        targets.append((f"{name}: memory with 8 sessions, graphs on, <= 1.10x W + N*S", mem["total"] <= 1.10 * ideal))
     return lines, targets
 
 

@@ -10,8 +10,9 @@ and the cost of one bind against torch's own ``load_constants(...,
 user_managed=True)`` from Python and against switching by copying state in/out.
 
 Configurations are measured in interleaved rounds, so drift hits all alike;
-each round gives one figure per configuration (the median of its calls), and
-the report prints median (min / max) over rounds. One line per configuration.
+each round times a burst of calls per configuration (the device synchronised
+around it), and the report prints median (min / max) over rounds of the time
+per call. One line per configuration.
 
     python bench/bench_switch.py [--device cpu|cuda] [--model small|large] [--json FILE]
 """
@@ -77,34 +78,35 @@ def main() -> int:
     parked = [s.state() for s in pair]
 
     keys = ("plain", "runner", "same", "switch", "switch_one_lane", "torch_bind", "copy_switch")
+
+    def copy_switch(i: int) -> None:
+        out, into = parked[(i + 1) % 2], parked[i % 2]
+        for k in fqns:
+            out[k].copy_(live[k])
+            live[k].copy_(into[k])
+
+    calls: dict[str, Callable[[int], object]] = {
+        "plain": lambda i: plain(token, positions[i]),
+        "runner": lambda i: plain.loader.run([token, positions[i]]),
+        "same": lambda i: solo(token, positions[i]),
+        "switch": lambda i: pair[i % 2](token, positions[i]),
+        "switch_one_lane": lambda i: thrash[i % 2](token, positions[i]),
+        "torch_bind": lambda i: rebound.load_constants(state_sets[i % 2], check_full_update=False,
+                                                       user_managed=True),
+        "copy_switch": copy_switch,
+    }
+    # Each round times a burst of `steps` calls per configuration (the device
+    # synchronised around the burst, after a few untimed calls), configurations
+    # one after another.
     rounds: dict[str, list[float]] = {k: [] for k in keys}
-    step = 0
-    for _ in range(args.rounds):
-        times: dict[str, list[float]] = {k: [] for k in keys}
-        for _ in range(args.steps):
-            pos = positions[step % cfg.max_seq]
-            step += 1
-            times["plain"].append(once(lambda: plain(token, pos)))
-            times["runner"].append(once(lambda: plain.loader.run([token, pos])))
-            times["same"].append(once(lambda: solo(token, pos)))
-            s = pair[step % 2]
-            times["switch"].append(once(lambda: s(token, pos)))
-            t = thrash[step % 2]
-            times["switch_one_lane"].append(once(lambda: t(token, pos)))
-            target = state_sets[step % 2]
-            times["torch_bind"].append(
-                once(lambda: rebound.load_constants(target, check_full_update=False, user_managed=True))
-            )
-
-            def copy_switch() -> None:
-                out, into = parked[(step + 1) % 2], parked[step % 2]
-                for k in fqns:
-                    out[k].copy_(live[k])
-                    live[k].copy_(into[k])
-
-            times["copy_switch"].append(once(copy_switch))
+    for r in range(args.rounds + 1):  # round 0 warms up
         for k in keys:
-            rounds[k].append(statistics.median(times[k]))
+            fn = calls[k]
+            for i in range(5):  # untimed: the caches hold what the previous configuration used
+                fn(i)
+            seconds = once(lambda: [fn((r * args.steps + i) % cfg.max_seq) for i in range(args.steps)])
+            if r > 0:
+                rounds[k].append(seconds / args.steps)
 
     stats = one_lane.stats()
     bind = stats["bind_seconds"] / stats["binds"]

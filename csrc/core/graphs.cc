@@ -2,20 +2,10 @@
 // out, and the activation pools (one per capture stream).
 #include "graphs.h"
 
-#include <cstdio>
-#include <cstdlib>
-
 #include "errors.h"
 
 namespace aoti_sessions {
 namespace {
-
-bool Tracing() {
-  static const bool on = std::getenv("AOTI_SESSIONS_TRACE") != nullptr;
-  return on;
-}
-#define TRACE(what) \
-  if (Tracing()) std::fprintf(stderr, "[graphs] %s\n", what), std::fflush(stderr)
 
 // The first input with a dynamic dimension, as "input I: [1, *]", or "".
 std::string DynamicInput(const Method& method) {
@@ -105,7 +95,6 @@ std::pair<GraphHost::Pool, std::mutex*> GraphSet::PoolFor(StreamHandle stream) {
 
 Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
                          const std::vector<OwnedTensor>& inputs, const RunFn& run) {
-  TRACE("capture: static inputs");
   auto graph = std::make_unique<Graph>();
   const int32_t type = device_.torch_device_type();
   const int32_t index = device_.spec().index;
@@ -114,10 +103,8 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
     graph->input_bytes.push_back(layout.span_bytes());
     graph->inputs.push_back(OwnedTensor::Empty(layout, type, index));
   }
-  TRACE("capture: pool");
   const auto [pool, replay_mutex] = PoolFor(key.stream);
   graph->replay_mutex = replay_mutex;
-  TRACE("capture: begin allocations");
   try {
     host_->BeginAllocations(pool, key.stream);
   } catch (const Error& e) {
@@ -133,14 +120,11 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
     StreamHandle capture = device_.CaptureStream(key.stream);
     std::unique_lock<std::mutex> one_at_a_time(capture_mutex_, std::defer_lock);
     if (capture != key.stream) one_at_a_time.lock();
-    TRACE("capture: begin capture");
     device_.BeginCapture(capture);
-    TRACE("capture: run");
     try {
       std::vector<OwnedTensor> handles;
       for (const OwnedTensor& input : graph->inputs) handles.push_back(OwnedTensor::Alias(input.get()));
       graph->outputs = run(std::move(handles), capture);
-      TRACE("capture: end capture");
       graph->exec = device_.EndCapture(capture);
     } catch (...) {
       device_.AbortCapture(capture);
@@ -152,9 +136,7 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  TRACE("capture: end allocations");
   host_->EndAllocations(pool);
-  TRACE(failure.empty() ? "capture: done" : failure.c_str());
   if (!failure.empty()) return Refuse(method, failure);
   for (const OwnedTensor& out : graph->outputs) graph->output_layouts.push_back(ReadLayout(out.get()));
   graph->key = std::move(key);
@@ -182,7 +164,6 @@ Graph* GraphSet::Refuse(size_t method, const std::string& why) {
 
 std::vector<OwnedTensor> GraphSet::Replay(Graph& graph, const std::vector<OwnedTensor>& inputs) {
   StreamHandle stream = graph.key.stream;
-  TRACE("replay");
   std::lock_guard<std::mutex> queued_together(*graph.replay_mutex);
   for (size_t i = 0; i < inputs.size(); ++i) {
     void* dst = DataPtr(graph.inputs[i].get());
@@ -198,9 +179,7 @@ std::vector<OwnedTensor> GraphSet::Replay(Graph& graph, const std::vector<OwnedT
     return outputs;
   }
   // Copies, allocated for the run's stream and filled on it.
-  TRACE("replay: copies");
   TorchStreamScope scope(stream, device_.spec().index);
-  TRACE("replay: stream scope");
   for (size_t i = 0; i < graph.outputs.size(); ++i) {
     const TensorLayout& layout = graph.output_layouts[i];
     outputs.push_back(OwnedTensor::Empty(layout, device_.torch_device_type(), device_.spec().index));
