@@ -113,29 +113,7 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
     lock.Unlock();
     return Refuse(method, e.what());
   }
-  std::string failure;
-  try {
-    // The legacy default stream cannot be captured: its work is captured on
-    // the device's private stream, one capture at a time, and replayed on it.
-    StreamHandle capture = device_.CaptureStream(key.stream);
-    std::unique_lock<std::mutex> one_at_a_time(capture_mutex_, std::defer_lock);
-    if (capture != key.stream) one_at_a_time.lock();
-    device_.BeginCapture(capture);
-    try {
-      std::vector<OwnedTensor> handles;
-      for (const OwnedTensor& input : graph->inputs) handles.push_back(OwnedTensor::Alias(input.get()));
-      graph->outputs = run(std::move(handles), capture);
-      graph->exec = device_.EndCapture(capture);
-    } catch (...) {
-      device_.AbortCapture(capture);
-      graph->outputs.clear();
-      throw;
-    }
-  } catch (const Error& e) {
-    failure = e.what();
-  } catch (const std::exception& e) {
-    failure = e.what();
-  }
+  std::string failure = Record(*graph, key.stream, run);
   host_->EndAllocations(pool);
   if (!failure.empty()) return Refuse(method, failure);
   for (const OwnedTensor& out : graph->outputs) graph->output_layouts.push_back(ReadLayout(out.get()));
@@ -152,6 +130,30 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
   }
   Destroy(std::move(replaced));
   return result;
+}
+
+std::string GraphSet::Record(Graph& graph, StreamHandle stream, const RunFn& run) {
+  try {
+    // The legacy default stream cannot be captured: its work is captured on
+    // the device's private stream, one capture at a time, and replayed on it.
+    StreamHandle capture = device_.CaptureStream(stream);
+    std::unique_lock<std::mutex> one_at_a_time(capture_mutex_, std::defer_lock);
+    if (capture != stream) one_at_a_time.lock();
+    device_.BeginCapture(capture);
+    try {
+      std::vector<OwnedTensor> handles;
+      for (const OwnedTensor& input : graph.inputs) handles.push_back(OwnedTensor::Alias(input.get()));
+      graph.outputs = run(std::move(handles), capture);
+      graph.exec = device_.EndCapture(capture);
+    } catch (...) {
+      device_.AbortCapture(capture);
+      graph.outputs.clear();
+      throw;
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
 }
 
 Graph* GraphSet::Refuse(size_t method, const std::string& why) {

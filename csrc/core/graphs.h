@@ -119,6 +119,10 @@ class GraphSet {
   int64_t pools() const;
 
  private:
+  // Captures `run` (the work of `stream`) into `graph`: its outputs and
+  // executable graph. Returns "" or why the capture failed (then nothing of
+  // it is left).
+  std::string Record(Graph& graph, StreamHandle stream, const RunFn& run);
   // Refuses `method` for graphs: a note (kAuto) or kRun (kOn).
   Graph* Refuse(size_t method, const std::string& why);
   // The pool of `stream` (made on first use) and its replay lock; counts one
