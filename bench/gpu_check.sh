@@ -45,6 +45,8 @@ if [ "$stage" = all ] || [ "$stage" = bench ]; then
   python3 bench/bench_switch.py --device cuda 2>&1 | tee "$OUT/bench_switch.txt"
   python3 bench/bench_sessions.py --out bench/RESULTS.md 2>&1 | tee "$OUT/bench_sessions.txt"
   cp bench/RESULTS.md "$OUT/RESULTS.md"
+  python3 bench/bench_sessions.py --suite graphs --out bench/RESULTS_graphs.md 2>&1 | tee "$OUT/bench_graphs.txt"
+  cp bench/RESULTS_graphs.md "$OUT/" 2>/dev/null || true
 fi
 if [ "$stage" = all ] || [ "$stage" = weights ]; then
   python3 bench/bench_weights.py --out bench/RESULTS_weights.md 2>&1 | tee "$OUT/bench_weights.txt" || status=$?

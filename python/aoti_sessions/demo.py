@@ -141,7 +141,10 @@ def run_demo(device: str = "cpu", sessions: int = 4, steps: int = 32, out: TextI
         ("sessions x steps", f"{sessions} x {steps} (+{len(prompts[0]) - 1} prompt steps)"),
         ("step, same session", _spread(same)),
         ("step, switching", _spread(switching)),
-        ("bind (switch cost)", f"{bind_seconds * 1e6:.2f} us ({binds} binds)"),
+        ("bind (switch cost)", f"{bind_seconds * 1e6:.2f} us ({binds} binds for "
+                               f"{sum(len(d.seconds) for d in interleaved)} interleaved steps)"),
+        ("lanes", f"{after['lanes']} containers per method: up to {after['lanes']} hot sessions "
+                  "switch without a bind"),
     ]
     for i, good in enumerate(results):
         tokens = interleaved[i].generated
