@@ -154,7 +154,8 @@ def _describe(core: _core.Engine, name: str, source: _core.MethodSource) -> Meth
     n = core.num_inputs(index)
     flat_call = in_spec is not None and in_spec == pytree.tree_structure((tuple(range(n)), {}))
     contiguous = None if source.inputs is None else tuple(len(s.strides) == 0 for s in source.inputs)
-    return MethodCall(name, index, in_spec, out_spec, flat_call, contiguous)
+    single = out_spec is not None and out_spec.is_leaf()
+    return MethodCall(name, index, in_spec, out_spec, flat_call, contiguous, single)
 
 
 def _as_dict(obj: Any, fields: Sequence[str]) -> dict[str, Any]:

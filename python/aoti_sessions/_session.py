@@ -59,6 +59,8 @@ class MethodCall:
     flat_call: bool
     # Per input: whether it must be contiguous (the container indexes it so).
     contiguous: tuple[bool, ...] | None
+    # The model returns one tensor (out_spec is a leaf): no unflattening.
+    single_output: bool = False
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensor inputs of a call, in the container's order."""
@@ -88,6 +90,8 @@ class MethodCall:
         return flat
 
     def outputs(self, flat: list[torch.Tensor]) -> Any:
+        if self.single_output:
+            return flat[0]
         return flat if self.out_spec is None else pytree.tree_unflatten(flat, self.out_spec)
 
 
