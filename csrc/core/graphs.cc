@@ -41,6 +41,11 @@ GraphSet::GraphSet(Device& device, std::shared_ptr<GraphHost> host, GraphMode mo
       method_names_(),
       captures_method_(new std::atomic<bool>[methods.size()]) {
   const bool possible = mode_ != GraphMode::kOff && device_.supports_graphs() && host_ != nullptr;
+  if (mode_ == GraphMode::kOn && !possible) {
+    Throw(ErrorKind::kInvalidArgument,
+          "cuda_graphs=True needs a CUDA device and a GraphHost routing torch's allocations "
+          "(the Python layer passes one)");
+  }
   for (size_t m = 0; m < methods.size(); ++m) {
     method_names_.push_back(methods[m].name);
     captures_method_[m] = possible;
