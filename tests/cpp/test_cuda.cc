@@ -129,5 +129,23 @@ TEST(CudaDevice, UnknownDeviceIndex) {
   }
 }
 
+TEST(CudaDevice, RequiredGraphsNeedAGraphHost) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  EngineOptions options;
+  options.device = "cuda:0";
+  options.mutable_patterns = std::vector<std::string>{"acc", "hits"};
+  options.cuda_graphs = GraphMode::kOn;
+  try {
+    Engine::Create(OneMethod(ModelPath("AOTI_SESSIONS_COUNTER_CUDA_SO")), options);  // no host
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("GraphHost"), std::string::npos) << e.what();
+  }
+  options.cuda_graphs = GraphMode::kAuto;  // without a host: eager, and it runs
+  auto engine = Engine::Create(OneMethod(ModelPath("AOTI_SESSIONS_COUNTER_CUDA_SO")), options);
+  EXPECT_EQ(engine->stats().graph_captures, 0);
+}
+
 }  // namespace
 }  // namespace aoti_sessions
