@@ -65,6 +65,12 @@ class MethodCall:
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensor inputs of a call, in the container's order."""
         if self.flat_call and not kwargs:
+            # The common case: contiguous tensors, nothing to convert.
+            try:
+                if all(type(x) is torch.Tensor and x.is_contiguous() for x in args):
+                    return list(args)
+            except RuntimeError:
+                pass  # a sparse or nested tensor: the checks below and the core's name it
             flat = list(args)
         elif self.in_spec is None:
             if kwargs:
@@ -168,9 +174,11 @@ class Session(Closable):
         return self._run(call, args, kwargs)
 
     def _run(self, call: MethodCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # The per-step path: one call into the core, the handles made and
+        # taken by torch's own C functions.
         flat = call.flatten(args, kwargs)
-        outputs = from_handles(self._core.run(call.index, to_handles(flat), self._engine._stream()))
-        return call.outputs(outputs)
+        outputs = from_handles(self._core.run(call.index, to_handles(flat), self._engine._current_stream()))
+        return outputs[0] if call.single_output else call.outputs(outputs)
 
     def reset(self) -> None:
         """Return to the initial state."""
