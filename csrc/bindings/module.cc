@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <new>
 #include <stdexcept>
+#include <type_traits>
 
 #include "../core/engine.h"
 #include "../core/errors.h"
@@ -41,39 +42,46 @@ class PyGraphHost final : public GraphHost {
   }
 
   Pool NewPool() override {
-    py::gil_scoped_acquire gil;
-    try {
-      auto pool = host_.attr("new_pool")().cast<std::pair<uint64_t, uint64_t>>();
-      return pool;
-    } catch (const std::exception& e) {
-      Throw(ErrorKind::kRun, std::string("creating a CUDA graph memory pool: ") + e.what());
-    }
+    return Checked("creating a CUDA graph memory pool",
+                   [&] { return host_.attr("new_pool")().cast<Pool>(); });
   }
   void BeginAllocations(Pool pool, StreamHandle stream) override {
-    py::gil_scoped_acquire gil;
-    try {
-      host_.attr("begin")(py::make_tuple(pool.first, pool.second),
-                          reinterpret_cast<uintptr_t>(stream));
-    } catch (const std::exception& e) {
-      Throw(ErrorKind::kRun, std::string("routing allocations to a CUDA graph pool: ") + e.what());
-    }
+    Checked("routing allocations to a CUDA graph pool", [&] {
+      host_.attr("begin")(AsTuple(pool), reinterpret_cast<uintptr_t>(stream));
+    });
   }
-  void EndAllocations(Pool pool) noexcept override { Call("end", &pool, nullptr); }
-  void ReleasePool(Pool pool) noexcept override { Call("release", &pool, nullptr); }
-  void Note(const std::string& note) noexcept override { Call("note", nullptr, &note); }
+  void EndAllocations(Pool pool) noexcept override {
+    Quietly("end", [&] { host_.attr("end")(AsTuple(pool)); });
+  }
+  void ReleasePool(Pool pool) noexcept override {
+    Quietly("release", [&] { host_.attr("release")(AsTuple(pool)); });
+  }
+  void Note(const std::string& note) noexcept override {
+    Quietly("note", [&] { host_.attr("note")(note); });
+  }
 
  private:
-  // Calls host.<name>(pool) or host.<name>(text). Every Python object is made
-  // under the GIL, here.
-  void Call(const char* name, const Pool* pool, const std::string* text) noexcept {
+  // Every Python object is made in the calls below, under the GIL.
+  static py::tuple AsTuple(Pool pool) { return py::make_tuple(pool.first, pool.second); }
+
+  // Runs `call` under the GIL; a failure is a kRun Error saying what failed.
+  template <typename Call>
+  std::invoke_result_t<Call> Checked(const char* doing, Call call) {
+    py::gil_scoped_acquire gil;
+    try {
+      return call();
+    } catch (const std::exception& e) {
+      Throw(ErrorKind::kRun, std::string(doing) + ": " + e.what());
+    }
+  }
+  // Runs `call` under the GIL for a call without a result: a Python error is
+  // reported as unraisable, nothing propagates.
+  template <typename Call>
+  void Quietly(const char* name, Call call) noexcept {
     if (!Py_IsInitialized()) return;
     py::gil_scoped_acquire gil;
     try {
-      if (pool != nullptr) {
-        host_.attr(name)(py::make_tuple(pool->first, pool->second));
-      } else {
-        host_.attr(name)(*text);
-      }
+      call();
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable(name);
     } catch (...) {

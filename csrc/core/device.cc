@@ -69,15 +69,12 @@ void* Device::AllocateHost(size_t bytes) { return AlignedAlloc(bytes); }
 
 void Device::FreeHost(void* ptr) noexcept { std::free(ptr); }
 
-void Device::BeginCapture(StreamHandle) {
+void Device::NoGraphs() const {
   Throw(ErrorKind::kRun, "CUDA graphs need a CUDA device, not " + spec_.ToString());
 }
-void* Device::EndCapture(StreamHandle) {
-  Throw(ErrorKind::kRun, "CUDA graphs need a CUDA device, not " + spec_.ToString());
-}
-void Device::Launch(void*, StreamHandle) {
-  Throw(ErrorKind::kRun, "CUDA graphs need a CUDA device, not " + spec_.ToString());
-}
+void Device::BeginCapture(StreamHandle) { NoGraphs(); }
+void* Device::EndCapture(StreamHandle) { NoGraphs(); }
+void Device::Launch(void*, StreamHandle) { NoGraphs(); }
 
 bool Device::IsZero(const void* src, size_t bytes, StreamHandle stream) {
   std::vector<unsigned char> host(bytes);

@@ -94,6 +94,8 @@ class Device {
 
  protected:
   explicit Device(DeviceSpec spec) : spec_(spec) {}
+  // What the graph calls of a device without graphs do: throw kRun.
+  [[noreturn]] void NoGraphs() const;
   DeviceSpec spec_;
 };
 

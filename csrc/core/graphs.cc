@@ -22,14 +22,9 @@ std::string DynamicInput(const Method& method) {
 
 }  // namespace
 
-std::vector<int64_t> ShapeKey(const std::vector<OwnedTensor>& inputs) {
-  std::vector<int64_t> key;
-  for (const OwnedTensor& input : inputs) {
-    TensorLayout layout = ReadLayout(input.get());
-    key.push_back(static_cast<int64_t>(layout.sizes.size()));
-    key.insert(key.end(), layout.sizes.begin(), layout.sizes.end());
-  }
-  return key;
+void AppendShapeKey(std::vector<int64_t>& shapes, const std::vector<int64_t>& sizes) {
+  shapes.push_back(static_cast<int64_t>(sizes.size()));
+  shapes.insert(shapes.end(), sizes.begin(), sizes.end());
 }
 
 GraphSet::GraphSet(Device& device, std::shared_ptr<GraphHost> host, GraphMode mode,

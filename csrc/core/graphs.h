@@ -61,8 +61,8 @@ struct GraphKey {
   }
 };
 
-// The sizes of every input, as a graph key's `shapes`.
-std::vector<int64_t> ShapeKey(const std::vector<OwnedTensor>& inputs);
+// Appends one input's rank and sizes to a graph key's `shapes`.
+void AppendShapeKey(std::vector<int64_t>& shapes, const std::vector<int64_t>& sizes);
 
 // One session's captured run of one method.
 struct Graph {

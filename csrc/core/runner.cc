@@ -76,7 +76,7 @@ class Runner::LaneLease {
     lane_->busy = true;
     lane_->last_use = ++runner_.lane_clock_;
     if (lane_->bound_key != key) lane_->bound_key = 0;  // until the bind succeeds
-    for (const auto& [s, n] : lane_->runs_on) warm_ = warm_ || (s == stream && n >= kWarmUpRuns);
+    warm_ = lane_->RunsOn(stream) >= kWarmUpRuns;
   }
   ~LaneLease() {
     const int64_t start = SteadyNowNs();
@@ -119,8 +119,7 @@ class Runner::LaneLease {
     Lane* lru_warm = nullptr;
     for (Lane& lane : lanes) {
       if (lane.busy) continue;
-      bool warm = false;
-      for (const auto& [s, n] : lane.runs_on) warm = warm || (s == stream_ && n >= kWarmUpRuns);
+      const bool warm = lane.RunsOn(stream_) >= kWarmUpRuns;
       if (lane.bound_key == key && key != 0) bound = &lane;
       if (lru == nullptr || lane.last_use < lru->last_use) lru = &lane;
       if (warm && (lru_warm == nullptr || lane.last_use < lru_warm->last_use)) lru_warm = &lane;
@@ -193,7 +192,8 @@ void Runner::NoteStream(StreamHandle stream) {
   }
 }
 
-void Runner::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs) const {
+void Runner::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs,
+                            std::vector<int64_t>* shapes) const {
   if (inputs.size() != method.num_inputs) {
     Throw(ErrorKind::kInvalidArgument, "method '" + method.name + "' takes " +
                                            std::to_string(method.num_inputs) +
@@ -204,6 +204,7 @@ void Runner::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inpu
     AtenTensorHandle tensor = inputs[i].get();
     std::string which = "input " + std::to_string(i) + " of method '" + method.name + "'";
     TensorLayout got = ReadLayout(tensor, which);
+    if (shapes != nullptr) AppendShapeKey(*shapes, got.sizes);
     int32_t type = DeviceType(tensor);
     int32_t index = DeviceIndex(tensor);
     if (type != device_.torch_device_type() ||
@@ -264,14 +265,17 @@ void Runner::BindLane(Lane& lane, size_t method, SessionState& state) {
 
 std::vector<OwnedTensor> Runner::Run(SessionState& state, size_t method,
                                      std::vector<OwnedTensor>&& inputs, StreamHandle stream) {
-  ValidateInputs(model_->method(method), inputs);
+  const Method& called = model_->method(method);  // throws for an unknown index
+  const bool captures = graphs_.Captures(method);
+  GraphKey key{state.bind_key(), 0, stream, {}};
+  ValidateInputs(called, inputs, captures ? &key.shapes : nullptr);
   ReaderLock lock(weights_mutex_);
   CheckOpenLocked();
   DeviceScope scope(device_);
   NoteStream(stream);
   runs_.fetch_add(1, std::memory_order_relaxed);
-  if (!graphs_.Captures(method)) return RunOnLane(state, method, inputs, stream, nullptr);
-  GraphKey key{state.bind_key(), weights_epoch_, stream, ShapeKey(inputs)};
+  if (!captures) return RunOnLane(state, method, inputs, stream, nullptr);
+  key.weights_epoch = weights_epoch_;
   if (Graph* graph = graphs_.Find(state.id(), method, key)) return graphs_.Replay(*graph, inputs);
   return RunOnLane(state, method, inputs, stream, &key);
 }

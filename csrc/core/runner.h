@@ -75,12 +75,22 @@ class Runner {
     bool busy = false;
     uint64_t last_use = 0;   // lane clock
     std::vector<std::pair<StreamHandle, int>> runs_on;  // runs per stream (warm-up count)
+    // Eager runs of the method on `stream` so far (counted up to the warm-up).
+    int RunsOn(StreamHandle stream) const {
+      for (const auto& [s, n] : runs_on) {
+        if (s == stream) return n;
+      }
+      return 0;
+    }
   };
   class LaneLease;
 
   // Checks inputs against the method (count, device, and the recorded specs);
   // may replace an input by a view with the exact strides the model expects.
-  void ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs) const;
+  // With `shapes`, appends every input's sizes there (a graph key's shapes),
+  // from the layouts the checks read.
+  void ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs,
+                      std::vector<int64_t>* shapes) const;
   // Checks every update; returns the held weight each one writes.
   std::vector<HeldWeight*> ValidateUpdates(const std::vector<WeightUpdate>& updates) const;
   // Runs on a lane: eagerly, or captured into the session's graph and replayed.
