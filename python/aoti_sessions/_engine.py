@@ -254,11 +254,13 @@ class Engine(Closable):
         else:
             source = "every buffer (no declaration in the package; pass mutable= to choose)"
         sources = [_source(f) for f in files]
+        # The raw handle of torch's current stream (0 on the CPU), without
+        # building a Stream object: what every call into the core passes.
         if self._device.type == "cuda":
-            self._current_stream: Callable[[], int] = functools.partial(
+            self._stream: Callable[[], int] = functools.partial(
                 torch._C._cuda_getCurrentRawStream, self._device.index)
         else:
-            self._current_stream = int  # int() == 0: no stream
+            self._stream = int  # int() == 0: no stream
         host = TorchGraphHost(self._device) if self._device.type == "cuda" and cuda_graphs is not False else None
         self._core = _core.Engine(sources, options, host)
         for note in self._core.load_notes:
@@ -372,11 +374,6 @@ class Engine(Closable):
         return bool(self._core.closed)
 
     # -- sessions --------------------------------------------------------
-    def _stream(self) -> int:
-        """The raw handle of torch's current stream (0 on the CPU), without
-        building a Stream object."""
-        return self._current_stream()
-
     def new_session(self) -> Session:
         """A new session in the initial state. Raises CapacityError when full."""
         return Session(self, self._core.new_session(self._stream()))

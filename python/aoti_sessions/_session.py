@@ -177,7 +177,7 @@ class Session(Closable):
         # The per-step path: one call into the core, the handles made and
         # taken by torch's own C functions.
         flat = call.flatten(args, kwargs)
-        outputs = from_handles(self._core.run(call.index, to_handles(flat), self._engine._current_stream()))
+        outputs = from_handles(self._core.run(call.index, to_handles(flat), self._engine._stream()))
         return outputs[0] if call.single_output else call.outputs(outputs)
 
     def reset(self) -> None:
