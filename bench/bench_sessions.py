@@ -241,6 +241,18 @@ def report(cfg_name: str, cfg: models.DecoderConfig, steps: dict[str, float], cr
 # -- issue 11: graphs, threads, memory, lanes ---------------------------------------------
 
 
+CONFIGS = {"small": models.SMALL, "large": models.LARGE}
+
+
+def write_report(doc: list[str], targets: list[tuple[str, bool]], out: str) -> None:
+    """Appends the targets table to `doc`, writes it to `out` and prints it."""
+    doc += ["## Targets", "", "| target | |", "|---|---|"]
+    doc += [f"| {t} | {'met' if ok else 'MISSED'} |" for t, ok in targets]
+    text = "\n".join(doc) + "\n"
+    Path(out).write_text(text)
+    print(text)
+
+
 def spread(samples: list[float], scale: float = 1e6) -> tuple[float, float, float]:
     """(min, median, max) of `samples` times `scale`."""
     return min(samples) * scale, statistics.median(samples) * scale, max(samples) * scale
@@ -505,7 +517,6 @@ def graphs_report(name: str, cfg: models.DecoderConfig, times: dict[str, list[fl
 
 
 def graphs_suite(args: argparse.Namespace) -> int:
-    configs = {"small": models.SMALL, "large": models.LARGE}
     doc = ["# Per-session CUDA graphs, lanes and threads (bench/bench_sessions.py --suite graphs)", "",
            f"Card: {torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
            f"{datetime.date.today().isoformat()}. Per-step figures: bursts of {args.steps} steps with the "
@@ -513,7 +524,7 @@ def graphs_suite(args: argparse.Namespace) -> int:
            "median (min / max) over rounds.", ""]
     targets: list[tuple[str, bool]] = []
     for name in args.models.split(","):
-        cfg = configs[name]
+        cfg = CONFIGS[name]
         path = compiled_decoder(cfg, "cuda")
         print(f"[{name}] steps", flush=True)
         times = graph_steps(path, cfg, args.rounds, args.steps)
@@ -527,11 +538,7 @@ def graphs_suite(args: argparse.Namespace) -> int:
         print("\n".join(lines), flush=True)
         doc += lines
         targets += met
-    doc += ["## Targets", "", "| target | |", "|---|---|"]
-    doc += [f"| {t} | {'met' if ok else 'MISSED'} |" for t, ok in targets]
-    text = "\n".join(doc) + "\n"
-    Path(args.out).write_text(text)
-    print(text)
+    write_report(doc, targets, args.out)
     return 0
 
 
@@ -550,7 +557,6 @@ def main() -> int:
         args.out = args.out or str(Path(__file__).with_name("RESULTS_graphs.md"))
         return graphs_suite(args)
     args.out = args.out or str(Path(__file__).with_name("RESULTS.md"))
-    configs = {"small": models.SMALL, "large": models.LARGE}
     doc = [
         "# aoti-sessions on a GPU (bench/bench_sessions.py)",
         "",
@@ -561,7 +567,7 @@ def main() -> int:
     ]
     targets: list[tuple[str, bool]] = []
     for name in args.models.split(","):
-        cfg = configs[name]
+        cfg = CONFIGS[name]
         path = compiled_decoder(cfg, "cuda")
         mem = memory(path)
         steps = step_times(path, cfg, args.rounds, args.steps)
@@ -569,11 +575,7 @@ def main() -> int:
         lines, met = report(name, cfg, steps, create, mem)
         doc += lines + [""]
         targets += met
-    doc += ["## Targets", "", "| target | |", "|---|---|"]
-    doc += [f"| {t} | {'met' if ok else 'MISSED'} |" for t, ok in targets]
-    text = "\n".join(doc) + "\n"
-    Path(args.out).write_text(text)
-    print(text)
+    write_report(doc, targets, args.out)
     return 0
 
 

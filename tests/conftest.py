@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar, cast
 
 import pytest
 
@@ -160,3 +163,34 @@ def counter_inputs(device: str, value: float | None = None, slot: int = 0) -> tu
     """Counter inputs on `device`: x random (or all `value`), slot as given."""
     x = torch.randn(1, 8) if value is None else torch.full((1, 8), value)
     return x.to(device), torch.tensor([slot], device=device)
+
+
+T = TypeVar("T")
+
+
+def on_threads(k: int, device: str, work: Callable[[int], T]) -> list[T]:
+    """work(0), ..., work(k - 1) on k threads at once, each on a CUDA stream of
+    its own when `device` is "cuda"; their results in order. The first error
+    a thread raised is raised here."""
+    results: list[T | None] = [None] * k
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            if device == "cuda":
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    results[i] = work(i)
+            else:
+                results[i] = work(i)
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return cast(list[T], results)  # every slot was filled: no thread failed
+

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import modeldefs
 from aoti_sessions._compile import compile_cached
 from aoti_sessions.demo import compiled_decoder
 from aoti_sessions.models import SMALL
-from conftest import FAST, requires_cuda
+from conftest import FAST, on_threads, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -175,22 +174,7 @@ def test_weight_updates_reach_replays(small_cuda: Path, double_buffer: bool) -> 
 def test_threads_on_their_own_streams_equal_serial(graphs: ais.Engine, eager: ais.Engine) -> None:
     k = 4
     serial = [_decode_alone(eager, 3 + i) for i in range(k)]
-    results: list[list[torch.Tensor]] = [[] for _ in range(k)]
-    errors: list[BaseException] = []
-
-    def drive(i: int) -> None:
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                results[i] = _decode_alone(graphs, 3 + i)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=drive, args=(i,)) for i in range(k)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = on_threads(k, "cuda", lambda i: _decode_alone(graphs, 3 + i))
     for got, want in zip(results, serial):
         assert _equal(got, want)
     assert graphs.stats()["graph_pools"] >= 2  # one pool per capture stream

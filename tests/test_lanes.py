@@ -5,14 +5,13 @@ and, where there is one, on a GPU (graphs off there: the eager lanes)."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import aoti_sessions as ais
-from conftest import counter_inputs
+from conftest import counter_inputs, on_threads
 
 
 def _engine(pkg: Path, device: str, lanes: int) -> ais.Engine:
@@ -70,27 +69,9 @@ def test_threads_on_their_own_sessions_equal_serial(counter_pkg: Path, device: s
 
     with _engine(counter_pkg, device, 1) as serial_engine:
         serial = [drive(serial_engine, i) for i in range(k)]
-    results: list[list[torch.Tensor]] = [[] for _ in range(k)]
-    errors: list[BaseException] = []
     with _engine(counter_pkg, device, lanes) as engine:
-
-        def thread(i: int) -> None:
-            try:
-                if device == "cuda":
-                    with torch.cuda.stream(torch.cuda.Stream()):
-                        results[i] = drive(engine, i)
-                else:
-                    results[i] = drive(engine, i)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=thread, args=(i,)) for i in range(k)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = on_threads(k, device, lambda i: drive(engine, i))
         assert engine.stats()["runs"] == k * steps
-    assert not errors, errors
     for got, want in zip(results, serial):
         assert all(torch.equal(x, y) for x, y in zip(got, want))
 

@@ -76,10 +76,14 @@ void CheckInterleavedRuns(const std::shared_ptr<Engine>& engine) {
   EXPECT_EQ(engine->stats().runs, 15);
 }
 
-TEST(Session, OneLaneBindsOnEverySwitch) {
+std::shared_ptr<Engine> CounterEngineWithLanes(int64_t lanes) {
   EngineOptions options = Mutable({"acc", "hits"});
-  options.lanes = 1;
-  auto engine = CounterEngine(options);
+  options.lanes = lanes;
+  return CounterEngine(options);
+}
+
+TEST(Session, OneLaneBindsOnEverySwitch) {
+  auto engine = CounterEngineWithLanes(1);
   CheckInterleavedRuns(engine);
   // 10 interleaved runs, each a switch, + the solo session's first.
   EXPECT_EQ(engine->stats().binds, 11);
@@ -87,9 +91,7 @@ TEST(Session, OneLaneBindsOnEverySwitch) {
 }
 
 TEST(Session, TwoLanesKeepTwoSessionsBound) {
-  EngineOptions options = Mutable({"acc", "hits"});
-  options.lanes = 2;
-  auto engine = CounterEngine(options);
+  auto engine = CounterEngineWithLanes(2);
   CheckInterleavedRuns(engine);
   // a and b keep a lane each; the solo session takes the least recently used.
   EXPECT_EQ(engine->stats().binds, 3);
@@ -97,22 +99,9 @@ TEST(Session, TwoLanesKeepTwoSessionsBound) {
 
 TEST(Session, InterleavedRunsAreIsolated) {
   auto engine = CounterEngine();
-  auto a = engine->NewSession();
-  auto b = engine->NewSession();
-  std::vector<std::vector<float>> interleaved_a, interleaved_b;
-  for (int step = 0; step < 5; ++step) {
-    interleaved_a.push_back(RunCounter(*a, 1.0f + step, step % 4));
-    interleaved_b.push_back(RunCounter(*b, -2.0f, 3));
-  }
-  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *a, "hits"), (std::vector<int64_t>{2, 1, 1, 1}));
-  EXPECT_EQ(ReadBuffer<int64_t>(*engine, *b, "hits"), (std::vector<int64_t>{0, 0, 0, 5}));
-  auto solo = engine->NewSession();
-  for (int step = 0; step < 5; ++step) {
-    EXPECT_EQ(RunCounter(*solo, 1.0f + step, step % 4), interleaved_a[step]) << step;
-  }
+  CheckInterleavedRuns(engine);
   // Four lanes by default: a, b and solo each bind once.
   EXPECT_EQ(engine->stats().binds, 3);
-  EXPECT_EQ(engine->stats().runs, 15);
 }
 
 TEST(Session, ForkResetAndState) {
