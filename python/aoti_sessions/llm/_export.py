@@ -1,0 +1,302 @@
+"""``aoti_sessions.llm.export``: a transformers causal LM as one package with a
+``prefill`` and a ``decode`` method.
+
+Both methods share the weights (stored once by the multi-method
+``ais.compile``) and a static KV cache: module buffers the methods mutate, so
+the Engine gives every session its own copy. The cache is transformers' own
+export recipe (``TorchExportableModuleWithStaticCache``); its per-layer
+``cumulative_length`` scalars are overwritten from ``cache_position`` before
+anything reads them, so no step depends on a scalar buffer's stored value
+(which AOTInductor may fold to its initial value).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from .._compile import Method, compile
+from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+__all__ = ["export", "DEFAULT_MAX_CACHE_LEN", "DEFAULT_MAX_PREFILL"]
+
+DEFAULT_MAX_CACHE_LEN = 4096  # capped by the model's max_position_embeddings
+DEFAULT_MAX_PREFILL = 512  # capped by max_cache_len
+_EXAMPLE_PREFILL = 8  # tokens of the example prefill call (any size in [2, max_prefill] serves)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class _PrefillDecode(torch.nn.Module):
+    """The two entry points over transformers' static-cache wrapper (``lm``)."""
+
+    lm: TorchExportableModuleWithStaticCache
+
+    def __init__(self, lm: TorchExportableModuleWithStaticCache, logits_to_keep: bool) -> None:
+        from transformers.cache_utils import StaticLayer
+
+        super().__init__()
+        self.lm = lm
+        self.logits_to_keep = logits_to_keep
+        self.layers: list[StaticLayer] = []
+        for layer in lm.static_cache.layers:
+            if not isinstance(layer, StaticLayer):
+                raise ValueError(f"the model's cache has a {type(layer).__name__} layer; export supports models "
+                                 "whose every layer has a static KV cache")
+            self.layers.append(layer)
+
+    def _last_logits(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        # As the wrapper's forward does: the cache's write position comes from the input.
+        for layer in self.layers:
+            layer.cumulative_length.copy_(cache_position[0])
+        # The last position only: the lm head of a prompt's every token is wasted work.
+        extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        out = self.lm.model(input_ids=input_ids, cache=self.lm.static_cache, use_cache=True, **extra)
+        logits: torch.Tensor = out.logits
+        return logits[:, -1, :]
+
+    def prefill(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        return self._last_logits(input_ids, cache_position)
+
+    def decode(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        return self._last_logits(input_ids, cache_position)
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[name]
+
+
+def _check_folder(source: Path) -> None:
+    if not source.exists():
+        raise FileNotFoundError(f"model folder {source} does not exist")
+    if not source.is_dir():
+        raise ValueError(f"{source} is not a folder; give the folder save_pretrained wrote")
+    if not (source / "config.json").is_file():
+        raise ValueError(f"{source} holds no transformers model (no config.json); give the folder "
+                         "save_pretrained wrote for the model and its tokenizer")
+
+
+def _load_model(source: Path, dtype: torch.dtype | None) -> PreTrainedModel:
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{source} holds a '{config.model_type}' model, which is not a causal language model")
+    model: PreTrainedModel = transformers.AutoModelForCausalLM.from_pretrained(
+        source, local_files_only=True, dtype=dtype if dtype is not None else "auto")
+    return model
+
+
+def _load_tokenizer(tokenizer: Any, folder: str | os.PathLike[str] | None) -> PreTrainedTokenizerBase:
+    """``tokenizer`` itself, or loaded from its folder, else from the model's ``folder``."""
+    import transformers
+
+    if isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
+        return tokenizer
+    if tokenizer is not None:
+        where = Path(tokenizer)
+    elif folder and os.path.isdir(folder):
+        where = Path(folder)
+    else:
+        raise ValueError("the model came without a tokenizer: pass tokenizer= (a tokenizer or its folder)")
+    try:
+        loaded: PreTrainedTokenizerBase = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"no tokenizer in {where} ({type(e).__name__}: {str(e)[:200]}); save one there with "
+                         "tokenizer.save_pretrained or pass tokenizer=") from None
+    return loaded
+
+
+def _check_model(model: Any) -> None:
+    import transformers
+
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"expected a transformers PreTrainedModel or its saved folder, got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; export takes decoder-only causal LMs")
+    if not hasattr(model, "lm_head") and not type(model).__name__.endswith("ForCausalLM"):
+        raise ValueError(f"{type(model).__name__} is not a causal language model (a *ForCausalLM class)")
+    if not getattr(model, "_can_compile_fullgraph", False):
+        raise ValueError(f"{type(model).__name__} does not support a static KV cache in one graph "
+                         "(transformers marks it _can_compile_fullgraph=False)")
+
+
+def _cache_len(config: Any, max_cache_len: int | None) -> int:
+    limit = getattr(config, "max_position_embeddings", None)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    # Sliding-window layers become plain static layers: exact only while the
+    # whole cache fits in the window.
+    if window is not None and any("sliding" in str(t) for t in layer_types):
+        limit = min(limit or window, window)
+    if max_cache_len is None:
+        return min(DEFAULT_MAX_CACHE_LEN, limit or DEFAULT_MAX_CACHE_LEN)
+    if max_cache_len < 2:
+        raise ValueError(f"max_cache_len must be at least 2, got {max_cache_len}")
+    if limit is not None and max_cache_len > limit:
+        raise ValueError(f"max_cache_len {max_cache_len} exceeds what the model supports ({limit}: "
+                         "max_position_embeddings, or its sliding window)")
+    return max_cache_len
+
+
+def _eos_ids(generation: GenerationConfig, config: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    for value in (generation.eos_token_id, getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+        if value is not None:
+            return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return []
+
+
+def _first_id(*values: Any) -> int | None:
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return None
+
+
+def _model_name(model: PreTrainedModel, source: Path | None) -> str:
+    """The hub id the model came from, else its folder's name, else its class."""
+    name = str(getattr(model, "name_or_path", "") or "")
+    if source is not None or (name and os.path.isdir(name)):
+        return Path(name or str(source)).resolve().name
+    return name or type(model).__name__
+
+
+def _append_files(package: str, files: Mapping[str, bytes]) -> None:
+    """Adds ``files`` (names relative to LLM_DIR) below the package's top folder."""
+    with zipfile.ZipFile(package, "a", allowZip64=True) as zf:
+        top = zf.namelist()[0].split("/", 1)[0]
+        for name, data in files.items():
+            zf.writestr(f"{top}/{LLM_DIR}/{name}", data)
+
+
+def _tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        return {f"{TOKENIZER_DIR}/{p.relative_to(folder).as_posix()}": p.read_bytes()
+                for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def export(
+    model_or_dir: PreTrainedModel | str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    max_cache_len: int | None = None,
+    max_prefill: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    tokenizer: PreTrainedTokenizerBase | str | os.PathLike[str] | None = None,
+    inductor_configs: Mapping[str, Any] | None = None,
+) -> str:
+    """Compile a transformers causal LM into one LLM package at ``path`` (.pt2).
+
+    ``model_or_dir`` is a ``PreTrainedModel`` or a local folder that
+    ``save_pretrained`` wrote for the model and its tokenizer (never fetched
+    from the hub). The package has the methods ``prefill(input_ids[1, T],
+    cache_position[T]) -> logits[1, V]`` (the last position's logits, 2 <= T
+    <= ``max_prefill``) and ``decode(input_ids[1, 1], cache_position[1]) ->
+    logits[1, V]``, a static KV cache of ``max_cache_len`` positions per
+    session, and the tokenizer, generation config and an ``llm.json`` spec
+    (read back with :func:`aoti_sessions.llm._spec.read_llm_package`).
+
+    ``max_cache_len`` defaults to the model's context (at most 4096),
+    ``max_prefill`` to ``min(512, max_cache_len)``, ``dtype`` to the model's.
+    Returns the package path.
+    """
+    import transformers
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    target = os.fspath(path)
+    if not target.endswith(".pt2"):
+        raise ValueError(f"package path must end in .pt2, got {target}")
+    torch_dtype = None if dtype is None else _as_dtype(dtype)
+    source = None
+    if isinstance(model_or_dir, (str, os.PathLike)):
+        source = Path(model_or_dir)
+        _check_folder(source)
+        tok = _load_tokenizer(tokenizer, source)  # before the weights: a missing one fails fast
+        model = _load_model(source, torch_dtype)
+        _check_model(model)
+    else:
+        model = model_or_dir
+        _check_model(model)
+        tok = _load_tokenizer(tokenizer, getattr(model, "name_or_path", None))
+        if torch_dtype is not None and torch_dtype != model.dtype:
+            model = copy.deepcopy(model)  # converting the caller's weights back and forth would round them
+    config = model.config.get_text_config()
+    cache_len = _cache_len(config, max_cache_len)
+    prefill_len = min(DEFAULT_MAX_PREFILL, cache_len) if max_prefill is None else max_prefill
+    if not 2 <= prefill_len <= cache_len:
+        raise ValueError(f"max_prefill must be in [2, max_cache_len={cache_len}], got {prefill_len}")
+    vocab = int(config.vocab_size)
+    if len(tok) > vocab:
+        raise ValueError(f"the tokenizer has {len(tok)} tokens but the model only {vocab} logits")
+
+    dev = torch.device(device)
+    if model.generation_config is None:
+        model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
+    generation = model.generation_config  # what the package records: the model's own defaults
+    static = copy.deepcopy(generation)  # what transformers' static-cache wrapper asks for
+    static.use_cache, static.cache_implementation = True, "static"
+    saved = (model.config.use_cache, model.training, model.device, model.dtype)
+    model.generation_config, model.config.use_cache = static, True
+    try:
+        cast(torch.nn.Module, model).to(device=dev, dtype=torch_dtype).eval()
+        lm = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=cache_len, device=dev)
+        keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+        module = _PrefillDecode(lm, keeps)
+        example = min(_EXAMPLE_PREFILL, prefill_len)
+        tokens = torch.export.Dim("tokens", min=2, max=prefill_len)
+        methods = {
+            "prefill": Method((torch.zeros(1, example, dtype=torch.long, device=dev),
+                               torch.arange(example, device=dev)),
+                              dynamic_shapes=({1: tokens}, {0: tokens}), entry="prefill"),
+            "decode": Method((torch.zeros(1, 1, dtype=torch.long, device=dev),
+                              torch.tensor([example], device=dev)), entry="decode"),
+        }
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(target))) as staging, \
+                torch.no_grad(), warnings.catch_warnings():
+            # Dynamo notes transformers' output-capture global as a side effect; it is harmless here.
+            warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
+            # Export under the final name: the package's top folder is named after the file.
+            tmp = os.path.join(staging, os.path.basename(target))
+            # transformers' static cache exports only through dynamo (strict): the
+            # non-strict trace fails in run_decompositions ("expected compiled_fn
+            # to be GraphModule").
+            compile(module, methods, path=tmp, inductor_configs=inductor_configs, strict=True)
+            spec = LLMSpec(
+                model_type=str(config.model_type), architecture=type(model).__name__,
+                max_cache_len=cache_len, max_prefill=prefill_len, vocab_size=int(vocab),
+                eos_token_ids=_eos_ids(generation, config, tok),
+                bos_token_id=_first_id(generation.bos_token_id, config.bos_token_id, tok.bos_token_id),
+                pad_token_id=_first_id(generation.pad_token_id, getattr(config, "pad_token_id", None),
+                                       tok.pad_token_id),
+                dtype=str(model.dtype).removeprefix("torch."),
+                name=_model_name(model, source))
+            _append_files(tmp, {SPEC_FILE: spec.to_json().encode(),
+                                GENERATION_CONFIG_FILE: generation.to_json_string().encode(),
+                                **_tokenizer_files(tok)})
+            os.replace(tmp, target)
+    finally:
+        model.generation_config, model.config.use_cache = generation, saved[0]
+        cast(torch.nn.Module, model).to(device=saved[2], dtype=saved[3]).train(saved[1])
+    return target

@@ -1,0 +1,150 @@
+"""Tiny transformers causal LMs for the LLM tests, built offline.
+
+``hf_model_dir(arch)`` writes a random-weight model of a real decoder family
+(2 layers, hidden 64) and a byte-level BPE tokenizer trained here on a fixed
+text (ChatML special tokens and chat template) with ``save_pretrained``, the
+way a downloaded checkpoint looks. ``llm_package(arch)`` exports it with
+``aoti_sessions.llm.export``. Both are built once and cached under
+``$AOTI_SESSIONS_CACHE`` (tests/conftest.py sets it), written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("AOTI_SESSIONS_CACHE", str(ROOT / "build" / "test-cache"))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from aoti_sessions._package import cache_dir  # noqa: E402
+from aoti_sessions.llm import _export  # noqa: E402
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma")
+SEED = 0
+# Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
+FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The tokenizer's training text: plain English, enough for a few hundred merges.
+TEXT = """\
+The quick brown fox jumps over the lazy dog. A session keeps its own cache, and the
+weights are shared by every session of the engine. When the user asks a question, the
+assistant answers it with a short and helpful reply. Hello, how are you today? I am fine,
+thank you, and you? The weather is nice, the sun is shining and the birds are singing in
+the trees. We compile the model once and serve many conversations from one process.
+Each token is read, the model looks back at what it has seen, and writes the next one.
+Numbers like one, two, three, four, five, six, seven, eight, nine and ten appear often.
+Please tell me a story about a small robot who learned to paint pictures of the sea.
+Once upon a time there was a little robot named Bolt who lived by the harbour. Every
+morning Bolt watched the boats and the waves, and every evening Bolt painted them.
+"""
+
+
+def _train_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([TEXT] * 4, trainer=trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", unk_token=None, chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=["<|im_start|>"])
+
+
+def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.PretrainedConfig:
+    common: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        # Well separated logits: greedy choices of a random model must not hinge
+        # on rounding (the default 0.02 makes them near ties).
+        initializer_range=0.3, **special)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    if arch == "gemma":
+        return transformers.GemmaConfig(**common, head_dim=16)
+    raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+
+
+def _atomic_dir(target: Path, build: Callable[[Path], None]) -> Path:
+    """``build(folder)`` into a staging folder beside ``target``, then renamed into place."""
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.is_dir():  # not a concurrent build of the same folder
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _source_key(*parts: str) -> str:
+    digest = hashlib.sha256()
+    for part in (torch.__version__, transformers.__version__, inspect.getsource(sys.modules[__name__]), *parts):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:20]
+
+
+def hf_model_dir(arch: str) -> Path:
+    """A saved random-weight ``arch`` causal LM and its tokenizer (``save_pretrained``)."""
+    def build(folder: Path) -> None:
+        tokenizer = _train_tokenizer()
+        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+               (("bos_token_id", "<|endoftext|>"), ("eos_token_id", "<|im_end|>"),
+                ("pad_token_id", "<|endoftext|>"))}
+        config = _config(arch, len(tokenizer), ids)
+        torch.manual_seed(SEED)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model.generation_config = transformers.GenerationConfig(**ids)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    # The folder's name is the model's name in its package.
+    return _atomic_dir(cache_dir() / "hf" / _source_key(arch) / f"tiny-{arch}", build)
+
+
+def llm_package(arch: str, device: str = "cpu", max_cache_len: int = 128) -> Path:
+    """``hf_model_dir(arch)`` exported with ``aoti_sessions.llm.export``, once."""
+    key = _source_key(inspect.getsource(_export), arch, device, str(max_cache_len))
+    target = cache_dir() / "models" / f"llm-{arch}-{device}-{key}.pt2"
+    if target.is_file():
+        return target
+    source = hf_model_dir(arch)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The package's top folder is named after its file: export under the final name.
+    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+        tmp = Path(staging) / target.name
+        _export.export(source, tmp, device=device, max_cache_len=max_cache_len, inductor_configs=FAST)
+        os.replace(tmp, target)
+    return target
