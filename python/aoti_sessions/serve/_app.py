@@ -1,0 +1,261 @@
+"""The FastAPI application: OpenAI's chat, completion and model endpoints,
+session management, ``/metrics`` and ``/health``."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import _errors
+from ._errors import APIError, error_response, runtime_error, sse_error
+from ._generate import DONE, Job
+from ._metrics import CONTENT_TYPE, ServerMetrics
+from ._protocol import SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ForkRequest, LoadRequest, SaveRequest
+from ._sessions import Registry
+
+if TYPE_CHECKING:
+    from ..llm import LLM
+
+log = logging.getLogger("aoti_sessions.serve")
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
+OPEN_PATHS = ("/health",)  # answered without the API key
+
+
+def create_app(llm: LLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
+               model_name: str | None = None, retry_after: int = 1) -> FastAPI:
+    """An OpenAI-compatible server of ``llm``'s sessions.
+
+    Args:
+        llm: the model; its engine's ``max_sessions``, ``memory_budget`` and
+            ``idle_timeout`` set the capacity and when idle sessions go to host memory.
+        api_key: when set, every endpoint but ``/health`` wants
+            ``Authorization: Bearer <api_key>`` (401 otherwise).
+        session_dir: the folder ``save`` and ``load`` read and write; without
+            it they answer 400.
+        model_name: the model id clients name (default ``llm.name``).
+        retry_after: seconds a 429 (no room for a session) tells clients to wait.
+    """
+    registry = Registry(llm, session_dir)
+    metrics = ServerMetrics(llm.engine.stats, lambda: len(registry), lambda: registry.throwaway)
+    model = model_name or llm.name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await registry.close()
+
+    # strict_content_type=False: a JSON body sent without a Content-Type is read as JSON.
+    app = FastAPI(title="aoti-sessions", lifespan=lifespan, strict_content_type=False)
+    app.state.registry, app.state.metrics, app.state.llm = registry, metrics, llm
+    _errors.install(app, retry_after)
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics, routes=app.router)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+
+    started = int(time.time())
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": started, "owned_by": "aoti-sessions",
+                "max_model_len": llm.max_context}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        _check_model(model_id, model)
+        return model_card()
+
+    async def generate(request: Request, body: ChatRequest | CompletionRequest, header_id: str | None) -> Response:
+        session_id = _session_id(body.session_id, header_id)
+        if body.model is not None:
+            _check_model(body.model, model)
+        job = Job(llm, body, model, metrics)
+        entry = await registry.acquire(session_id, create=True)
+        headers = {"X-Session-ID": session_id} if session_id else {}
+        if not body.stream:
+            try:
+                await job.start(entry)
+                text = "".join([piece async for piece in job.pieces(request.is_disconnected)])
+                if job.cancelled:
+                    return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+                return JSONResponse(job.response(text), headers=headers)
+            finally:
+                await job.finish()
+                await registry.release(entry)
+
+        async def cleanup() -> None:
+            await job.finish()
+            await registry.release(entry)
+
+        try:
+            await job.start(entry)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await cleanup()
+            raise
+        return _Stream(_events(job, request, retry_after), cleanup, headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatRequest,
+                   x_session_id: str | None = Header(default=None)) -> Response:
+        return await generate(request, body, x_session_id)
+
+    @app.post("/v1/completions")
+    async def complete(request: Request, body: CompletionRequest,
+                       x_session_id: str | None = Header(default=None)) -> Response:
+        return await generate(request, body, x_session_id)
+
+    @app.get("/v1/sessions")
+    async def sessions() -> dict[str, Any]:
+        return {"object": "list", "data": [e.describe() for e in registry.entries()]}
+
+    @app.post("/v1/sessions/load")
+    async def load(body: LoadRequest) -> dict[str, Any]:
+        return (await registry.load(body.name, body.session_id)).describe()
+
+    @app.get("/v1/sessions/{session_id}")
+    async def session(session_id: str) -> dict[str, Any]:
+        return registry.get(session_id).describe()
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete(session_id: str) -> dict[str, Any]:
+        await registry.delete(session_id)
+        return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    @app.post("/v1/sessions/{session_id}/reset")
+    async def reset(session_id: str) -> dict[str, Any]:
+        return (await registry.reset(session_id)).describe()
+
+    @app.post("/v1/sessions/{session_id}/fork")
+    async def fork(session_id: str, body: ForkRequest | None = None) -> dict[str, Any]:
+        return (await registry.fork(session_id, body.session_id if body else None)).describe()
+
+    @app.post("/v1/sessions/{session_id}/save")
+    async def save(session_id: str, body: SaveRequest) -> dict[str, Any]:
+        path = await registry.save(session_id, body.name)
+        return {"id": session_id, "object": "session.saved", "name": body.name, "bytes": path.stat().st_size}
+
+    return app
+
+
+def _check_model(name: str, model: str) -> None:
+    if name != model:
+        raise APIError(404, f"the model {name!r} does not exist; this server has {model!r}", "model_not_found",
+                       "model")
+
+
+def _session_id(in_body: str | None, in_header: str | None) -> str | None:
+    if in_header is not None and not _SESSION_ID.fullmatch(in_header):
+        raise APIError(400, f"X-Session-ID: invalid session id {in_header!r} (1-128 letters, digits, '.', '_', "
+                            "':', '-')", "invalid_value", "X-Session-ID")
+    if in_body is not None and in_header is not None and in_body != in_header:
+        raise APIError(400, "session_id and the X-Session-ID header name different sessions", "invalid_value",
+                       "session_id")
+    return in_body if in_body is not None else in_header
+
+
+async def _events(job: Job, request: Request, retry_after: int) -> AsyncIterator[bytes]:
+    """The stream's server-sent events: OpenAI's chunks, then ``[DONE]``; an
+    error met on the way is one last event."""
+    if job.chat:
+        yield job.chunk(None, first=True)
+    try:
+        async for piece in job.pieces(request.is_disconnected):
+            yield job.chunk(piece)
+    except Exception as e:  # the stream has begun: the error goes in it
+        error = e if isinstance(e, APIError) else runtime_error(e, retry_after)
+        if error is None:
+            log.exception("generation failed")
+            error = APIError(500, f"generation failed: {type(e).__name__}: {e}", "internal_error")
+        yield sse_error(error)
+        return
+    if job.cancelled:
+        return
+    assert job.generation is not None
+    yield job.chunk(None, finish_reason=job.generation.finish_reason)
+    if job.request.include_usage():
+        yield job.usage_chunk()
+    yield DONE
+
+
+class _Stream(StreamingResponse):
+    """A server-sent event stream that runs ``cleanup`` however it ends: done,
+    failed, or cut short by the client (Starlette then cancels the stream)."""
+
+    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._content, self._cleanup = content, cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._content.aclose()  # type: ignore[attr-defined]
+                await self._cleanup()
+
+
+class _Guard:
+    """Outermost layer: the API key check, and the request count by route and status."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, routes: Any) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.expected is not None
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        return hmac.compare_digest(given, self.expected)  # constant time: the key cannot be guessed bytewise
+
+    def _endpoint(self, scope: Scope) -> str:
+        for route in self.routes.routes:
+            match, _ = route.matches(scope)
+            if match != Match.NONE:
+                return str(route.path)
+        return "other"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+                missing = not any(k == b"authorization" for k, _ in scope["headers"])
+                message = ("no API key: send it as 'Authorization: Bearer KEY'" if missing
+                           else "incorrect API key")
+                response = error_response(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send_counted)
+            else:
+                await self.app(scope, receive, send_counted)
+        finally:
+            self.metrics.requests.inc(endpoint=self._endpoint(scope), status=str(status))

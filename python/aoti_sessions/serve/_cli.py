@@ -1,0 +1,84 @@
+"""``aoti-sessions serve PACKAGE``: the server's command line. Importing this
+needs nothing beyond aoti_sessions; FastAPI and uvicorn (the ``[serve]``
+extra) are imported when the server starts, with a clear message if missing."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+log = logging.getLogger("aoti_sessions.serve")
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+API_KEY_ENV = "AOTI_SESSIONS_API_KEY"
+
+
+def byte_size(text: str) -> int:
+    """``"512MiB"``, ``"2G"``, ``"1000000"`` -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or with a unit: 512MiB, 2G)")
+    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("package", help="LLM package made by aoti_sessions.llm.export")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+                             f"(default: ${API_KEY_ENV}, else none)")
+    parser.add_argument("--max-sessions", type=_positive, help="at most this many sessions (more: 429)")
+    parser.add_argument("--memory-budget", type=byte_size,
+                        help="device bytes for session state (e.g. 8GiB); beyond it idle sessions go to host memory")
+    parser.add_argument("--idle-timeout", type=_seconds, help="seconds after which an idle session goes to host memory")
+    parser.add_argument("--session-dir", help="folder of session files for save and load (default: off)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        print(f"aoti-sessions serve needs FastAPI and uvicorn (missing: {e.name}): "
+              "pip install 'aoti-sessions[serve]'", file=sys.stderr)
+        return 2
+    from ..llm import LLM
+    from ._app import create_app
+
+    if args.session_dir is not None:
+        Path(args.session_dir).mkdir(parents=True, exist_ok=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
+    engine_options = {k: v for k, v in (("max_sessions", args.max_sessions), ("memory_budget", args.memory_budget),
+                                        ("idle_timeout", args.idle_timeout)) if v is not None}
+    llm = LLM(args.package, device=args.device, **engine_options)
+    try:
+        app = create_app(llm, api_key=args.api_key, session_dir=args.session_dir)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        llm.close()
+    return 0

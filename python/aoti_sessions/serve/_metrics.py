@@ -1,0 +1,213 @@
+"""The server's metrics, written in Prometheus' text exposition format (0.0.4)
+by hand: counters, gauges and histograms are a few lines each, not worth a
+dependency."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds: token latencies of a CPU model are milliseconds, of a GPU one less.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+Labels = tuple[str, ...]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
+    pairs = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
+    if extra:
+        pairs.append(extra)
+    return "{" + ",".join(pairs) + "}" if pairs else ""
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
+        self.name, self.help, self.label_names = name, help, tuple(labels)
+        self._lock = threading.Lock()
+
+    def _key(self, labels: dict[str, str]) -> Labels:
+        if set(labels) != set(self.label_names):
+            raise ValueError(f"{self.name} takes labels {self.label_names}, got {sorted(labels)}")
+        return tuple(str(labels[n]) for n in self.label_names)
+
+    def samples(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def render(self) -> str:
+        head = f"# HELP {self.name} {self.help}\n# TYPE {self.name} {self.kind}\n"
+        return head + "".join(line + "\n" for line in self.samples())
+
+
+class Counter(_Metric):
+    """A count that only goes up; its name ends in ``_total``."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(name, help, labels)
+        self._values: dict[Labels, float] = {} if labels else {(): 0.0}
+
+    def inc(self, amount: float = 1, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter cannot go down ({amount})")
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def value(self, **labels: str) -> float:
+        with self._lock:
+            return self._values.get(self._key(labels), 0.0)
+
+    def samples(self) -> Iterable[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return [f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in items]
+
+
+class Gauge(_Metric):
+    """A value read when scraped, from a function returning {label values: value}
+    (or one number for a gauge without labels). ``kind="counter"`` for a count
+    kept elsewhere (the engine's evictions)."""
+
+    def __init__(self, name: str, help: str, read: Callable[[], float | dict[Labels, float]],
+                 labels: Sequence[str] = (), kind: str = "gauge") -> None:
+        super().__init__(name, help, labels)
+        self._read = read
+        self.kind = kind
+
+    def samples(self) -> Iterable[str]:
+        values = self._read()
+        items = sorted(values.items()) if isinstance(values, dict) else [((), values)]
+        return [f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in items]
+
+
+class Histogram(_Metric):
+    """Observations counted into cumulative buckets, with their sum and count."""
+
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        super().__init__(name, help)
+        self.buckets = tuple(sorted(buckets))
+        self._counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        i = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += value
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return sum(self._counts)
+
+    def samples(self) -> Iterable[str]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        lines, running = [], 0
+        for bound, n in zip((*self.buckets, math.inf), counts):
+            running += n
+            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {running}')
+        lines += [f"{self.name}_sum {_number(total)}", f"{self.name}_count {running}"]
+        return lines
+
+
+class Registry:
+    """The metrics of one server, rendered in the order they were added."""
+
+    def __init__(self) -> None:
+        self._metrics: list[_Metric] = []
+
+    def add(self, metric: _Metric) -> None:
+        if any(m.name == metric.name for m in self._metrics):
+            raise ValueError(f"metric {metric.name} added twice")
+        self._metrics.append(metric)
+
+    def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
+        metric = Counter(name, help, labels)
+        self.add(metric)
+        return metric
+
+    def histogram(self, name: str, help: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
+        metric = Histogram(name, help, buckets)
+        self.add(metric)
+        return metric
+
+    def gauge(self, name: str, help: str, read: Callable[[], float | dict[Labels, float]],
+              labels: Sequence[str] = (), kind: str = "gauge") -> Gauge:
+        metric = Gauge(name, help, read, labels, kind)
+        self.add(metric)
+        return metric
+
+    def render(self) -> str:
+        return "".join(m.render() for m in self._metrics)
+
+
+class ServerMetrics:
+    """What ``/metrics`` shows: request and token counts kept by the server,
+    latencies, and the engine's own figures read at scrape time."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]], named_sessions: Callable[[], int],
+                 throwaway_sessions: Callable[[], int], prefix: str = "aoti_sessions") -> None:
+        self.registry = r = Registry()
+        p = prefix + "_"
+        self.requests = r.counter(p + "requests_total", "HTTP requests answered, by endpoint (route) and status.",
+                                  ("endpoint", "status"))
+        self.prompt_tokens = r.counter(p + "prompt_tokens_total", "Prompt tokens of generation requests.")
+        self.prefilled_tokens = r.counter(
+            p + "prefilled_tokens_total",
+            "Prompt tokens run through the model; the rest were already in the session's cache.")
+        self.cached_tokens = r.counter(p + "cached_prompt_tokens_total",
+                                       "Prompt tokens reused from the session's cache (not prefilled).")
+        self.generated_tokens = r.counter(p + "generated_tokens_total", "Tokens generated.")
+        self.cancelled = r.counter(p + "cancelled_generations_total",
+                                   "Generations stopped because the client went away.")
+        self.active = 0
+        r.gauge(p + "active_generations", "Generations running now.", lambda: float(self.active))
+        self.ttft = r.histogram(p + "time_to_first_token_seconds",
+                                "From a generation request's arrival to its first generated token.")
+        self.itl = r.histogram(p + "inter_token_latency_seconds", "Between consecutive generated tokens.")
+        stats: dict[str, Any] = {}
+
+        def read(key: str) -> Callable[[], float]:
+            return lambda: float(stats.get(key, 0))
+
+        def refresh() -> dict[Labels, float]:
+            stats.clear()
+            stats.update(engine_stats())
+            return {("resident",): float(stats["resident_sessions"]),
+                    ("offloaded",): float(stats["offloaded_sessions"])}
+
+        # Read first: it refreshes the engine's figures the gauges below show.
+        r.gauge(p + "sessions", "Sessions open in the engine, by where their state is.", refresh, ("state",))
+        r.gauge(p + "named_sessions", "Sessions of the server with an id.", lambda: float(named_sessions()))
+        r.gauge(p + "throwaway_sessions", "Sessions of requests that named none, alive now.",
+                lambda: float(throwaway_sessions()))
+        r.gauge(p + "session_device_bytes", "Bytes of session state on the device.", read("device_bytes"))
+        r.gauge(p + "session_host_bytes", "Bytes of session state offloaded to host memory.", read("host_bytes"))
+        for key, help in (("evictions", "Sessions offloaded to host memory to make room."),
+                          ("idle_offloads", "Sessions offloaded after being idle."),
+                          ("restores", "Offloaded sessions brought back to the device."),
+                          ("sessions_created", "Sessions created by the engine.")):
+            r.gauge(f"{p}{key}_total", help, read(key), kind="counter")
+
+    def render(self) -> str:
+        return self.registry.render()

@@ -1,0 +1,211 @@
+"""Request bodies of the OpenAI-compatible endpoints, checked strictly: an
+unknown field, a wrong type (``"5"`` for a number) or a value out of range is
+a 400 naming the field.
+
+Fields OpenAI's clients send on their own, or that callers commonly pass, are
+accepted where their value asks for nothing this server does not do:
+``user`` (ignored), ``stream_options`` (``include_usage`` honoured), ``n``: 1,
+``logprobs``: false / null (completions: null or 0), ``top_logprobs``: null
+or 0, ``presence_penalty`` / ``frequency_penalty``: 0, ``logit_bias``: {},
+``response_format``: ``{"type": "text"}``, ``echo``: false, ``best_of``: 1,
+``suffix``: null. Any other value of these is a 400 saying it is not
+supported. Extensions: ``top_k`` and ``session_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP = 16  # stop strings per request
+SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None  # accepted, not shown to the model
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+def _unsupported(value: Any, allowed: str) -> ValueError:
+    return ValueError(f"only {allowed} is supported, got {value!r}")
+
+
+class _Generate(_Strict):
+    """What chat and completion requests share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)  # extension: 0 means no limit
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)  # extension
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise _unsupported(value, "n=1")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 0):
+            raise _unsupported(value, "0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise _unsupported(value, "an empty logit_bias")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Generate):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported(value, "logprobs=false")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value not in (None, 0):
+            raise _unsupported(value, "0")
+        return value
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> ChatRequest:
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ValueError("max_tokens and max_completion_tokens differ: give one")
+        return self
+
+    def limit(self) -> tuple[str, int | None]:
+        """The completion length asked for, and the field that asked."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+class CompletionRequest(_Generate):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("the prompt is empty")
+        if isinstance(value, list) and isinstance(value[0], str) and len(value) != 1:
+            raise ValueError(f"only one prompt per request is supported, got {len(value)}")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value not in (None, 0):
+            raise _unsupported(value, "null")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported(value, "echo=false")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise _unsupported(value, "best_of=1")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _unsupported(value, "no suffix")
+        return value
+
+    def the_prompt(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            return str(self.prompt[0])
+        return self.prompt  # type: ignore[return-value]
+
+    def limit(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
+
+class SaveRequest(_Strict):
+    name: str
+
+
+class LoadRequest(_Strict):
+    name: str
+    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
+
+
+class ForkRequest(_Strict):
+    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
