@@ -25,12 +25,19 @@ def main(argv: list[str] | None = None) -> int:
     info = commands.add_parser("info", help="describe a compiled model: methods, mutable state, sizes")
     info.add_argument("model", help=".pt2 package or .so library")
     info.add_argument("--device", default="cpu")
+    from .serve._cli import add_arguments as add_serve_arguments
+
+    add_serve_arguments(commands.add_parser("serve", help="serve an LLM package over an OpenAI-compatible HTTP API"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     from .errors import Error
 
     try:
+        if args.command == "serve":
+            from .serve._cli import run as run_serve
+
+            return run_serve(args)
         if args.command == "demo":
             from .demo import run_demo
 
@@ -45,6 +52,9 @@ def _info(model: str, device: str) -> int:
 
     with Engine(model, device=device) as engine:
         print(engine)
+        print("methods:")
+        for method in engine.methods:
+            print(f"  {engine.signature(method)}")
         print(f"weights: {engine.weight_bytes} bytes, per session: {engine.bytes_per_session} bytes")
         for b in engine.buffers():
             print(f"  {b['fqn']}: {b['dtype']}{b['sizes']} in {', '.join(b['methods'])}"
