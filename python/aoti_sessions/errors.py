@@ -41,6 +41,10 @@ __all__ = [
     "SessionFileError",
     "SessionFileNotFoundError",
     "ModelMismatchError",
+    "CompileError",
+    "VerifyError",
+    "CompileWarning",
+    "SessionBusyError",
 ]
 
 
@@ -88,6 +92,35 @@ class SessionFileNotFoundError(SessionFileError, FileNotFoundError):
 class ModelMismatchError(SessionFileError):
     """A session file was saved from another model (other buffers, or with
     ``strict=True`` other compiled libraries or weights)."""
+
+
+class CompileError(Error):
+    """``ais.compile`` cannot make a correct package of the module with the
+    arguments given; the message says what to pass instead."""
+
+
+class VerifyError(CompileError):
+    """``ais.compile(..., verify=...)``: the compiled package, run on one
+    session, differs from the eager module. ``method`` and ``step`` (from 1)
+    say where, ``buffers`` and ``outputs`` what differs (buffer FQNs, output
+    positions in the flattened outputs)."""
+
+    def __init__(self, message: str, method: str, step: int, buffers: list[str], outputs: list[int]) -> None:
+        super().__init__(message)
+        self.method = method
+        self.step = step
+        self.buffers = buffers
+        self.outputs = outputs
+
+
+class CompileWarning(UserWarning):
+    """``ais.compile`` found a pattern AOTInductor is known to compile into a
+    model that differs from the module (the message says which and what to do)."""
+
+
+class SessionBusyError(Error):
+    """A generation is already running on this chat session (one at a time;
+    close it, or wait for it to finish)."""
 
 
 CORE_ERRORS: dict[str, type[BaseException]] = {

@@ -1,8 +1,21 @@
-"""Large language models on aoti_sessions: export a transformers causal LM
-into one package (``export``)."""
+"""Large language models on aoti_sessions.
+
+``export`` turns a transformers causal LM into one package (prefill and decode
+methods, weights once, a static KV cache per session, the tokenizer and
+generation config inside); ``LLM`` loads it, and its chat sessions generate,
+remembering the tokens in their cache between turns.
+
+>>> from aoti_sessions.llm import LLM, export
+>>> export("path/to/hf-model", "model.pt2")
+>>> llm = LLM("model.pt2")
+>>> with llm.new_session() as chat:
+...     chat.generate([{"role": "user", "content": "Hi"}], max_tokens=32).text
+"""
 
 from __future__ import annotations
 
 from ._export import export
+from ._llm import LLM, ChatSession, Completion, Generation, Prompt
+from ._sampling import SamplingParams
 
-__all__ = ["export"]
+__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams"]

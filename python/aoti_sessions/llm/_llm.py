@@ -1,0 +1,400 @@
+"""An exported LLM on an Engine: chat sessions that remember their tokens, and
+generation a step at a time.
+
+A session's KV cache is position-addressed, so the session keeps the list of
+tokens whose keys and values are in it. A new request keeps the longest
+common prefix of that list and its prompt and feeds only the rest: a follow-up
+turn prefills what is new, and a history that diverges rewinds to where it
+diverged (a position change, nothing copied).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from .._engine import Engine
+from .._session import Closable, Session
+from ..errors import PackageError, SessionBusyError, SessionFileError
+from ._sampling import SamplingParams, Sampler
+from ._spec import read_llm_package
+from ._text import TextStream
+
+__all__ = ["LLM", "ChatSession", "Generation", "Completion", "Prompt"]
+
+# A prompt: text (tokenized as is), token ids, or chat messages
+# ({"role": ..., "content": ...}) put through the model's chat template.
+Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
+
+HISTORY_SUFFIX = ".tokens.json"  # beside a saved session: the tokens its cache holds
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The outcome of one generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end of sequence, stop string or token) or "length"
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens already in the session's cache (not prefilled again)
+    completion_tokens: int
+
+
+class LLM(Closable):
+    """A package written by :func:`aoti_sessions.llm.export`, loaded once.
+
+    ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
+    ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``, ...).
+    On CUDA, sessions are spread over ``streams`` CUDA streams (default: the
+    engine's lanes), each session always on the same one, so sessions on
+    different streams run at the same time and each keeps its CUDA graphs.
+    """
+
+    def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu", *,
+                 streams: int | None = None, **engine_options: Any) -> None:
+        read = read_llm_package(package)
+        self.spec = read.spec
+        self.generation_config: dict[str, Any] = dict(read.generation_config)
+        self.tokenizer = read.load_tokenizer()
+        self.engine = Engine(package, device=device, **engine_options)
+        missing = [m for m in ("prefill", "decode") if m not in self.engine.methods]
+        if missing:
+            self.engine.close()
+            raise PackageError(f"{package}: an LLM package needs methods prefill and decode; "
+                               f"missing {', '.join(missing)} (has {', '.join(self.engine.methods)})")
+        eos = self.generation_config.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_ids = frozenset(int(t) for t in (*self.spec.eos_token_ids, *eos_ids))
+        self._streams: list[torch.cuda.Stream] = []
+        if self.engine.device.type == "cuda":
+            count = streams if streams is not None else int(engine_options.get("lanes") or 4)
+            if count < 1:
+                raise ValueError(f"streams must be at least 1, got {count}")
+            self._streams = [torch.cuda.Stream(self.engine.device) for _ in range(count)]
+        self._next_stream = itertools.count()
+
+    @property
+    def name(self) -> str:
+        """The model's id, as exported."""
+        return self.spec.name
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a session holds: prompt and completion together."""
+        return self.spec.max_cache_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as token ids (with the tokenizer's special tokens, as HF does)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """``messages`` through the chat template, ending with the prompt for
+        the assistant's reply."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
+                raise ValueError(f"messages[{i}] must have a string 'role' and a 'content'")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.name} has no chat template; send a text prompt instead")
+        ids = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True,
+                                                 add_generation_prompt=True)
+        if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages."""
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            ids = self.chat_tokens(prompt)  # type: ignore[arg-type]
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+            ids = list(prompt)  # type: ignore[arg-type]
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.spec.vocab_size:
+                    raise ValueError(f"token ids must be ints in [0, {self.spec.vocab_size}), got {t!r}")
+        else:
+            raise TypeError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > self.max_context:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
+        return ids
+
+    def new_session(self) -> ChatSession:
+        """A chat session with an empty cache (counts against ``max_sessions``)."""
+        return ChatSession(self, self.engine.new_session(), [])
+
+    def load_session(self, path: str | os.PathLike[str]) -> ChatSession:
+        """A session saved by :meth:`ChatSession.save`: its state and the tokens it holds."""
+        history = Path(os.fspath(path) + HISTORY_SUFFIX)
+        try:
+            tokens = json.loads(history.read_text())
+        except FileNotFoundError:
+            raise SessionFileError(f"{history}: missing (ChatSession.save writes it beside the state)") from None
+        except (OSError, ValueError) as e:
+            raise SessionFileError(f"{history}: unreadable token history ({e})") from None
+        if not isinstance(tokens, list) or len(tokens) > self.max_context or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.spec.vocab_size for t in tokens):
+            raise SessionFileError(f"{history}: not a token history of this model")
+        return ChatSession(self, self.engine.load_session(path), tokens)
+
+    def _pick_stream(self) -> torch.cuda.Stream | None:
+        if not self._streams:
+            return None
+        return self._streams[next(self._next_stream) % len(self._streams)]
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __repr__(self) -> str:
+        return f"LLM({self.name!r}, {self.spec.architecture}, context {self.max_context}, {self.engine.device})"
+
+
+class ChatSession(Closable):
+    """One conversation: a session of the engine and the tokens in its cache.
+    One generation at a time; its steps may run on any thread."""
+
+    def __init__(self, llm: LLM, session: Session, tokens: list[int]) -> None:
+        self._llm = llm
+        self._session = session
+        self._tokens = tokens
+        self._stream = llm._pick_stream()
+        # Held while the model runs for this session and while its token list
+        # changes: a fork or save sees state and tokens that agree.
+        self._lock = threading.Lock()
+        self._active: Generation | None = None
+
+    @property
+    def id(self) -> int:
+        return self._session.id
+
+    @property
+    def llm(self) -> LLM:
+        return self._llm
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens whose keys and values the cache holds, in order."""
+        with self._lock:
+            return tuple(self._tokens)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a generation is running on this session."""
+        return self._active is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._session.closed
+
+    @property
+    def resident(self) -> bool:
+        return self._session.resident
+
+    def start(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Generation:
+        """Begins generating a reply to ``prompt``; run it with :meth:`Generation.step`.
+        Keyword arguments are :class:`SamplingParams` fields (instead of ``params``)."""
+        if params is not None and kwargs:
+            raise TypeError("give either params or SamplingParams fields as keywords, not both")
+        params = params if params is not None else SamplingParams(**kwargs)
+        ids = self._llm.prompt_ids(prompt)
+        with self._lock:
+            if self._active is not None:
+                raise SessionBusyError(f"session {self.id} is busy: a generation is running on it")
+            if self._session.closed:
+                from ..errors import SessionClosedError
+                raise SessionClosedError(f"session {self.id} is closed")
+            generation = Generation(self, ids, params)
+            self._active = generation
+        return generation
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
+        """The whole reply to ``prompt``."""
+        with self.start(prompt, params, **kwargs) as g:
+            while g.step() is not None:
+                pass
+            return g.completion()
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Iterator[str]:
+        """The reply to ``prompt``, piece by piece; closing the iterator stops it."""
+        with self.start(prompt, params, **kwargs) as g:
+            while (piece := g.step()) is not None:
+                if piece:
+                    yield piece
+
+    def _idle(self, what: str) -> None:
+        if self._active is not None:
+            raise SessionBusyError(f"session {self.id} is busy: cannot {what} while a generation runs")
+
+    def reset(self) -> None:
+        """Empties the cache."""
+        with self._lock:
+            self._idle("reset")
+            with self._on_stream():
+                self._session.reset()
+            self._tokens = []
+
+    def fork(self) -> ChatSession:
+        """A new session holding a copy of this one's cache and tokens."""
+        with self._lock, self._on_stream():
+            return ChatSession(self._llm, self._session.fork(), list(self._tokens))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the state to ``path`` and the token list beside it
+        (``path`` + ``.tokens.json``), for :meth:`LLM.load_session`."""
+        history = Path(os.fspath(path) + HISTORY_SUFFIX)
+        with self._lock:
+            with self._on_stream():
+                self._session.save(path)
+            tmp = history.with_name(history.name + ".tmp")
+            tmp.write_text(json.dumps(self._tokens))
+            os.replace(tmp, history)
+
+    def close(self) -> None:
+        """Stops a running generation and frees the state; idempotent."""
+        active = self._active
+        if active is not None:
+            active.close()
+        with self._lock:
+            self._session.close()
+
+    def _on_stream(self) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+
+    def _release(self, generation: Generation) -> None:
+        if self._active is generation:
+            self._active = None
+
+    def __repr__(self) -> str:
+        return f"ChatSession(id={self.id}, {len(self._tokens)} tokens{', busy' if self.busy else ''})"
+
+
+class Generation:
+    """One reply being generated; made by :meth:`ChatSession.start`.
+
+    Each :meth:`step` runs the model once (a chunk of the prompt, or one new
+    token) and returns the text that became final, or ``None`` once finished.
+    """
+
+    def __init__(self, session: ChatSession, prompt: list[int], params: SamplingParams) -> None:
+        llm = session.llm
+        self._session = session
+        self.params = params
+        self.prompt_tokens = len(prompt)
+        # Keep the common prefix; the prompt's last token is always fed again,
+        # as its logits pick the first new token.
+        keep = 0
+        for a, b in zip(session._tokens, prompt[:-1]):
+            if a != b:
+                break
+            keep += 1
+        del session._tokens[keep:]
+        self.cached_tokens = keep
+        self.prefilled_tokens = 0
+        self._pending = prompt[keep:]
+        self._next: int | None = None  # sampled, to be fed on the next step
+        self._sampler = Sampler(params, llm.generation_config, llm.device)
+        self._text = TextStream(llm.tokenizer, params.stop)
+        self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else llm.eos_token_ids)
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._closed = False
+
+    @property
+    def text(self) -> str:
+        """The text generated so far."""
+        return self._text.text
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self._closed
+
+    def step(self) -> str | None:
+        session = self._session
+        with session._lock:
+            if self.finished:
+                return None
+            with torch.no_grad(), session._on_stream():
+                logits = self._feed_prompt() if self._pending else self._feed([self._next])  # type: ignore[list-item]
+                if logits is None:
+                    return ""  # more of the prompt to go
+                return self._accept(self._sampler(logits))
+
+    def _feed_prompt(self) -> torch.Tensor | None:
+        chunk = self._pending[:self._session.llm.spec.max_prefill]
+        logits = self._feed(chunk)
+        self.prefilled_tokens += len(chunk)
+        del self._pending[:len(chunk)]
+        return None if self._pending else logits
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        session = self._session
+        device = session.llm.device
+        start = len(session._tokens)
+        ids = torch.tensor([tokens], dtype=torch.int64, device=device)
+        positions = torch.arange(start, start + len(tokens), dtype=torch.int64, device=device)
+        method = "prefill" if len(tokens) > 1 else "decode"
+        logits = session._session.run(method, ids, positions)
+        session._tokens.extend(tokens)
+        return logits  # type: ignore[no-any-return]
+
+    def _accept(self, token: int) -> str:
+        if token in self._stop_ids:
+            return self._finish("stop", "")
+        self.token_ids.append(token)
+        piece = self._text.push(token)
+        if self._text.stopped:
+            return self._finish("stop", piece)
+        max_tokens = self.params.max_tokens
+        if (max_tokens is not None and len(self.token_ids) >= max_tokens) \
+                or len(self._session._tokens) >= self._session.llm.max_context:
+            return self._finish("length", piece)
+        self._next = token
+        return piece
+
+    def _finish(self, reason: str, piece: str) -> str:
+        self.finish_reason = reason
+        self._session._release(self)
+        return piece + self._text.flush()
+
+    def completion(self) -> Completion:
+        """What was generated (``finish_reason`` is ``"stop"`` if closed early)."""
+        return Completion(text=self.text, token_ids=list(self.token_ids), finish_reason=self.finish_reason or "stop",
+                          prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                          completion_tokens=self.completion_tokens)
+
+    def close(self) -> None:
+        """Stops generating (after the step in flight); the session keeps
+        what was fed and is free for the next request. Idempotent."""
+        session = self._session
+        with session._lock:
+            self._closed = True
+            session._release(self)
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""Generated token ids to text, a piece at a time: what is safe to show now,
+and where a stop string ends the text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# How many tokens before the newest ones are decoded again with them, so a
+# character split over tokens, or a space the tokenizer merges, comes out right.
+_CONTEXT_TOKENS = 6
+
+
+class TextStream:
+    """Decodes a growing list of token ids. ``push`` returns the text that is
+    final: not the tail of a multi-byte character still being spelled, not a
+    prefix of a stop string that the next tokens may complete."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        self._text = ""       # decoded text of every id so far (complete characters)
+        self._decoded = 0     # ids whose text is in _text
+        self._shown = 0       # characters of _text already returned
+        self.stopped = False  # a stop string was found; the text ends before it
+
+    @property
+    def text(self) -> str:
+        """Everything shown so far (after :meth:`flush`, the whole text)."""
+        return self._text[:self._shown]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True,
+                                          clean_up_tokenization_spaces=False))
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        if not self._catch_up(final=False):
+            return ""  # a character is still being spelled: wait for the next token
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """The text held back (an unfinished character, or the start of a stop
+        string that never completed)."""
+        self._catch_up(final=True)
+        return self._release(final=True)
+
+    def _catch_up(self, final: bool) -> bool:
+        if self._decoded == len(self._ids):
+            return True
+        start = max(0, self._decoded - _CONTEXT_TOKENS)
+        before = self._decode(self._ids[start:self._decoded])
+        now = self._decode(self._ids[start:])
+        if not final and (now.endswith("\ufffd") or not now.startswith(before)):
+            return False
+        self._text += now[len(before):] if now.startswith(before) else now
+        self._decoded = len(self._ids)
+        return True
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        text = self._text
+        longest = max((len(s) for s in self._stop), default=0)
+        search_from = max(0, self._shown - longest)
+        cut = -1
+        for s in self._stop:
+            at = text.find(s, search_from)
+            if at >= 0 and (cut < 0 or at < cut):
+                cut = at
+        if cut >= 0:
+            self.stopped = True
+            self._text = text[:cut]
+            end = cut
+        elif final:
+            end = len(text)
+        else:
+            # Hold back a tail that could begin a stop string.
+            end = len(text)
+            for s in self._stop:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        end = min(end, len(text) - k)
+                        break
+        end = max(end, self._shown)
+        piece = text[self._shown:end]
+        self._shown = end
+        return piece

@@ -1,0 +1,232 @@
+"""aoti_sessions.llm: chat sessions on an exported transformers model (a tiny
+random-weight Qwen3), checked against the eager HF model's greedy generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import aoti_sessions as ais
+from aoti_sessions.llm import LLM, SamplingParams
+from conftest import on_threads, requires_cuda
+from llm_models import hf_model_dir, llm_package
+
+CONTEXT = 128
+USER = [{"role": "user", "content": "Hello there, how are you today?"}]
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=requires_cuda)])
+def llm(request: pytest.FixtureRequest):
+    with LLM(llm_package("qwen3", device=request.param, max_cache_len=CONTEXT), device=request.param) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def hf():
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir("qwen3"), local_files_only=True)
+    return model.eval()
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return [int(t) for t in out[0, len(ids):]]
+
+
+def greedy(llm: LLM, prompt, n: int = 10, **kw):
+    with llm.new_session() as s:
+        return s.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def test_greedy_matches_eager_hf(llm, hf):
+    ids = llm.chat_tokens(USER)
+    out = greedy(llm, USER, 12)
+    assert out.token_ids == hf_greedy(hf, ids, 12)
+    assert out.finish_reason == "length" and out.prompt_tokens == len(ids) and out.cached_tokens == 0
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_interleaved_sessions_equal_solo(llm):
+    prompts = [USER, "The quick brown fox", [{"role": "user", "content": "Tell me about the sea"}]]
+    solo = [greedy(llm, p, 10).token_ids for p in prompts]
+    sessions = [llm.new_session() for _ in prompts]
+    gens = [s.start(p, max_tokens=10, temperature=0, ignore_eos=True) for s, p in zip(sessions, prompts)]
+    while any(not g.finished for g in gens):
+        for g in gens:
+            g.step()
+    assert [g.token_ids for g in gens] == solo
+    for s in sessions:
+        s.close()
+
+
+def test_follow_up_turn_prefills_only_new_tokens(llm, hf):
+    with llm.new_session() as s:
+        first = s.generate(USER, max_tokens=6, temperature=0, ignore_eos=True)
+        held = s.tokens
+        assert len(held) == first.prompt_tokens + first.completion_tokens - 1  # the last token is not fed yet
+        follow = list(held) + first.token_ids[-1:] + llm.encode(" and what next?")
+        g = s.start(follow, max_tokens=6, temperature=0, ignore_eos=True)
+        while g.step() is not None:
+            pass
+        assert g.cached_tokens == len(held)
+        assert g.prefilled_tokens == len(follow) - len(held)
+        # Same tokens as a fresh session given the whole history, and as HF.
+        assert g.token_ids == greedy(llm, follow, 6).token_ids == hf_greedy(hf, follow, 6)
+
+
+def test_diverging_history_rewinds_to_the_common_prefix(llm):
+    base = llm.encode("One two three four five six seven")
+    with llm.new_session() as s:
+        s.generate(base, max_tokens=5, temperature=0)
+        other = base[:4] + llm.encode(" nine ten")
+        out = s.generate(other, max_tokens=8, temperature=0, ignore_eos=True)
+        assert out.cached_tokens == 4
+        assert out.token_ids == greedy(llm, other, 8).token_ids
+        # The same prompt again: everything but its last token is reused.
+        again = s.generate(other, max_tokens=8, temperature=0, ignore_eos=True)
+        assert again.cached_tokens == len(other) - 1 and again.token_ids == out.token_ids
+
+
+def test_streamed_pieces_join_to_the_text(llm):
+    with llm.new_session() as s:
+        pieces = list(s.stream("Once upon a time", max_tokens=16, temperature=0, ignore_eos=True))
+    assert "".join(pieces) == greedy(llm, "Once upon a time", 16).text
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    full = greedy(llm, USER, 16)
+    cut = next(i for i in range(3, len(full.text)) if full.text[i].strip())
+    stop = full.text[cut:cut + 2]
+    first = full.text.find(stop)
+    with llm.new_session() as s:
+        out = s.generate(USER, max_tokens=16, temperature=0, ignore_eos=True, stop=[stop, "\x00never"])
+        assert out.finish_reason == "stop" and out.text == full.text[:first]
+        streamed = "".join(s.stream(USER, max_tokens=16, temperature=0, ignore_eos=True, stop=stop))
+        assert streamed == out.text
+        third = full.token_ids[2]
+        ended = s.generate(USER, max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[third])
+        assert ended.finish_reason == "stop" and ended.token_ids == full.token_ids[:full.token_ids.index(third)]
+
+
+def test_end_of_sequence_comes_from_the_package(llm):
+    # Generation stops at these (unless ignore_eos): the tokenizer's own end of turn.
+    assert llm.tokenizer.convert_tokens_to_ids("<|im_end|>") in llm.eos_token_ids
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(llm):
+    kw = dict(max_tokens=12, temperature=1.5, ignore_eos=True)
+    with llm.new_session() as s:
+        a = s.generate("The cat", seed=7, **kw).token_ids
+        b = s.generate("The cat", seed=7, **kw).token_ids
+        c = [s.generate("The cat", seed=k, **kw).token_ids for k in range(8, 12)]
+        assert a == b and any(x != a for x in c)
+        top1 = s.generate("The cat", seed=1, top_k=1, **kw).token_ids
+        nucleus = s.generate("The cat", seed=1, top_p=1e-6, **kw).token_ids
+    assert top1 == nucleus == greedy(llm, "The cat", 12).token_ids
+
+
+def test_context_end_gives_finish_reason_length(llm):
+    prompt = llm.encode("a b c d e f g h " * 40)[:CONTEXT - 3]
+    with llm.new_session() as s:
+        out = s.generate(prompt, max_tokens=50, temperature=0, ignore_eos=True)
+        assert out.finish_reason == "length" and out.completion_tokens == 4
+        assert len(s.tokens) == CONTEXT
+        with pytest.raises(ValueError, match=f"context holds {CONTEXT}"):
+            s.start(llm.encode("a b c d e f g h " * 40)[:CONTEXT + 1])
+        # Still usable: a short prompt rewinds.
+        assert s.generate("The cat", max_tokens=4, temperature=0, ignore_eos=True).token_ids == \
+            greedy(llm, "The cat", 4).token_ids
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(max_tokens=0), ValueError, "max_tokens"),
+    (dict(max_tokens=-1), ValueError, "max_tokens"),
+    (dict(max_tokens=1 << 40), ValueError, "max_tokens"),
+    (dict(max_tokens=2.5), TypeError, "max_tokens"),
+    (dict(temperature=-1), ValueError, "temperature"),
+    (dict(temperature="hot"), TypeError, "temperature"),
+    (dict(top_p=0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_k=-2), ValueError, "top_k"),
+    (dict(stop=[""]), ValueError, "stop"),
+    (dict(stop_token_ids=[-1]), ValueError, "stop_token_ids"),
+])
+def test_bad_parameters_are_refused(kw, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("prompt, error, match", [
+    ("", ValueError, "empty"),
+    ([], ValueError, "empty"),
+    ([1, -1], ValueError, "token ids"),
+    ([1, 10**9], ValueError, "token ids"),
+    ([{"content": "no role"}], ValueError, "role"),
+    (42, TypeError, "prompt"),
+])
+def test_bad_prompts_are_refused_and_the_session_is_intact(llm, prompt, error, match):
+    with llm.new_session() as s:
+        before = s.generate("The cat", max_tokens=3, temperature=0).token_ids
+        with pytest.raises(error, match=match):
+            s.start(prompt)
+        assert s.generate("The cat", max_tokens=3, temperature=0).token_ids == before
+
+
+def test_one_generation_per_session(llm):
+    with llm.new_session() as s:
+        g = s.start(USER, max_tokens=4, temperature=0)
+        with pytest.raises(ais.errors.SessionBusyError):
+            s.start(USER)
+        with pytest.raises(ais.errors.SessionBusyError):
+            s.reset()
+        g.step()
+        g.close()  # cancelled after one step: the session is free again
+        assert g.step() is None and not s.busy
+        assert s.generate(USER, max_tokens=4, temperature=0, ignore_eos=True).token_ids == \
+            greedy(llm, USER, 4).token_ids
+
+
+def test_fork_and_reset(llm):
+    with llm.new_session() as s:
+        s.generate(USER, max_tokens=5, temperature=0)
+        follow = list(s.tokens) + llm.encode(" ok")
+        with s.fork() as f:
+            assert f.tokens == s.tokens
+            a = f.generate(follow, max_tokens=6, temperature=0, ignore_eos=True)
+            assert a.cached_tokens == len(s.tokens)
+        b = s.generate(follow, max_tokens=6, temperature=0, ignore_eos=True)
+        assert a.token_ids == b.token_ids
+        s.reset()
+        assert s.tokens == ()
+        assert s.generate(follow, max_tokens=6, temperature=0, ignore_eos=True).cached_tokens == 0
+
+
+def test_save_and_load_continue_identically(llm, tmp_path: Path):
+    path = tmp_path / "chat.ais"
+    with llm.new_session() as s:
+        s.generate(USER, max_tokens=5, temperature=0)
+        s.save(path)
+        follow = list(s.tokens) + llm.encode(" more")
+        expected = s.generate(follow, max_tokens=6, temperature=0, ignore_eos=True)
+    with llm.load_session(path) as t:
+        got = t.generate(follow, max_tokens=6, temperature=0, ignore_eos=True)
+    assert got.cached_tokens == expected.cached_tokens and got.token_ids == expected.token_ids
+    (tmp_path / "chat.ais.tokens.json").unlink()
+    with pytest.raises(ais.SessionFileError, match="tokens.json"):
+        llm.load_session(path)
+
+
+def test_sessions_on_threads_equal_serial(llm):
+    prompts = [f"Story number {i}:" for i in range(4)]
+    serial = [greedy(llm, p, 10).token_ids for p in prompts]
+    sessions = [llm.new_session() for _ in prompts]
+    got = on_threads(len(prompts), llm.device.type, lambda i: sessions[i].generate(
+        prompts[i], max_tokens=10, temperature=0, ignore_eos=True).token_ids)
+    assert got == serial
+    for s in sessions:
+        s.close()
