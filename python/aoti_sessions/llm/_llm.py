@@ -287,6 +287,26 @@ class ChatSession(Closable):
         return f"ChatSession(id={self.id}, {len(self._tokens)} tokens{', busy' if self.busy else ''})"
 
 
+class _TokenReader:
+    """Reads a sampled token on the host. On CUDA it waits on an event, which
+    releases the GIL (``.item()`` would hold it while the step runs, and
+    sessions on other threads could not queue theirs)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            self._done = torch.cuda.Event()
+
+    def __call__(self, token: torch.Tensor) -> int:
+        if not self._cuda:
+            return int(token)
+        self._host.copy_(token.reshape(1), non_blocking=True)
+        self._done.record()
+        self._done.synchronize()
+        return int(self._host[0])
+
+
 class Generation:
     """One reply being generated; made by :meth:`ChatSession.start`.
 
@@ -310,8 +330,9 @@ class Generation:
         self.cached_tokens = keep
         self.prefilled_tokens = 0
         self._pending = prompt[keep:]
-        self._next: int | None = None  # sampled, to be fed on the next step
+        self._next: torch.Tensor | None = None  # the last token, on the device: the next step's input
         self._sampler = Sampler(params, llm.generation_config, llm.device)
+        self._reader = _TokenReader(llm.device)
         self._text = TextStream(llm.tokenizer, params.stop)
         self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else llm.eos_token_ids)
         self.token_ids: list[int] = []
@@ -337,28 +358,31 @@ class Generation:
             if self.finished:
                 return None
             with torch.no_grad(), session._on_stream():
-                logits = self._feed_prompt() if self._pending else self._feed([self._next])  # type: ignore[list-item]
-                if logits is None:
-                    return ""  # more of the prompt to go
-                return self._accept(self._sampler(logits))
+                if self._pending:
+                    logits = self._feed_prompt()
+                    if logits is None:
+                        return ""  # more of the prompt to go
+                else:
+                    assert self._next is not None
+                    logits = self._run(self._next.view(1, 1), 1)
+                    session._tokens.append(self.token_ids[-1])
+                self._next = self._sampler(logits)
+                return self._accept(self._reader(self._next))
 
     def _feed_prompt(self) -> torch.Tensor | None:
         chunk = self._pending[:self._session.llm.spec.max_prefill]
-        logits = self._feed(chunk)
+        logits = self._run(torch.tensor([chunk], dtype=torch.int64, device=self._session.llm.device), len(chunk))
+        self._session._tokens.extend(chunk)
         self.prefilled_tokens += len(chunk)
         del self._pending[:len(chunk)]
         return None if self._pending else logits
 
-    def _feed(self, tokens: list[int]) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, count: int) -> torch.Tensor:
+        """Feeds ``count`` tokens at the next positions; the last one's logits."""
         session = self._session
-        device = session.llm.device
         start = len(session._tokens)
-        ids = torch.tensor([tokens], dtype=torch.int64, device=device)
-        positions = torch.arange(start, start + len(tokens), dtype=torch.int64, device=device)
-        method = "prefill" if len(tokens) > 1 else "decode"
-        logits = session._session.run(method, ids, positions)
-        session._tokens.extend(tokens)
-        return logits  # type: ignore[no-any-return]
+        positions = torch.arange(start, start + count, dtype=torch.int64, device=ids.device)
+        return session._session.run("prefill" if count > 1 else "decode", ids, positions)  # type: ignore[no-any-return]
 
     def _accept(self, token: int) -> str:
         if token in self._stop_ids:
@@ -371,7 +395,6 @@ class Generation:
         if (max_tokens is not None and len(self.token_ids) >= max_tokens) \
                 or len(self._session._tokens) >= self._session.llm.max_context:
             return self._finish("length", piece)
-        self._next = token
         return piece
 
     def _finish(self, reason: str, piece: str) -> str:

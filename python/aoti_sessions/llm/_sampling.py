@@ -93,10 +93,12 @@ class Sampler:
             else:
                 self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token, as a one-element int64 tensor on the logits' device
+        (it is the next step's input as it is: no trip through the host)."""
         row = logits.reshape(-1)
         if self.greedy:
-            return int(row.argmax())
+            return row.argmax().reshape(1)
         scores = row.float() / self.temperature
         if 0 < self.top_k < scores.numel():
             kth = torch.topk(scores, self.top_k).values[-1]
@@ -110,4 +112,4 @@ class Sampler:
             sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
             scores = torch.empty_like(scores).scatter_(0, order, sorted_scores)
         probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.multinomial(probs, 1, generator=self.generator)
