@@ -15,7 +15,8 @@ remembering the tokens in their cache between turns.
 from __future__ import annotations
 
 from ._export import export
-from ._llm import LLM, ChatSession, Completion, Generation, Prompt
+from ._generation import Completion, Generation
+from ._llm import LLM, ChatSession, Prompt
 from ._sampling import SamplingParams
 
 __all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams"]

@@ -1,0 +1,42 @@
+"""``aoti-sessions export MODEL_DIR -o PACKAGE.pt2``: :func:`aoti_sessions.llm.export` from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+
+def _at_least_two(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="folder save_pretrained wrote for a causal LM and its tokenizer")
+    parser.add_argument("-o", "--output", required=True, help="package to write (.pt2)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--max-cache-len", type=_at_least_two, default=None,
+                        help="KV cache positions per session (default: the model's context, at most 4096)")
+    parser.add_argument("--max-prefill", type=_at_least_two, default=None,
+                        help="most tokens per prefill call (default: min(512, max cache len))")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                        help="weights and KV cache dtype (default: the model's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exports; a bad input is one line on stderr and exit status 2."""
+    from ..errors import Error
+    from ._export import export
+
+    try:
+        path = export(args.model_dir, args.output, device=args.device, max_cache_len=args.max_cache_len,
+                      max_prefill=args.max_prefill, dtype=args.dtype)
+    except (Error, ValueError, TypeError, OSError) as e:
+        sys.stderr.write(f"aoti-sessions: error: {e}\n")
+        return 2
+    print(path)
+    return 0
