@@ -233,7 +233,7 @@ class _Guard:
         for route in self.routes.routes:
             match, _ = route.matches(scope)
             if match != Match.NONE:
-                return str(route.path)
+                return str(getattr(route, "path_format", route.path))
         return "other"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

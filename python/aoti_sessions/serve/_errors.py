@@ -35,7 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ..errors import CapacityError, SessionFileError, SessionFileNotFoundError
+from ..errors import CapacityError, SessionBusyError, SessionFileError, SessionFileNotFoundError
 
 log = logging.getLogger("aoti_sessions.serve")
 
@@ -72,6 +72,8 @@ def runtime_error(exc: BaseException, retry_after: int = 1) -> APIError | None:
     if isinstance(exc, CapacityError):
         return APIError(429, f"no room for another session now: {exc}", "capacity",
                         headers={"Retry-After": str(retry_after)})
+    if isinstance(exc, SessionBusyError):
+        return APIError(409, str(exc), "session_busy", "session_id")
     if isinstance(exc, SessionFileNotFoundError):
         return APIError(404, f"no such session file: {exc}", "file_not_found", "name")
     if isinstance(exc, SessionFileError):
@@ -153,7 +155,7 @@ def install(app: FastAPI, retry_after: int = 1) -> None:
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
-    for kind in (CapacityError, SessionFileError):
+    for kind in (CapacityError, SessionBusyError, SessionFileError):
         app.add_exception_handler(kind, on_runtime)
     app.add_exception_handler(Exception, on_other)
 

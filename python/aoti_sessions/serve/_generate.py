@@ -47,11 +47,12 @@ class Job:
 
         r = self.request
         field, limit = r.limit()
-        if limit is None:
-            limit = COMPLETION_DEFAULT_MAX_TOKENS if not self.chat else self.llm.max_context
-        elif limit > self.llm.max_context:
+        if limit is None and not self.chat:
+            limit = COMPLETION_DEFAULT_MAX_TOKENS
+        elif limit is not None and limit > self.llm.max_context:
             raise APIError(400, f"{field}: {limit} is more than the model's context of {self.llm.max_context} "
                                 "tokens", "invalid_value", field)
+        # No limit: until a stop or the end of the context.
         options: dict[str, Any] = {"max_tokens": limit, "stop": r.stops()}
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(r, name) is not None:
@@ -86,14 +87,19 @@ class Job:
     async def pieces(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
         """The generated text, piece by piece, until the generation ends or
         ``disconnected()`` says the client left (then ``cancelled``)."""
-        g = self.generation
-        assert g is not None
+        g, entry = self.generation, self.entry
+        assert g is not None and entry is not None and entry.session is not None
+        session = entry.session
+
+        def step() -> tuple[str | None, int]:
+            return g.step(), len(session.tokens)  # the count for listings, read here: no waiting on the loop
+
         tokens, last = 0, self.arrived
         while True:
             if await disconnected():
                 self.cancelled = True
                 return
-            piece = await anyio.to_thread.run_sync(g.step)
+            piece, entry.tokens = await anyio.to_thread.run_sync(step)
             now = time.perf_counter()
             if g.completion_tokens > tokens:
                 if tokens == 0:

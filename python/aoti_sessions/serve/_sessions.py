@@ -54,11 +54,14 @@ class Entry:
     busy: bool = True  # a request holds it (a generation, a fork, a save)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
+    tokens: int = 0  # in the cache, as of the last step when busy
 
     def describe(self) -> dict[str, Any]:
-        tokens = len(self.session.tokens) if self.session is not None else 0
-        return {"id": self.id, "object": "session", "created": int(self.created), "tokens": tokens,
-                "busy": self.busy, "last_used": int(self.last_used)}
+        resident = self.session is not None  # a busy session is on the device (or on its way)
+        if self.session is not None and not self.busy:  # else a step may hold the session's lock
+            self.tokens, resident = len(self.session.tokens), self.session.resident
+        return {"id": self.id, "object": "session", "created": int(self.created), "tokens": self.tokens,
+                "busy": self.busy, "resident": resident, "last_used": int(self.last_used)}
 
 
 class Registry:

@@ -1,0 +1,64 @@
+"""A real uvicorn server of ``aoti_sessions.serve`` on a free localhost port,
+run in a thread of the test process, and what the server tests read from it."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+
+
+@contextmanager
+def running(app: Any) -> Iterator[str]:
+    """Serves ``app`` until the block ends; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})? (\S+)$')
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    """``/metrics`` as {'name{labels}': value}; checks every line is
+    well-formed exposition text (a comment or a sample)."""
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    out: dict[str, float] = {}
+    for line in response.text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, f"not exposition text: {line!r}"
+        out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def wait_until(condition: Any, timeout: float = 30.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

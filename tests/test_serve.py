@@ -1,0 +1,412 @@
+"""The OpenAI-compatible server: a real uvicorn server over a real compiled
+tiny Qwen3 package, driven by the ``openai`` client and httpx."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+
+from aoti_sessions.llm import LLM
+from aoti_sessions.serve import create_app
+from conftest import on_threads
+from llm_models import hf_model_dir, llm_package
+from serving import metrics, running, wait_until
+
+KEY = "test-key-4f1c"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CONTEXT = 512  # room for long generations: cancelled and busy requests are still running when checked
+TOKENS = 12  # per turn
+CONVERSATIONS = {
+    "a": ["Hello, how are you today?", "Please tell me a story about a small robot."],
+    "b": ["The weather is nice, the sun is shining.", "Numbers like one, two, three appear often."],
+}
+
+
+@pytest.fixture(scope="module")
+def package() -> Path:
+    return llm_package("qwen3", max_cache_len=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def llm(package: Path) -> Iterator[LLM]:
+    with LLM(package, max_sessions=16) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def server(llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    session_dir = tmp_path_factory.mktemp("sessions")
+    with running(create_app(llm, api_key=KEY, session_dir=session_dir)) as url:
+        yield url
+
+
+@pytest.fixture
+def http(server: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def client(server: str) -> Iterator[openai.OpenAI]:
+    # No retries: a 409 or 429 must reach the test, not be retried away.
+    with openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    """The eager transformers model's greedy chat turn: messages -> text."""
+    folder = hf_model_dir("qwen3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    eos = model.generation_config.eos_token_id
+
+    def turn(messages: list[dict[str, str]], max_tokens: int = TOKENS) -> str:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        if eos in out:
+            out = out[:out.index(eos)]
+        return str(tokenizer.decode(out, skip_special_tokens=True))
+
+    return turn
+
+
+def chat(client: openai.OpenAI, llm: LLM, messages: list[dict[str, str]], session: str | None = None,
+         **kwargs: Any) -> Any:
+    extra = {"session_id": session} if session else None
+    return client.chat.completions.create(model=llm.name, messages=messages,  # type: ignore[arg-type]
+                                          max_tokens=kwargs.pop("max_tokens", TOKENS),
+                                          temperature=kwargs.pop("temperature", 0), extra_body=extra, **kwargs)
+
+
+def converse(client: openai.OpenAI, llm: LLM, turns: list[str], session: str,
+             log: list[tuple[str, float]] | None = None) -> list[str]:
+    """A conversation's turns on ``session``, each streamed (chunk arrival
+    times go to ``log``); every turn resends the whole history, as OpenAI's
+    API wants."""
+    messages: list[dict[str, str]] = []
+    replies = []
+    for user in turns:
+        messages.append({"role": "user", "content": user})
+        stream = chat(client, llm, messages, session, stream=True)
+        pieces = []
+        for chunk in stream:
+            pieces.append(chunk.choices[0].delta.content or "")
+            if log is not None:
+                log.append((session, time.monotonic()))
+        replies.append("".join(pieces))
+        messages.append({"role": "assistant", "content": replies[-1]})
+    return replies
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The OpenAI error body of a response that must have ``status``."""
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert {"message", "type", "code"} <= set(error) and error["message"], error
+    return dict(error)
+
+
+def test_models_and_health(client: openai.OpenAI, server: str, llm: LLM) -> None:
+    assert [m.id for m in client.models.list()] == [llm.name]
+    assert client.models.retrieve(llm.name).id == llm.name
+    with httpx.Client(base_url=server) as anonymous:  # /health needs no key
+        assert anonymous.get("/health").json() == {"status": "ok"}
+
+
+def test_interleaved_sessions_match_alone_and_transformers(client: openai.OpenAI, llm: LLM, reference: Any) -> None:
+    log: list[tuple[str, float]] = []
+    names = sorted(CONVERSATIONS)
+    together = on_threads(2, "cpu", lambda i: converse(client, llm, CONVERSATIONS[names[i]], f"mix-{names[i]}", log))
+    alone = [converse(client, llm, CONVERSATIONS[n], f"alone-{n}") for n in names]
+    assert together == alone
+    # The two streams overlapped: chunks of one arrived between chunks of the other.
+    order = [s for s, _ in sorted(log, key=lambda e: e[1])]
+    first_b, last_a = order.index("mix-b"), len(order) - 1 - order[::-1].index("mix-a")
+    assert first_b < last_a, order
+    for name, replies in zip(names, together):
+        messages: list[dict[str, str]] = []
+        for user, reply in zip(CONVERSATIONS[name], replies):
+            messages.append({"role": "user", "content": user})
+            assert reply == reference(messages), (name, len(messages))
+            messages.append({"role": "assistant", "content": reply})
+
+
+def test_follow_up_turn_prefills_only_new_tokens(client: openai.OpenAI, http: httpx.Client, llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Hello, how are you today?"}]
+    first = chat(client, llm, messages, "follow-up")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And the weather?"}]
+    before = metrics(http)
+    second = chat(client, llm, messages, "follow-up")
+    after = metrics(http)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # The first turn's prompt is in the cache (and its reply, as far as the
+    # template writes it back the same way); only the rest is prefilled.
+    assert cached >= first.usage.prompt_tokens
+    prefilled = after["aoti_sessions_prefilled_tokens_total"] - before["aoti_sessions_prefilled_tokens_total"]
+    assert prefilled == second.usage.prompt_tokens - cached
+    assert after["aoti_sessions_cached_prompt_tokens_total"] - before["aoti_sessions_cached_prompt_tokens_total"] \
+        == cached
+    assert after["aoti_sessions_prompt_tokens_total"] - before["aoti_sessions_prompt_tokens_total"] \
+        == second.usage.prompt_tokens
+    assert after["aoti_sessions_generated_tokens_total"] - before["aoti_sessions_generated_tokens_total"] \
+        == second.usage.completion_tokens
+
+
+def test_stream_equals_non_stream(client: openai.OpenAI, llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Once upon a time there was a little robot."}]
+    for options in ({"temperature": 0}, {"temperature": 1.0, "seed": 7, "top_p": 0.9}):
+        whole = chat(client, llm, messages, max_tokens=20, **options)
+        chunks = list(chat(client, llm, messages, max_tokens=20, stream=True,
+                           stream_options={"include_usage": True}, **options))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finals == [whole.choices[0].finish_reason]
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    prompt = "The quick brown fox"
+    whole_text = client.completions.create(model=llm.name, prompt=prompt, max_tokens=15, temperature=0)
+    streamed = client.completions.create(model=llm.name, prompt=prompt, max_tokens=15, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == whole_text.choices[0].text
+    assert whole_text.usage.completion_tokens <= 15
+
+
+def test_capacity_429_until_a_session_is_deleted(package: Path) -> None:
+    with LLM(package, max_sessions=2) as small, running(create_app(small)) as url, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client, \
+            httpx.Client(base_url=url) as http:
+        hello = [{"role": "user", "content": "Hello"}]
+        chat(client, small, hello, "one", max_tokens=2)
+        chat(client, small, hello, "two", max_tokens=2)
+        for session in ("three", None):  # a new named session, and a throwaway one
+            with pytest.raises(openai.RateLimitError) as raised:
+                chat(client, small, hello, session, max_tokens=2)
+            assert raised.value.response.headers["Retry-After"] == "1"
+            assert raised.value.body["code"] == "capacity"  # type: ignore[index]
+        error_of(http.post("/v1/sessions/two/fork"), 429)
+        assert {s["id"] for s in http.get("/v1/sessions").json()["data"]} == {"one", "two"}
+        assert http.delete("/v1/sessions/one").json() == {"id": "one", "object": "session.deleted", "deleted": True}
+        assert chat(client, small, hello, "three", max_tokens=2).choices[0].finish_reason
+        # Without --session-dir, save and load say so.
+        assert "--session-dir" in error_of(http.post("/v1/sessions/two/save", json={"name": "x"}), 400)["message"]
+        error_of(http.post("/v1/sessions/load", json={"name": "x"}), 400)
+
+
+def _long_prompt(client: openai.OpenAI, llm: LLM, max_tokens: int) -> list[dict[str, str]]:
+    """A prompt whose greedy reply runs to ``max_tokens`` (a random model may
+    otherwise stop early at its end-of-turn token)."""
+    for text in CONVERSATIONS["a"] + CONVERSATIONS["b"]:
+        messages = [{"role": "user", "content": text}]
+        if chat(client, llm, messages, max_tokens=max_tokens).choices[0].finish_reason == "length":
+            return messages
+    raise AssertionError("every prompt's greedy reply stops early")
+
+
+def test_disconnect_stops_the_generation(client: openai.OpenAI, http: httpx.Client, llm: LLM) -> None:
+    max_tokens = CONTEXT - 64
+    messages = _long_prompt(client, llm, max_tokens)
+    before = metrics(http)
+    body = {"model": llm.name, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "session_id": "hang-up"}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 4:
+                break  # leaving the block closes the connection mid-stream
+    wait_until(lambda: not http.get("/v1/sessions/hang-up").json()["busy"], what="the generation to stop")
+    after = metrics(http)
+    assert after["aoti_sessions_cancelled_generations_total"] == before["aoti_sessions_cancelled_generations_total"] + 1
+    generated = after["aoti_sessions_generated_tokens_total"] - before["aoti_sessions_generated_tokens_total"]
+    assert 3 <= generated < max_tokens / 2, generated
+    tokens = http.get("/v1/sessions/hang-up").json()["tokens"]
+    time.sleep(0.2)
+    assert http.get("/v1/sessions/hang-up").json()["tokens"] == tokens  # nothing runs on
+    # The session serves the next request.
+    assert chat(client, llm, messages, "hang-up", max_tokens=2).choices[0].finish_reason
+
+
+def test_busy_session_gets_409(client: openai.OpenAI, http: httpx.Client, llm: LLM) -> None:
+    messages = _long_prompt(client, llm, CONTEXT - 64)
+    stream = chat(client, llm, messages, "busy", max_tokens=CONTEXT - 64, stream=True)
+    next(iter(stream))
+    with pytest.raises(openai.ConflictError) as raised:
+        chat(client, llm, messages, "busy", max_tokens=2)
+    assert raised.value.body["code"] == "session_busy"  # type: ignore[index]
+    stream.close()
+    wait_until(lambda: not http.get("/v1/sessions/busy").json()["busy"], what="the session to be free")
+    assert chat(client, llm, messages, "busy", max_tokens=2).choices[0].finish_reason
+
+
+def test_save_then_load_continues_identically(client: openai.OpenAI, http: httpx.Client, llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Please tell me a story about a small robot."}]
+    reply = chat(client, llm, messages, "saved").choices[0].message.content
+    saved = http.post("/v1/sessions/saved/save", json={"name": "saved.session"}).json()
+    assert saved["object"] == "session.saved" and saved["bytes"] > 0
+    loaded = http.post("/v1/sessions/load", json={"name": "saved.session", "session_id": "loaded"}).json()
+    assert loaded["id"] == "loaded"
+    assert loaded["tokens"] == http.get("/v1/sessions/saved").json()["tokens"]
+    error_of(http.post("/v1/sessions/load", json={"name": "saved.session", "session_id": "loaded"}), 409)
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "What did the robot paint?"}]
+    original, restored = (chat(client, llm, messages, s) for s in ("saved", "loaded"))
+    assert restored.choices[0].message.content == original.choices[0].message.content
+    assert restored.usage.prompt_tokens_details.cached_tokens == original.usage.prompt_tokens_details.cached_tokens > 0
+    # Fork: the copy answers as the original would.
+    fork = http.post("/v1/sessions/saved/fork").json()["id"]
+    assert http.get(f"/v1/sessions/{fork}").json()["tokens"] == http.get("/v1/sessions/saved").json()["tokens"]
+    reset = http.post(f"/v1/sessions/{fork}/reset").json()
+    assert reset["tokens"] == 0
+    assert http.delete(f"/v1/sessions/{fork}").status_code == 200
+
+
+BAD_BODIES: list[tuple[str, Any, str | None]] = [  # (what, body or raw bytes, the field named)
+    ("malformed JSON", b'{"messages": [', None),
+    ("not an object", b"[1, 2]", None),
+    ("unknown field", {"bogus": 1}, "bogus"),
+    ("max_tokens as a string", {"max_tokens": "5"}, "max_tokens"),
+    ("temperature as a string", {"temperature": "hot"}, "temperature"),
+    ("stream as a number", {"stream": 1}, "stream"),
+    ("messages as a string", {"messages": "hello"}, "messages"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("negative max_tokens", {"max_tokens": -1}, "max_tokens"),
+    ("zero max_completion_tokens", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("huge max_tokens", {"max_tokens": 10**9}, "max_tokens"),
+    ("temperature out of range", {"temperature": 3}, "temperature"),
+    ("two choices", {"n": 2}, "n"),
+    ("logprobs", {"logprobs": True}, "logprobs"),
+    ("a penalty", {"presence_penalty": 0.5}, "presence_penalty"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_leave_sessions_intact(client: openai.OpenAI, http: httpx.Client,
+                                                                  llm: LLM, server: str, reference: Any) -> None:
+    messages = [{"role": "user", "content": CONVERSATIONS["b"][0]}]
+    reply = chat(client, llm, messages, "intact").choices[0].message.content
+    tokens = http.get("/v1/sessions/intact").json()["tokens"]
+    good = {"model": llm.name, "messages": messages, "max_tokens": 4, "session_id": "intact"}
+    for what, change, field in BAD_BODIES:
+        if isinstance(change, bytes):
+            response = http.post("/v1/chat/completions", content=change, headers={"Content-Type": "application/json"})
+        else:
+            response = http.post("/v1/chat/completions", json={**good, **change})
+        error = error_of(response, 400)
+        assert error["type"] == "invalid_request_error", what
+        assert error.get("param") == field, (what, error)
+    error = error_of(http.post("/v1/chat/completions", json={**good, "model": "gpt-4"}), 404)
+    assert error["code"] == "model_not_found"
+    too_long = {"model": llm.name, "prompt": list(range(1, CONTEXT + 8)), "max_tokens": 1, "session_id": "intact"}
+    assert error_of(http.post("/v1/completions", json=too_long), 400)["param"] == "prompt"
+    error_of(http.post("/v1/completions", json={**too_long, "prompt": [llm.spec.vocab_size]}), 400)
+    error_of(http.post("/v1/chat/completions", json=good, headers={"X-Session-ID": "../etc"}), 400)
+    error_of(http.post("/v1/chat/completions", json=good, headers={"X-Session-ID": "other"}), 400)
+    error_of(http.post("/v1/chat/completions", json={**good, "session_id": "no/slash"}), 400)
+    # Unknown sessions: 404 wherever one must exist.
+    for method, path, body in (("GET", "/v1/sessions/nobody", None), ("DELETE", "/v1/sessions/nobody", None),
+                               ("POST", "/v1/sessions/nobody/reset", None), ("POST", "/v1/sessions/nobody/fork", None),
+                               ("POST", "/v1/sessions/nobody/save", {"name": "nobody"})):
+        assert error_of(http.request(method, path, json=body), 404)["code"] == "session_not_found"
+    # File names: nothing but a plain name inside --session-dir.
+    for name in ("../escape", "/etc/passwd", "a/b", "a\\b", ".hidden", "..", ".", "", "a\x00b", "-rf", "x" * 300):
+        assert error_of(http.post("/v1/sessions/intact/save", json={"name": name}), 400)["param"] == "name"
+        assert error_of(http.post("/v1/sessions/load", json={"name": name}), 400)["param"] == "name"
+    assert error_of(http.post("/v1/sessions/load", json={"name": "missing.session"}), 404)["code"] == "file_not_found"
+    error_of(http.post("/v1/sessions/intact/save", json={"name": "x", "path": "/tmp/x"}), 400)
+    # Keys: missing or wrong is a 401 everywhere but /health.
+    with httpx.Client(base_url=server) as anonymous:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                                 ("GET", "/v1/sessions/intact"), ("DELETE", "/v1/sessions/intact")):
+                response = anonymous.request(method, path, headers=headers, json=good if method == "POST" else None)
+                assert error_of(response, 401)["code"] == "invalid_api_key"
+        assert anonymous.get("/health").status_code == 200
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0) as stranger:
+        with pytest.raises(openai.AuthenticationError):
+            chat(stranger, llm, messages, "intact")
+    assert error_of(http.get("/v1/chat/completions"), 405)["code"] == "method_not_allowed"
+    assert error_of(http.get("/v1/nothing"), 404)["code"] == "not_found"
+    # None of it touched the session: the conversation goes on as it would have.
+    assert http.get("/v1/sessions/intact").json()["tokens"] == tokens
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": CONVERSATIONS["b"][1]}]
+    assert chat(client, llm, messages, "intact").choices[0].message.content == reference(messages)
+    counts = metrics(http)
+    assert counts['aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="401"}'] >= 3
+    assert counts['aoti_sessions_requests_total{endpoint="/v1/sessions/{session_id}",status="404"}'] >= 2
+    assert counts['aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= len(BAD_BODIES)
+
+
+def test_metrics_show_sessions_and_latencies(http: httpx.Client, client: openai.OpenAI, llm: LLM) -> None:
+    chat(client, llm, [{"role": "user", "content": "Hello"}], "metered", max_tokens=4)
+    counts = metrics(http)
+    stats = llm.engine.stats()
+    assert counts['aoti_sessions_sessions{state="resident"}'] == stats["resident_sessions"]
+    assert counts['aoti_sessions_sessions{state="offloaded"}'] == stats["offloaded_sessions"]
+    assert counts["aoti_sessions_named_sessions"] == len(http.get("/v1/sessions").json()["data"])
+    assert counts["aoti_sessions_throwaway_sessions"] == 0  # closed when their requests ended
+    assert counts["aoti_sessions_time_to_first_token_seconds_count"] >= 1
+    assert counts["aoti_sessions_inter_token_latency_seconds_count"] >= 3
+    assert counts['aoti_sessions_time_to_first_token_seconds_bucket{le="+Inf"}'] \
+        == counts["aoti_sessions_time_to_first_token_seconds_count"]
+    assert counts["aoti_sessions_session_device_bytes"] == stats["device_bytes"] > 0
+    assert "aoti_sessions_evictions_total" in counts
+
+
+def test_cli_serves_and_import_needs_no_fastapi(package: Path, tmp_path: Path) -> None:
+    # `import aoti_sessions` (and the serve package) leave FastAPI unloaded.
+    probe = "import sys, aoti_sessions, aoti_sessions.serve; print('fastapi' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
+    # Without FastAPI the command says what to install.
+    blocked = ("import sys; sys.modules['fastapi'] = None; from aoti_sessions.__main__ import main; "
+               f"sys.exit(main(['serve', {str(package)!r}]))")
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True)
+    assert result.returncode == 2 and "aoti-sessions[serve]" in result.stderr, result.stderr
+    # The real command: a server on a free port, with a key.
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "AOTI_SESSIONS_API_KEY": KEY}
+    process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
+                                "--max-sessions", "3", "--memory-budget", "64MiB", "--session-dir",
+                                str(tmp_path / "sessions")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60) as http:
+            def up() -> bool:
+                assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+                try:
+                    return http.get("/health").status_code == 200
+                except httpx.TransportError:
+                    return False
+            wait_until(up, timeout=120, what="the server to start")
+            body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "session_id": "cli"}
+            reply = http.post("/v1/chat/completions", json=body).json()
+            assert reply["usage"]["completion_tokens"] <= 3 and reply["session_id"] == "cli"
+            assert http.post("/v1/sessions/cli/save", json={"name": "cli"}).status_code == 200
+            assert (tmp_path / "sessions" / "cli").is_file()
+            assert http.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
+    finally:
+        process.terminate()
+        process.wait(60)
+        if process.stdout:
+            process.stdout.close()
