@@ -213,6 +213,31 @@ def test_capacity_429_until_a_session_is_deleted(package: Path) -> None:
         error_of(http.post("/v1/sessions/load", json={"name": "x"}), 400)
 
 
+def test_memory_budget_moves_idle_sessions_to_host(package: Path, reference: Any) -> None:
+    with LLM(package) as probe:
+        per_session = probe.engine.bytes_per_session
+    with LLM(package, memory_budget=2 * per_session) as small, running(create_app(small)) as url, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client, \
+            httpx.Client(base_url=url) as http:
+        history = {name: [{"role": "user", "content": text}]
+                   for name, text in zip(("e1", "e2", "e3"), (*CONVERSATIONS["a"], CONVERSATIONS["b"][0]))}
+        for name, messages in history.items():
+            messages.append({"role": "assistant", "content": chat(client, small, messages, name).choices[0]
+                             .message.content})
+        counts = metrics(http)
+        assert counts["aoti_sessions_evictions_total"] >= 1
+        assert counts['aoti_sessions_sessions{state="offloaded"}'] == 1
+        assert counts['aoti_sessions_sessions{state="resident"}'] == 2
+        assert counts["aoti_sessions_session_host_bytes"] == per_session
+        assert not http.get("/v1/sessions/e1").json()["resident"]  # the least recently used
+        # The offloaded conversation comes back and goes on as if it had stayed.
+        messages = history["e1"] + [{"role": "user", "content": CONVERSATIONS["b"][1]}]
+        second = chat(client, small, messages, "e1")
+        assert second.choices[0].message.content == reference(messages)
+        assert second.usage.prompt_tokens_details.cached_tokens >= len(small.chat_tokens(history["e1"][:1]))
+        assert metrics(http)["aoti_sessions_restores_total"] >= 1
+
+
 def _long_prompt(client: openai.OpenAI, llm: LLM, max_tokens: int) -> list[dict[str, str]]:
     """A prompt whose greedy reply runs to ``max_tokens`` (a random model may
     otherwise stop early at its end-of-turn token)."""
@@ -246,6 +271,16 @@ def test_disconnect_stops_the_generation(client: openai.OpenAI, http: httpx.Clie
     assert http.get("/v1/sessions/hang-up").json()["tokens"] == tokens  # nothing runs on
     # The session serves the next request.
     assert chat(client, llm, messages, "hang-up", max_tokens=2).choices[0].finish_reason
+    # Not streaming: a client that gives up waiting stops the generation too.
+    before = metrics(http)
+    with httpx.Client(base_url=http.base_url, headers=AUTH, timeout=0.05) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/chat/completions", json={**body, "stream": False, "session_id": "gave-up"})
+    wait_until(lambda: not http.get("/v1/sessions/gave-up").json()["busy"], what="the generation to stop")
+    after = metrics(http)
+    assert after["aoti_sessions_cancelled_generations_total"] == before["aoti_sessions_cancelled_generations_total"] + 1
+    generated = after["aoti_sessions_generated_tokens_total"] - before["aoti_sessions_generated_tokens_total"]
+    assert generated < max_tokens / 2, generated
 
 
 def test_busy_session_gets_409(client: openai.OpenAI, http: httpx.Client, llm: LLM) -> None:
