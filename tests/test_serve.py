@@ -1,5 +1,6 @@
 """The OpenAI-compatible server: a real uvicorn server over a real compiled
-tiny Qwen3 package, driven by the ``openai`` client and httpx."""
+tiny Qwen3 package (on the CPU, and on a GPU where there is one), driven by
+the ``openai`` client and httpx, checked against the eager transformers model."""
 
 from __future__ import annotations
 
@@ -35,13 +36,13 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="module")
-def package() -> Path:
-    return llm_package("qwen3", max_cache_len=CONTEXT)
+def package(device: str) -> Path:
+    return llm_package("qwen3", device=device, max_cache_len=CONTEXT)
 
 
 @pytest.fixture(scope="module")
-def llm(package: Path) -> Iterator[LLM]:
-    with LLM(package, max_sessions=16) as model:
+def llm(package: Path, device: str) -> Iterator[LLM]:
+    with LLM(package, device, max_sessions=16) as model:
         yield model
 
 
@@ -192,8 +193,8 @@ def test_stream_equals_non_stream(client: openai.OpenAI, llm: LLM) -> None:
     assert whole_text.usage.completion_tokens <= 15
 
 
-def test_capacity_429_until_a_session_is_deleted(package: Path) -> None:
-    with LLM(package, max_sessions=2) as small, running(create_app(small)) as url, \
+def test_capacity_429_until_a_session_is_deleted(package: Path, device: str) -> None:
+    with LLM(package, device, max_sessions=2) as small, running(create_app(small)) as url, \
             openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client, \
             httpx.Client(base_url=url) as http:
         hello = [{"role": "user", "content": "Hello"}]
@@ -213,10 +214,10 @@ def test_capacity_429_until_a_session_is_deleted(package: Path) -> None:
         error_of(http.post("/v1/sessions/load", json={"name": "x"}), 400)
 
 
-def test_memory_budget_moves_idle_sessions_to_host(package: Path, reference: Any) -> None:
-    with LLM(package) as probe:
+def test_memory_budget_moves_idle_sessions_to_host(package: Path, device: str, reference: Any) -> None:
+    with LLM(package, device) as probe:
         per_session = probe.engine.bytes_per_session
-    with LLM(package, memory_budget=2 * per_session) as small, running(create_app(small)) as url, \
+    with LLM(package, device, memory_budget=2 * per_session) as small, running(create_app(small)) as url, \
             openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client, \
             httpx.Client(base_url=url) as http:
         history = {name: [{"role": "user", "content": text}]
@@ -407,7 +408,7 @@ def test_metrics_show_sessions_and_latencies(http: httpx.Client, client: openai.
     assert "aoti_sessions_evictions_total" in counts
 
 
-def test_cli_serves_and_import_needs_no_fastapi(package: Path, tmp_path: Path) -> None:
+def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_path: Path) -> None:
     # `import aoti_sessions` (and the serve package) leave FastAPI unloaded.
     probe = "import sys, aoti_sessions, aoti_sessions.serve; print('fastapi' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
@@ -422,13 +423,14 @@ def test_cli_serves_and_import_needs_no_fastapi(package: Path, tmp_path: Path) -
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "AOTI_SESSIONS_API_KEY": KEY}
+    log = (tmp_path / "server.log").open("w")
     process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
-                                "--max-sessions", "3", "--memory-budget", "64MiB", "--session-dir",
-                                str(tmp_path / "sessions")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                "--device", device, "--max-sessions", "3", "--memory-budget", "64MiB", "--session-dir",
+                                str(tmp_path / "sessions")], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60) as http:
             def up() -> bool:
-                assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+                assert process.poll() is None, (tmp_path / "server.log").read_text()
                 try:
                     return http.get("/health").status_code == 200
                 except httpx.TransportError:
@@ -443,5 +445,4 @@ def test_cli_serves_and_import_needs_no_fastapi(package: Path, tmp_path: Path) -
     finally:
         process.terminate()
         process.wait(60)
-        if process.stdout:
-            process.stdout.close()
+        log.close()

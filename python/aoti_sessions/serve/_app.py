@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -174,7 +174,7 @@ def _session_id(in_body: str | None, in_header: str | None) -> str | None:
     return in_body if in_body is not None else in_header
 
 
-async def _events(job: Job, request: Request, retry_after: int) -> AsyncIterator[bytes]:
+async def _events(job: Job, request: Request, retry_after: int) -> AsyncGenerator[bytes, None]:
     """The stream's server-sent events: OpenAI's chunks, then ``[DONE]``; an
     error met on the way is one last event."""
     if job.chat:
@@ -202,7 +202,7 @@ class _Stream(StreamingResponse):
     """A server-sent event stream that runs ``cleanup`` however it ends: done,
     failed, or cut short by the client (Starlette then cancels the stream)."""
 
-    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]],
+    def __init__(self, content: AsyncGenerator[bytes, None], cleanup: Callable[[], Awaitable[None]],
                  headers: dict[str, str]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -213,7 +213,7 @@ class _Stream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self._content.aclose()  # type: ignore[attr-defined]
+                await self._content.aclose()
                 await self._cleanup()
 
 

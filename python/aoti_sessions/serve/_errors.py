@@ -81,14 +81,17 @@ def runtime_error(exc: BaseException, retry_after: int = 1) -> APIError | None:
     return None
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic names a union's member so
+
+
 def _field(loc: Sequence[Any]) -> str:
-    """``("body", "messages", 0, "role")`` -> ``messages[0].role``."""
+    """``("body", "messages", 0, "role")`` -> ``messages[0].role``; the
+    members of a union that pydantic puts in the path (``list[int]``) left out."""
     out = ""
     for part in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not str(part).startswith(("function-", "tagged-union")) and str(part) not in ("str", "list[str]",
-                                                                                           "list[int]"):
+        elif str(part).isidentifier() and str(part) not in _TYPE_TAGS:
             out += f".{part}" if out else str(part)
     return out
 

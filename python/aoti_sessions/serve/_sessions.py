@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# A session file's name: a plain, visible file name inside --session-dir.
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+# A session file's name: a plain, visible file name inside --session-dir (short
+# enough for the token history written beside it, NAME + ".tokens.json").
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 
 
 async def in_thread(call: Callable[[], T]) -> T:
