@@ -46,6 +46,11 @@ def create_app(llm: LLM, *, api_key: str | None = None, session_dir: str | os.Pa
             it they answer 400.
         model_name: the model id clients name (default ``llm.name``).
         retry_after: seconds a 429 (no room for a session) tells clients to wait.
+
+    A generation request names its session with ``session_id`` in the body or
+    an ``X-Session-ID`` header; an id the server does not know yet is created
+    (the ``/v1/sessions/{id}`` endpoints answer 404 for it instead). Without
+    one, the request gets a throwaway session, closed when it ends.
     """
     registry = Registry(llm, session_dir)
     metrics = ServerMetrics(llm.engine.stats, lambda: len(registry), lambda: registry.throwaway)
