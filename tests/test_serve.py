@@ -4,7 +4,6 @@ the ``openai`` client and httpx, checked against the eager transformers model.""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
