@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,12 @@ os.environ.setdefault("AOTI_SESSIONS_CACHE", str(ROOT / "build" / "test-cache"))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from aoti_sessions import _compile  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import _export  # noqa: E402
+from aoti_sessions.llm import _export, _spec  # noqa: E402
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3")  # the families the tests export
+KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window, for the window's limits
 SEED = 0
 # Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
 FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
@@ -87,7 +89,11 @@ def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.Pret
         return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
     if arch == "gemma":
         return transformers.GemmaConfig(**common, head_dim=16)
-    raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, head_dim=16, sliding_window=256)
+    if arch == "phi3":
+        return transformers.Phi3Config(**common)
+    raise ValueError(f"unknown arch {arch!r}; known: {', '.join(KNOWN)}")
 
 
 def _atomic_dir(target: Path, build: Callable[[Path], None]) -> Path:
@@ -134,17 +140,25 @@ def hf_model_dir(arch: str) -> Path:
     return _atomic_dir(cache_dir() / "hf" / _source_key(arch) / f"tiny-{arch}", build)
 
 
-def llm_package(arch: str, device: str = "cpu", max_cache_len: int = 128) -> Path:
-    """``hf_model_dir(arch)`` exported with ``aoti_sessions.llm.export``, once."""
-    key = _source_key(inspect.getsource(_export), arch, device, str(max_cache_len))
-    target = cache_dir() / "models" / f"llm-{arch}-{device}-{key}.pt2"
+def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object]) -> Path:
+    """The package ``build(path)`` writes, built once: cached under the models
+    folder by ``key``, this file, the exporter's and the compiler's sources."""
+    sources = [inspect.getsource(module) for module in (_export, _spec, _compile)]
+    target = cache_dir() / "models" / f"{name}-{_source_key(*sources, *key)}.pt2"
     if target.is_file():
         return target
-    source = hf_model_dir(arch)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # The package's top folder is named after its file: export under the final name.
+    # The package's top folder is named after its file: build it under the final name.
     with tempfile.TemporaryDirectory(dir=target.parent) as staging:
         tmp = Path(staging) / target.name
-        _export.export(source, tmp, device=device, max_cache_len=max_cache_len, inductor_configs=FAST)
+        build(tmp)
         os.replace(tmp, target)
     return target
+
+
+def llm_package(arch: str, device: str = "cpu", max_cache_len: int = 128) -> Path:
+    """``hf_model_dir(arch)`` exported with ``aoti_sessions.llm.export``, once."""
+    def build(path: Path) -> None:
+        _export.export(hf_model_dir(arch), path, device=device, max_cache_len=max_cache_len, inductor_configs=FAST)
+
+    return cached_package(f"llm-{arch}-{device}", (arch, device, str(max_cache_len)), build)

@@ -28,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     from .serve._cli import add_arguments as add_serve_arguments
 
     add_serve_arguments(commands.add_parser("serve", help="serve an LLM package over an OpenAI-compatible HTTP API"))
+    from .llm._export_cli import add_arguments as add_export_arguments, run as run_export
+
+    add_export_arguments(commands.add_parser("export", help="compile a saved transformers causal LM into an LLM package"))
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return run_export(args)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     from .errors import Error

@@ -18,7 +18,8 @@ import os
 import tempfile
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -28,7 +29,7 @@ from .._compile import Method, compile
 from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
 __all__ = ["export", "DEFAULT_MAX_CACHE_LEN", "DEFAULT_MAX_PREFILL"]
@@ -36,6 +37,7 @@ __all__ = ["export", "DEFAULT_MAX_CACHE_LEN", "DEFAULT_MAX_PREFILL"]
 DEFAULT_MAX_CACHE_LEN = 4096  # capped by the model's max_position_embeddings
 DEFAULT_MAX_PREFILL = 512  # capped by max_cache_len
 _EXAMPLE_PREFILL = 8  # tokens of the example prefill call (any size in [2, max_prefill] serves)
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # save_pretrained writes both
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -83,7 +85,11 @@ def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _check_folder(source: Path) -> None:
+def _check_folder(source: Path) -> PretrainedConfig:
+    """A saved causal LM's folder, checked from its config (cheap) before any weight is read."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     if not source.exists():
         raise FileNotFoundError(f"model folder {source} does not exist")
     if not source.is_dir():
@@ -91,15 +97,15 @@ def _check_folder(source: Path) -> None:
     if not (source / "config.json").is_file():
         raise ValueError(f"{source} holds no transformers model (no config.json); give the folder "
                          "save_pretrained wrote for the model and its tokenizer")
+    config: PretrainedConfig = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{source} holds a '{config.model_type}' model, which is not a causal language model")
+    return config
 
 
 def _load_model(source: Path, dtype: torch.dtype | None) -> PreTrainedModel:
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"{source} holds a '{config.model_type}' model, which is not a causal language model")
     model: PreTrainedModel = transformers.AutoModelForCausalLM.from_pretrained(
         source, local_files_only=True, dtype=dtype if dtype is not None else "auto")
     return model
@@ -117,6 +123,10 @@ def _load_tokenizer(tokenizer: Any, folder: str | os.PathLike[str] | None) -> Pr
         where = Path(folder)
     else:
         raise ValueError("the model came without a tokenizer: pass tokenizer= (a tokenizer or its folder)")
+    # transformers 5 makes an empty tokenizer of a folder without one: look for its files first.
+    if not any((where / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {where} (none of {', '.join(_TOKENIZER_FILES)}); save one there with "
+                         "tokenizer.save_pretrained or pass tokenizer=")
     try:
         loaded: PreTrainedTokenizerBase = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
@@ -125,28 +135,46 @@ def _load_tokenizer(tokenizer: Any, folder: str | os.PathLike[str] | None) -> Pr
     return loaded
 
 
-def _check_model(model: Any) -> None:
+def _checked_model(model: object) -> PreTrainedModel:
+    """``model``, if export can take it."""
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"expected a transformers PreTrainedModel or its saved folder, got {type(model).__name__}")
+    name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; export takes decoder-only causal LMs")
-    if not hasattr(model, "lm_head") and not type(model).__name__.endswith("ForCausalLM"):
-        raise ValueError(f"{type(model).__name__} is not a causal language model (a *ForCausalLM class)")
+        raise ValueError(f"{name} is an encoder-decoder model; export takes decoder-only causal LMs")
+    if name not in {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}:
+        raise ValueError(f"{name} is not a causal language model (a *ForCausalLM class)")
     if not getattr(model, "_can_compile_fullgraph", False):
-        raise ValueError(f"{type(model).__name__} does not support a static KV cache in one graph "
+        raise ValueError(f"{name} does not support a static KV cache in one graph "
                          "(transformers marks it _can_compile_fullgraph=False)")
+    return model
+
+
+def _sizes(config: Any, max_cache_len: int | None, max_prefill: int | None,
+           tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """max_cache_len and max_prefill, defaults filled in and checked against the model."""
+    cache_len = _cache_len(config, max_cache_len)
+    prefill_len = min(DEFAULT_MAX_PREFILL, cache_len) if max_prefill is None else max_prefill
+    if not 2 <= prefill_len <= cache_len:
+        raise ValueError(f"max_prefill must be in [2, max_cache_len={cache_len}], got {prefill_len}")
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size} logits")
+    return cache_len, prefill_len
 
 
 def _cache_len(config: Any, max_cache_len: int | None) -> int:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
     limit = getattr(config, "max_position_embeddings", None)
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    # Sliding-window layers become plain static layers: exact only while the
-    # whole cache fits in the window.
-    if window is not None and any("sliding" in str(t) for t in layer_types):
-        limit = min(limit or window, window)
+    # transformers' export recipe turns sliding-window (and chunked) layers into
+    # plain static layers: exact only while the whole cache fits in the window.
+    windows = [kwargs["sliding_window"] for kwargs in get_layer_types_and_kwargs(config)[1]
+               if kwargs.get("sliding_window")]
+    if windows:
+        limit = min(limit or min(windows), *windows)
     if max_cache_len is None:
         return min(DEFAULT_MAX_CACHE_LEN, limit or DEFAULT_MAX_CACHE_LEN)
     if max_cache_len < 2:
@@ -171,6 +199,44 @@ def _first_id(*values: Any) -> int | None:
         if value is not None:
             return int(value)
     return None
+
+
+def _methods(max_prefill: int, device: torch.device) -> dict[str, Method]:
+    """Example inputs: prefill's length is dynamic in [2, max_prefill], decode's static."""
+    example = min(_EXAMPLE_PREFILL, max_prefill)
+    tokens = torch.export.Dim("tokens", min=2, max=max_prefill)
+    return {
+        "prefill": Method((torch.zeros(1, example, dtype=torch.long, device=device),
+                           torch.arange(example, device=device)),
+                          dynamic_shapes=({1: tokens}, {0: tokens}), entry="prefill"),
+        "decode": Method((torch.zeros(1, 1, dtype=torch.long, device=device),
+                          torch.tensor([example], device=device)), entry="decode"),
+    }
+
+
+@contextmanager
+def _exportable(model: PreTrainedModel, device: torch.device, dtype: torch.dtype | None,
+                restore: bool) -> Iterator[None]:
+    """``model`` on ``device`` in ``dtype``, in eval mode and no_grad, with the
+    generation settings transformers' static-cache wrapper asks for; the
+    caller's model is put back as it was when ``restore``."""
+    import transformers
+
+    if model.generation_config is None:
+        model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
+    generation, use_cache = model.generation_config, model.config.use_cache
+    training, old_device, old_dtype = model.training, model.device, model.dtype
+    static = copy.deepcopy(generation)
+    static.use_cache, static.cache_implementation = True, "static"
+    model.generation_config, model.config.use_cache = static, True
+    try:
+        cast(torch.nn.Module, model).to(device=device, dtype=dtype).eval()
+        with torch.no_grad():
+            yield
+    finally:
+        model.generation_config, model.config.use_cache = generation, use_cache
+        if restore:
+            cast(torch.nn.Module, model).to(device=old_device, dtype=old_dtype).train(training)
 
 
 def _model_name(model: PreTrainedModel, source: Path | None) -> str:
@@ -229,74 +295,47 @@ def export(
     if not target.endswith(".pt2"):
         raise ValueError(f"package path must end in .pt2, got {target}")
     torch_dtype = None if dtype is None else _as_dtype(dtype)
-    source = None
+    source: Path | None = None
     if isinstance(model_or_dir, (str, os.PathLike)):
-        source = Path(model_or_dir)
-        _check_folder(source)
-        tok = _load_tokenizer(tokenizer, source)  # before the weights: a missing one fails fast
-        model = _load_model(source, torch_dtype)
-        _check_model(model)
+        source = folder = Path(model_or_dir)
+        config = _check_folder(folder).get_text_config()
+        tok = _load_tokenizer(tokenizer, folder)
+        # Every check before the weights are read: bad input fails fast.
+        cache_len, prefill_len = _sizes(config, max_cache_len, max_prefill, tok)
+        model = _checked_model(_load_model(folder, torch_dtype))
     else:
-        model = model_or_dir
-        _check_model(model)
+        model = _checked_model(model_or_dir)
+        config = model.config.get_text_config()
         tok = _load_tokenizer(tokenizer, getattr(model, "name_or_path", None))
+        cache_len, prefill_len = _sizes(config, max_cache_len, max_prefill, tok)
         if torch_dtype is not None and torch_dtype != model.dtype:
             model = copy.deepcopy(model)  # converting the caller's weights back and forth would round them
-    config = model.config.get_text_config()
-    cache_len = _cache_len(config, max_cache_len)
-    prefill_len = min(DEFAULT_MAX_PREFILL, cache_len) if max_prefill is None else max_prefill
-    if not 2 <= prefill_len <= cache_len:
-        raise ValueError(f"max_prefill must be in [2, max_cache_len={cache_len}], got {prefill_len}")
-    vocab = int(config.vocab_size)
-    if len(tok) > vocab:
-        raise ValueError(f"the tokenizer has {len(tok)} tokens but the model only {vocab} logits")
 
     dev = torch.device(device)
-    if model.generation_config is None:
-        model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
     generation = model.generation_config  # what the package records: the model's own defaults
-    static = copy.deepcopy(generation)  # what transformers' static-cache wrapper asks for
-    static.use_cache, static.cache_implementation = True, "static"
-    saved = (model.config.use_cache, model.training, model.device, model.dtype)
-    model.generation_config, model.config.use_cache = static, True
-    try:
-        cast(torch.nn.Module, model).to(device=dev, dtype=torch_dtype).eval()
-        lm = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=cache_len, device=dev)
-        keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-        module = _PrefillDecode(lm, keeps)
-        example = min(_EXAMPLE_PREFILL, prefill_len)
-        tokens = torch.export.Dim("tokens", min=2, max=prefill_len)
-        methods = {
-            "prefill": Method((torch.zeros(1, example, dtype=torch.long, device=dev),
-                               torch.arange(example, device=dev)),
-                              dynamic_shapes=({1: tokens}, {0: tokens}), entry="prefill"),
-            "decode": Method((torch.zeros(1, 1, dtype=torch.long, device=dev),
-                              torch.tensor([example], device=dev)), entry="decode"),
-        }
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(target))) as staging, \
-                torch.no_grad(), warnings.catch_warnings():
+    with _exportable(model, dev, torch_dtype, restore=model is model_or_dir), \
+            tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(target))) as staging:
+        module = _PrefillDecode(TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=cache_len,
+                                                                     device=dev),
+                                logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters)
+        # Export under the final name: the package's top folder is named after the file.
+        tmp = os.path.join(staging, os.path.basename(target))
+        with warnings.catch_warnings():
             # Dynamo notes transformers' output-capture global as a side effect; it is harmless here.
             warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
-            # Export under the final name: the package's top folder is named after the file.
-            tmp = os.path.join(staging, os.path.basename(target))
             # transformers' static cache exports only through dynamo (strict): the
             # non-strict trace fails in run_decompositions ("expected compiled_fn
             # to be GraphModule").
-            compile(module, methods, path=tmp, inductor_configs=inductor_configs, strict=True)
-            spec = LLMSpec(
-                model_type=str(config.model_type), architecture=type(model).__name__,
-                max_cache_len=cache_len, max_prefill=prefill_len, vocab_size=int(vocab),
-                eos_token_ids=_eos_ids(generation, config, tok),
-                bos_token_id=_first_id(generation.bos_token_id, config.bos_token_id, tok.bos_token_id),
-                pad_token_id=_first_id(generation.pad_token_id, getattr(config, "pad_token_id", None),
-                                       tok.pad_token_id),
-                dtype=str(model.dtype).removeprefix("torch."),
-                name=_model_name(model, source))
-            _append_files(tmp, {SPEC_FILE: spec.to_json().encode(),
-                                GENERATION_CONFIG_FILE: generation.to_json_string().encode(),
-                                **_tokenizer_files(tok)})
-            os.replace(tmp, target)
-    finally:
-        model.generation_config, model.config.use_cache = generation, saved[0]
-        cast(torch.nn.Module, model).to(device=saved[2], dtype=saved[3]).train(saved[1])
+            compile(module, _methods(prefill_len, dev), path=tmp, inductor_configs=inductor_configs, strict=True)
+        spec = LLMSpec(
+            model_type=str(config.model_type), architecture=type(model).__name__,
+            max_cache_len=cache_len, max_prefill=prefill_len, vocab_size=int(config.vocab_size),
+            eos_token_ids=_eos_ids(generation, config, tok),
+            bos_token_id=_first_id(generation.bos_token_id, config.bos_token_id, tok.bos_token_id),
+            pad_token_id=_first_id(generation.pad_token_id, getattr(config, "pad_token_id", None), tok.pad_token_id),
+            dtype=str(model.dtype).removeprefix("torch."), name=_model_name(model, source))
+        _append_files(tmp, {SPEC_FILE: spec.to_json().encode(),
+                            GENERATION_CONFIG_FILE: generation.to_json_string().encode(),
+                            **_tokenizer_files(tok)})
+        os.replace(tmp, target)
     return target

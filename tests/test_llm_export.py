@@ -1,0 +1,261 @@
+"""aoti_sessions.llm.export: LLM packages of real transformers decoder families
+(tiny random-weight models, tests/llm_models.py) against the eager model's own
+greedy ``generate``; the package's tokenizer, spec and generation config; the
+command line."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+import aoti_sessions as ais
+import aoti_sessions.__main__
+from aoti_sessions.__main__ import main
+from aoti_sessions._package import cache_dir
+from aoti_sessions.llm import _export_cli, export
+from aoti_sessions.llm._spec import LLM_DIR, SPEC_FILE, read_llm_package
+from llm_models import ARCHS, FAST, cached_package, hf_model_dir, llm_package
+
+STEPS = 12  # greedy tokens compared per prompt
+PROMPTS = ["Tell me a story about the sea.", "How are you today?"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def engine(arch: str) -> Iterator[ais.Engine]:
+    with ais.Engine(llm_package(arch), device="cpu") as eng:
+        yield eng
+
+
+def _eager(arch: str) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(arch), local_files_only=True).eval()
+
+
+def _tokenizer(arch: str) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(hf_model_dir(arch), local_files_only=True)
+
+
+def _chat(tokenizer: Any, text: str) -> list[int]:
+    ids: list[int] = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True)["input_ids"]
+    return ids
+
+
+def _reference(model: Any, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """The eager model's greedy tokens and the logits each was chosen from."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), list(out.logits)
+
+
+def _feed(session: ais.Session, ids: list[int], start: int, chunk: int) -> torch.Tensor:
+    """``ids`` into the cache from position ``start``, ``chunk`` tokens per prefill
+    call (a lone last token goes through decode); the last position's logits."""
+    logits = torch.empty(0)
+    pos = start
+    while pos < start + len(ids):
+        piece = ids[pos - start:pos - start + chunk]
+        if len(piece) == 1:
+            logits = session.run("decode", torch.tensor([piece]), torch.tensor([pos]))
+        else:
+            logits = session.run("prefill", torch.tensor([piece]), torch.arange(pos, pos + len(piece)))
+        pos += len(piece)
+    return logits
+
+
+class _Greedy:
+    """Greedy decoding of one session of a package, one step per call."""
+
+    def __init__(self, session: ais.Session, prompt: list[int], chunk: int, eos: list[int]) -> None:
+        self.session, self.pos, self.eos = session, len(prompt), eos
+        self.logits = [_feed(session, prompt, 0, chunk)]
+        self.tokens: list[int] = []
+
+    def step(self) -> bool:
+        token = int(self.logits[-1].argmax(-1))
+        self.tokens.append(token)
+        if token in self.eos or len(self.tokens) == STEPS:
+            return False
+        self.logits.append(self.session.run("decode", torch.tensor([[token]]), torch.tensor([self.pos])))
+        self.pos += 1
+        return True
+
+
+@pytest.mark.parametrize("chunk", [64, 5])
+def test_greedy_tokens_match_eager_generate(arch: str, engine: ais.Engine, chunk: int) -> None:
+    """The whole prompt in one prefill, or in chunks of 5 at growing offsets (the
+    last token alone through decode), then decode: the same greedy tokens as
+    transformers' generate, from logits within float rounding."""
+    model, tokenizer = _eager(arch), _tokenizer(arch)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    prompt = _chat(tokenizer, PROMPTS[0])
+    expected, logits = _reference(model, prompt)
+    with engine.new_session() as s:
+        greedy = _Greedy(s, prompt, chunk, eos)
+        while greedy.step():
+            pass
+    assert greedy.tokens == expected
+    assert len(expected) >= 8  # a long enough comparison, not an early eos
+    for mine, theirs in zip(greedy.logits, logits):
+        assert mine.shape == (1, len(tokenizer))
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_interleaved_sessions_stay_isolated() -> None:
+    """Two sessions stepped in turn, each with its own prompt, each get the tokens
+    of their prompt alone: the KV cache is per session (one family shows it)."""
+    model, tokenizer = _eager("qwen3"), _tokenizer("qwen3")
+    prompts = [_chat(tokenizer, text) for text in PROMPTS]
+    expected = [_reference(model, p)[0] for p in prompts]
+    assert expected[0] != expected[1]
+    with ais.Engine(llm_package("qwen3")) as engine, engine.new_session() as a, engine.new_session() as b:
+        runs = [_Greedy(s, p, 64, eos=[]) for s, p in zip((a, b), prompts)]
+        live = list(runs)
+        while live:
+            live = [g for g in live if g.step()]
+    assert [g.tokens[:len(e)] for g, e in zip(runs, expected)] == expected
+
+
+def test_kv_cache_is_per_session_state(engine: ais.Engine, arch: str) -> None:
+    config = transformers.AutoConfig.from_pretrained(hf_model_dir(arch), local_files_only=True)
+    layers = range(config.num_hidden_layers)
+    kv = {f"lm.{kind}_cache_{i}" for kind in ("key", "value") for i in layers}
+    positions = {f"lm.cumulative_length_{i}" for i in layers}
+    assert set(engine.mutable_fqns) == kv | positions
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    buffers = {b["fqn"]: b for b in engine.buffers()}
+    for fqn in kv:
+        assert buffers[fqn]["sizes"] == [1, config.num_key_value_heads, 128, head_dim]
+        assert sorted(buffers[fqn]["methods"]) == ["decode", "prefill"]
+    assert sorted(engine.methods) == ["decode", "prefill"]
+
+
+def test_package_carries_tokenizer_spec_and_generation_config(arch: str) -> None:
+    package = read_llm_package(llm_package(arch))
+    original = _tokenizer(arch)
+    tokenizer = package.load_tokenizer()
+    text = "Hello, how are you? The robot painted the sea."
+    assert tokenizer.encode(text) == original.encode(text)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert (tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == original.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+    im_end, endoftext = (original.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    spec = package.spec
+    model_class = type(_eager(arch)).__name__
+    assert (spec.model_type, spec.architecture, spec.name) == (arch, model_class, f"tiny-{arch}")
+    assert (spec.max_cache_len, spec.max_prefill, spec.vocab_size, spec.dtype) == (128, 128, len(original), "float32")
+    assert (spec.eos_token_ids, spec.bos_token_id, spec.pad_token_id) == ([im_end], endoftext, endoftext)
+    assert package.generation_config["eos_token_id"] == im_end
+    assert package.tokenizer_dir.is_dir() and package.tokenizer_dir.is_relative_to(cache_dir())
+
+
+def _with_spec(package: Path, target: Path, edit: Any) -> Path:
+    """A copy of ``package`` whose llm.json went through ``edit``."""
+    with zipfile.ZipFile(package) as src, zipfile.ZipFile(target, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith(f"{LLM_DIR}/{SPEC_FILE}"):
+                data = json.dumps(edit(json.loads(data))).encode()
+            dst.writestr(info, data)
+    return target
+
+
+def test_reading_a_package_that_is_not_an_llm_package_fails_clearly(counter_cpu_pkg: Path, tmp_path: Path) -> None:
+    with pytest.raises(ais.PackageError, match="not an LLM package"):
+        read_llm_package(counter_cpu_pkg)
+    with pytest.raises(ais.PackageError, match="does not exist"):
+        read_llm_package(tmp_path / "missing.pt2")
+    qwen3 = llm_package("qwen3")
+    for edit, message in [
+        (lambda d: {**d, "max_cache_len": "128"}, r"field 'max_cache_len' must be an integer"),
+        (lambda d: {k: v for k, v in d.items() if k != "vocab_size"}, r"field 'vocab_size' is missing"),
+        (lambda d: {**d, "eos_token_ids": [2, -1]}, r"field 'eos_token_ids\[1\]' must be an integer >= 0"),
+        (lambda d: {**d, "max_prefill": 129}, r"max_prefill.*exceeds max_cache_len"),
+        (lambda d: {**d, "version": 2}, r"unknown version"),
+    ]:
+        with pytest.raises(ais.PackageError, match=message):
+            read_llm_package(_with_spec(qwen3, tmp_path / "edited.pt2", edit))
+
+
+def test_cli_exports_a_saved_folder(capsys: pytest.CaptureFixture[str]) -> None:
+    """Compiled once, as the packages of llm_package are (keyed by the CLI's source too)."""
+    def build(path: Path) -> None:
+        assert main(["export", str(hf_model_dir("qwen3")), "-o", str(path), "--max-cache-len", "64",
+                     "--max-prefill", "16"]) == 0
+        assert capsys.readouterr().out.strip() == str(path)
+
+    out = cached_package("cli-qwen3", [inspect.getsource(m) for m in (aoti_sessions.__main__, _export_cli)], build)
+    spec = read_llm_package(out).spec
+    assert (spec.max_cache_len, spec.max_prefill, spec.model_type) == (64, 16, "qwen3")
+    prompt = _chat(_tokenizer("qwen3"), PROMPTS[1])
+    expected, logits = _reference(_eager("qwen3"), prompt)
+    with ais.Engine(out) as eng, eng.new_session() as s:
+        greedy = _Greedy(s, prompt, 16, eos=[])
+        while greedy.step():
+            pass
+    assert greedy.tokens[:len(expected)] == expected
+    torch.testing.assert_close(greedy.logits[0], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_cli_refuses_bad_input_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = hf_model_dir("qwen3")
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tokenizer / name).write_bytes((model_dir / name).read_bytes())
+    seq2seq = tmp_path / "t5"
+    transformers.T5Config(d_model=16, num_layers=1, num_heads=2, d_ff=16, d_kv=8).save_pretrained(seq2seq)
+    (tmp_path / "empty").mkdir()
+    out = str(tmp_path / "x.pt2")
+    for argv, message in [
+        ([str(tmp_path / "missing"), "-o", out], "does not exist"),
+        ([str(tmp_path / "empty"), "-o", out], "holds no transformers model (no config.json)"),
+        ([str(seq2seq), "-o", out], "holds a 't5' model, which is not a causal language model"),
+        ([str(no_tokenizer), "-o", out], "no tokenizer in"),
+        ([str(model_dir), "-o", str(tmp_path / "x.zip")], "must end in .pt2"),
+        ([str(model_dir), "-o", out, "--max-cache-len", "100000"], "exceeds what the model supports"),
+        ([str(model_dir), "-o", out, "--max-cache-len", "64", "--max-prefill", "65"], "max_prefill must be in"),
+        # Sliding-window layers export as plain static ones: only a cache within the window is exact.
+        ([str(hf_model_dir("mistral")), "-o", out, "--max-cache-len", "257"], "exceeds what the model supports (256"),
+    ]:
+        assert main(["export", *argv]) == 2, argv
+        last = capsys.readouterr().err.splitlines()[-1]  # after any progress bar of transformers'
+        assert last.startswith("aoti-sessions: error: ") and message in last, (argv, last)
+    assert not list(tmp_path.glob("*.pt2"))
+
+
+def test_export_takes_a_model_object_and_leaves_it_as_it_was(tmp_path: Path) -> None:
+    """A model object (with its tokenizer object) exports in another dtype; the
+    caller's model keeps its dtype, device, mode and generation config."""
+    model, tokenizer = _eager("llama"), _tokenizer("llama")
+    generation = model.generation_config.to_dict()
+    path = export(model, tmp_path / "llama-bf16.pt2", max_cache_len=32, max_prefill=8, dtype="bfloat16",
+                  tokenizer=tokenizer, inductor_configs=FAST)
+    assert (model.dtype, model.device.type, model.training) == (torch.float32, "cpu", False)
+    assert model.generation_config.to_dict() == generation
+    package = read_llm_package(path)
+    assert (package.spec.dtype, package.spec.max_cache_len, package.spec.max_prefill) == ("bfloat16", 32, 8)
+    with ais.Engine(path) as eng, eng.new_session() as s:
+        assert {b["dtype"] for b in eng.buffers() if "_cache_" in b["fqn"]} == {"bfloat16"}
+        prompt = _chat(tokenizer, PROMPTS[0])[:8]
+        logits = s.run("prefill", torch.tensor([prompt]), torch.arange(8))
+    with torch.no_grad():
+        eager = model.to(torch.bfloat16)(torch.tensor([prompt])).logits[:, -1].float()
+    assert logits.dtype == torch.bfloat16
+    # bfloat16 keeps 8 bits of mantissa: within a few of its steps at the logits' scale.
+    assert float((logits.float() - eager).abs().max()) <= 0.03 * float(eager.abs().max())
+    assert int(logits.argmax()) == int(eager.argmax())
