@@ -29,6 +29,8 @@ from ._engine import Engine
 from ._session import Session
 from .errors import (
     CapacityError,
+    CompileError,
+    CompileWarning,
     DeviceError,
     Error,
     ModelMismatchError,
@@ -38,6 +40,7 @@ from .errors import (
     SessionClosedError,
     SessionFileError,
     SessionFileNotFoundError,
+    VerifyError,
 )
 
 __all__ = ["Engine", "Method", "Session", "compile", "errors", *errors.__all__]
