@@ -1,18 +1,26 @@
 """``ais.compile``: export, find the mutated buffers, compile and package.
 
-The package carries, in its AOTI metadata under ``aoti_sessions``, a JSON
-document the Engine reads back::
+Each method's package carries, in its AOTI metadata under ``aoti_sessions``, a
+JSON document the Engine reads back::
 
     {"version": 1,
      "mutable_buffers": ["layers.0.k_cache", ...],   # exact per-session state
-     "inputs": [{"dtype": "int64", "sizes": [1, null], "strides": null}, ...]}
+     "inputs": [{"name": "tokens", "dtype": "int64", "sizes": [1, null],
+                 "symbols": [null, "s0"], "strides": null}, ...],
+     "outputs": [{"dtype": "float32", "sizes": [1, 128]}],   # null if not all tensors
+     "ranges": [{"symbol": "s0", "min": 2, "max": 64}]}
 
-``sizes`` has ``null`` for dynamic dimensions; ``strides`` is ``null`` where the
-model expects a contiguous input, else the exact strides it was compiled for.
+``sizes`` has ``null`` for dynamic dimensions, which ``symbols`` names (dimensions
+of one symbol are equal); ``strides`` is ``null`` where the model expects a
+contiguous input, else the exact strides it was compiled for. ``name`` is the
+exported name of the input: its keyword, or the parameter's name for a
+positional one. A multi-method package's weights index lists the methods in the
+order they were given (``methods``).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -20,10 +28,10 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,47 +39,20 @@ import torch
 
 from ._package import (METADATA_KEY, METADATA_VERSION, WEIGHTS_ALIGN, WEIGHTS_BLOB, WEIGHTS_INDEX,
                        WEIGHTS_VERSION, cache_dir)
+from ._program import (Exported, Method, export, input_specs, mutated_buffers, output_specs, symbol_ranges,
+                       warn_folded_counters)
+from ._verify import verify_package
 
 __all__ = ["Method", "compile", "compile_cached", "mutated_buffers", "input_specs"]
 
-
-def mutated_buffers(ep: torch.export.ExportedProgram) -> list[str]:
-    """FQNs of the buffers the program mutates (after decompositions, which turn
-    in-place ops into explicit buffer mutations)."""
-    decomposed = ep.run_decompositions()
-    return sorted(set(decomposed.graph_signature.buffers_to_mutate.values()))
-
-
-def input_specs(ep: torch.export.ExportedProgram) -> list[dict[str, Any]]:
-    """dtype, sizes and strides of every tensor input, in the container's order."""
-    user_inputs = set(ep.graph_signature.user_inputs)
-    specs = []
-    for node in ep.graph.nodes:
-        if node.op != "placeholder" or node.name not in user_inputs:
-            continue
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue  # ints and other non-tensors are not container inputs
-        sizes = [s if isinstance(s, int) else None for s in val.shape]
-        static = all(isinstance(s, int) for s in val.stride()) and None not in sizes
-        strides = [int(s) for s in val.stride()] if static and not val.is_contiguous() else None
-        specs.append({
-            "dtype": str(val.dtype).removeprefix("torch."),
-            "sizes": sizes,
-            "strides": strides,
-        })
-    return specs
-
-
-@dataclass(frozen=True)
-class Method:
-    """One method of a multi-method :func:`compile`: example inputs, and the
-    module's entry point that serves it (``forward`` unless told)."""
-
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any] | None = None
-    dynamic_shapes: Any = None
-    entry: str = "forward"
+VERIFY_STEPS = 3  # steps of verify=True
+# What compile writes into a package, for compile_cached's key: raise it when
+# that changes, so cached packages are made again. 2: input names, outputs,
+# dimension symbols, the methods' order.
+PACKAGE_FORMAT = 2
+# torch deep-copies its own tree specs while compiling and warns about its own
+# deprecated class (torch 2.13): nothing a caller can act on.
+_TORCH_NOISE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 def _as_method(name: str, spec: Any) -> Method:
@@ -83,30 +64,29 @@ def _as_method(name: str, spec: Any) -> Method:
     return Method(*spec)
 
 
-def _export(module: torch.nn.Module, method: Method, strict: bool) -> torch.export.ExportedProgram:
-    entry = getattr(module, method.entry, None)
-    if not callable(entry):
-        raise TypeError(f"module {type(module).__name__} has no method '{method.entry}'")
-    if method.entry == "forward":
-        return torch.export.export(module, method.args, kwargs=dict(method.kwargs or {}),
-                                   dynamic_shapes=method.dynamic_shapes, strict=strict)
-    # Export another entry point under the module's own FQNs: route forward to it.
-    module.forward = entry
-    try:
-        return torch.export.export(module, method.args, kwargs=dict(method.kwargs or {}),
-                                   dynamic_shapes=method.dynamic_shapes, strict=strict)
-    finally:
-        del module.forward
-
-
-def _metadata(ep: torch.export.ExportedProgram, configs: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-    doc = {"version": METADATA_VERSION, "mutable_buffers": mutated_buffers(ep), "inputs": input_specs(ep),
-           **extra}
+def _metadata(exported: Exported, configs: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    ep = exported.program
+    doc = {"version": METADATA_VERSION, "mutable_buffers": exported.mutated, "inputs": input_specs(ep),
+           "outputs": output_specs(ep), "ranges": symbol_ranges(ep), **extra}
     out = dict(configs)
     metadata = dict(out.get("aot_inductor.metadata") or {})
     metadata[METADATA_KEY] = json.dumps(doc)
     out["aot_inductor.metadata"] = metadata
     return out
+
+
+def _verify_steps(verify: object) -> int:
+    if isinstance(verify, bool):
+        return VERIFY_STEPS if verify else 0
+    if not isinstance(verify, int):
+        raise TypeError(f"verify must be a bool or a number of steps, got {type(verify).__name__}")
+    if verify < 0:
+        raise ValueError(f"verify must be a number of steps >= 0, got {verify}")
+    return verify
+
+
+def _phase(progress: TextIO | None, message: str) -> AbstractContextManager[None]:
+    return _progress(f"ais.compile: {message}", progress) if progress else nullcontext()
 
 
 def compile(
@@ -117,7 +97,9 @@ def compile(
     dynamic_shapes: Any = None,
     *,
     inductor_configs: Mapping[str, Any] | None = None,
-    strict: bool = False,
+    strict: bool | None = None,
+    verify: bool | int = False,
+    progress: TextIO | None = sys.stderr,
 ) -> str:
     """Export ``module`` and compile it into an AOTI package for :class:`Engine`.
 
@@ -130,43 +112,90 @@ def compile(
     compiles one library per method *without* weights and stores every
     tensor constant once, in ``data/aoti_sessions/weights.bin`` inside the
     package, so the Engine loads each weight once and binds every method to it.
+    The engine lists the methods in the order given.
 
     Either way the package records the buffers each program mutates (the
-    per-session state) and the input specs calls are checked against.
+    per-session state) and each method's call signature (input names, dtypes
+    and shapes, which calls are checked against; outputs).
+
+    ``strict``: ``None`` (default) exports with torch's non-strict trace, and
+    again strictly (logged) where that trace cannot give a correct program (a
+    module reaching its buffers through attributes outside its module tree, as
+    transformers' static cache does); ``True`` / ``False`` force one.
+
+    ``verify``: after compiling, run the package (an :class:`Engine`, one
+    session) against a deep copy of the module, ``verify`` steps (``True``:
+    3), each step every method in the order given with its example inputs,
+    comparing the outputs and every mutated buffer after each call; raises
+    :class:`~aoti_sessions.errors.VerifyError` naming the method, the step
+    and what differs. The module itself is left untouched.
+
+    ``progress``: where to report each phase with the elapsed time (the
+    compile takes seconds to minutes); ``None`` is silent.
+
     Returns the package path.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    steps = _verify_steps(verify)
+    configs = dict(inductor_configs or {})
     if isinstance(args, Mapping):
         if kwargs is not None or dynamic_shapes is not None:
             raise TypeError("with a mapping of methods, give kwargs and dynamic_shapes per method")
-        return _compile_methods(module, args, path, dict(inductor_configs or {}), strict)
-    if not isinstance(args, tuple):
+        methods = _named_methods(args)
+        if not os.fspath(path).endswith(".pt2"):
+            raise ValueError(f"package path must end in .pt2, got {os.fspath(path)}")
+    elif isinstance(args, tuple):
+        methods = [("forward", Method(args, kwargs, dynamic_shapes))]
+    else:
         raise TypeError(f"args must be a tuple or a mapping of method names, got {type(args).__name__}")
-    ep = _export(module, Method(args, kwargs, dynamic_shapes), strict)
-    configs = _metadata(ep, inductor_configs or {})
-    out = torch._inductor.aoti_compile_and_package(ep, package_path=os.fspath(path),
-                                                   inductor_configs=configs)
-    return str(out)
+    # The eager reference starts from the state the package starts from.
+    reference = copy.deepcopy(module) if steps else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TORCH_NOISE, category=FutureWarning)
+        if isinstance(args, Mapping):
+            out = _compile_methods(module, methods, os.fspath(path), configs, strict, progress)
+        else:
+            out = _compile_one(module, methods[0][1], path, configs, strict, progress)
+    if reference is not None:
+        with _phase(progress, f"verifying {', '.join(n for n, _ in methods)} against the module, {steps} steps"):
+            verify_package(reference, out, methods, steps)
+    return out
 
 
-def _compile_methods(module: torch.nn.Module, methods: Mapping[str, Method | tuple[Any, ...]],
-                     path: str | os.PathLike[str], configs: dict[str, Any], strict: bool) -> str:
-    from torch._inductor.package.package import package_aoti
-
+def _named_methods(methods: Mapping[str, Method | tuple[Any, ...]]) -> list[tuple[str, Method]]:
     if not methods:
         raise ValueError("compile needs at least one method")
     for name in methods:
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"method names must be identifiers, got {name!r}")
-    path = os.fspath(path)
-    if not path.endswith(".pt2"):
-        raise ValueError(f"package path must end in .pt2, got {path}")
+    return [(name, _as_method(name, spec)) for name, spec in methods.items()]
+
+
+def _compile_one(module: torch.nn.Module, method: Method, path: str | os.PathLike[str],
+                 configs: dict[str, Any], strict: bool | None, progress: TextIO | None) -> str:
+    with _phase(progress, f"exporting {method.entry}"):
+        exported = export(module, method.entry, method, strict)
+    warn_folded_counters(exported, method.entry, configs)
+    with _phase(progress, f"compiling {method.entry} with AOTInductor"):
+        out = torch._inductor.aoti_compile_and_package(exported.program, package_path=os.fspath(path),
+                                                       inductor_configs=_metadata(exported, configs))
+    return str(out)
+
+
+def _compile_methods(module: torch.nn.Module, methods: list[tuple[str, Method]], path: str,
+                     configs: dict[str, Any], strict: bool | None, progress: TextIO | None) -> str:
+    from torch._inductor.package.package import package_aoti
+
     files: dict[str, list[str]] = {}
     tensors: dict[str, list[tuple[torch.Tensor, list[str]]]] = {}  # fqn -> distinct values, methods
     with tempfile.TemporaryDirectory() as work:
-        for name, spec in methods.items():
-            ep = _export(module, _as_method(name, spec), strict)
+        for i, (name, method) in enumerate(methods, 1):
+            label = f"method '{name}' ({i}/{len(methods)})"
+            with _phase(progress, f"exporting {label}"):
+                exported = export(module, name, method, strict)
+            warn_folded_counters(exported, name, configs)
+            ep = exported.program
             for fqn, value in (*ep.state_dict.items(), *ep.constants.items()):
                 if not isinstance(value, torch.Tensor):
                     continue
@@ -176,19 +205,20 @@ def _compile_methods(module: torch.nn.Module, methods: Mapping[str, Method | tup
                     variants.append((value.detach(), [name]))
                 else:
                     same[1].append(name)
-            method_configs = _metadata(ep, configs, weights=WEIGHTS_INDEX)
+            method_configs = _metadata(exported, configs, weights=WEIGHTS_INDEX)
             method_configs.update({
                 "aot_inductor.package": True,
                 "aot_inductor.package_constants_in_so": False,
                 "aot_inductor.output_path": os.path.join(work, name),
             })
-            compiled = torch._inductor.aot_compile(ep.module(), ep.example_inputs[0], ep.example_inputs[1],
-                                                   options=method_configs)
+            with _phase(progress, f"compiling {label} with AOTInductor"):
+                compiled = torch._inductor.aot_compile(ep.module(), ep.example_inputs[0], ep.example_inputs[1],
+                                                       options=method_configs)
             if not isinstance(compiled, list):
                 raise RuntimeError(f"method '{name}': AOTInductor produced {type(compiled).__name__}, not files")
             files[name] = [str(f) for f in compiled]
         package_aoti(path, files)  # type: ignore[arg-type]
-        _append_weights(path, tensors)
+        _append_weights(path, tensors, [name for name, _ in methods])
     return path
 
 
@@ -206,8 +236,10 @@ def _span_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype.itemsize else flat
 
 
-def _append_weights(path: str, tensors: Mapping[str, list[tuple[torch.Tensor, list[str]]]]) -> None:
-    """Adds the weights file (one copy of every distinct tensor) and its index."""
+def _append_weights(path: str, tensors: Mapping[str, list[tuple[torch.Tensor, list[str]]]],
+                    methods: list[str]) -> None:
+    """Adds the weights file (one copy of every distinct tensor) and its index,
+    which also lists the methods in the order given."""
     with zipfile.ZipFile(path, "a", allowZip64=True) as zf:
         top = zf.namelist()[0].split("/", 1)[0]
         entries = []
@@ -228,7 +260,7 @@ def _append_weights(path: str, tensors: Mapping[str, list[tuple[torch.Tensor, li
                     })
                     offset += len(raw)
         zf.writestr(f"{top}/{WEIGHTS_INDEX}", json.dumps({"version": WEIGHTS_VERSION, "blob": WEIGHTS_BLOB,
-                                                          "entries": entries}))
+                                                          "methods": methods, "entries": entries}))
 
 
 @contextmanager
@@ -248,13 +280,15 @@ def _progress(message: str, stream: TextIO) -> Iterator[None]:
     stream.flush()
     thread = threading.Thread(target=tick, daemon=True)
     thread.start()
+    outcome = "failed after"
     try:
         yield
+        outcome = "done in"
     finally:
         done.set()
         thread.join()
         prefix = "\r" if interactive else ""
-        stream.write(f"{prefix}{message} done in {time.monotonic() - start:.0f}s\n")
+        stream.write(f"{prefix}{message} {outcome} {time.monotonic() - start:.0f}s\n")
         stream.flush()
 
 
@@ -273,10 +307,11 @@ def compile_cached(
 ) -> Path:
     """:func:`compile` the module ``build()`` returns, once: the package is cached
     under ``cache_dir()/models``, keyed by ``key`` (say the model's source and
-    config), the torch version and the inductor configs. ``build`` runs only on
-    a cache miss."""
+    config), the torch version, the package format and the inductor configs.
+    ``build`` runs only on a cache miss."""
     digest = hashlib.sha256()
-    for part in (torch.__version__, *key, repr(sorted((inductor_configs or {}).items())), repr(dynamic_shapes)):
+    for part in (torch.__version__, f"format {PACKAGE_FORMAT}", *key, repr(sorted((inductor_configs or {}).items())),
+                 repr(dynamic_shapes)):
         digest.update(part.encode())
         digest.update(b"\0")
     target = cache_dir() / "models" / f"{name}-{digest.hexdigest()[:24]}.pt2"
@@ -287,9 +322,12 @@ def compile_cached(
     # named after the file), then move it in place atomically.
     with tempfile.TemporaryDirectory(dir=target.parent) as staging:
         tmp = os.path.join(staging, target.name)
-        with _progress(f"compiling {name} (cached afterwards)", progress) if progress else nullcontext():
-            module, args, kwargs = build()
-            with torch.no_grad():
-                compile(module, args, kwargs, tmp, dynamic_shapes, inductor_configs=inductor_configs)
+        if progress:
+            progress.write(f"compiling {name} (cached afterwards)\n")
+            progress.flush()
+        module, args, kwargs = build()
+        with torch.no_grad():
+            compile(module, args, kwargs, tmp, dynamic_shapes, inductor_configs=inductor_configs,
+                    progress=progress)
         os.replace(tmp, target)
     return target

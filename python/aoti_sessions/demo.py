@@ -8,6 +8,9 @@ import inspect
 import statistics
 import sys
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -17,7 +20,20 @@ from . import models
 from ._compile import compile_cached
 from ._engine import Engine, Session
 
-__all__ = ["compiled_decoder", "run_demo", "GreedyDecoding"]
+__all__ = ["compiled_decoder", "run_demo", "GreedyDecoding", "quiet_torch"]
+
+
+@contextmanager
+def quiet_torch() -> Iterator[None]:
+    """Hides torch's notes about its own internals (deprecations inside torch,
+    compiler hints; some raised through copyreg on its behalf), which a demo
+    user can do nothing about; warnings of aoti_sessions still show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("default", module=r"aoti_sessions(\.|$)")  # checked first
+        yield
 
 
 def compiled_decoder(
@@ -100,6 +116,11 @@ def run_demo(device: str = "cpu", sessions: int = 4, steps: int = 32, out: TextI
     solo run. Prints a table; returns whether isolation held."""
     if sessions < 1 or steps < 1:
         raise ValueError("sessions and steps must be at least 1")
+    with quiet_torch():
+        return _run_demo(device, sessions, steps, out)
+
+
+def _run_demo(device: str, sessions: int, steps: int, out: TextIO) -> bool:
     dev = torch.device(device)
     cfg = models.SMALL
     path = compiled_decoder(cfg, device)

@@ -1,0 +1,258 @@
+"""What ``ais.compile`` reads from a module's exported program: the export
+itself (strict or not), the buffers it mutates, its call signature, and the
+patterns AOTInductor is known to compile into a wrong model."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from .errors import CompileError, CompileWarning
+
+__all__ = ["Method", "Exported", "export", "mutated_buffers", "input_specs", "output_specs", "symbol_ranges",
+           "FOLDING_CONFIG"]
+
+log = logging.getLogger("aoti_sessions")
+
+# The inductor option whose folding pass reads one-element buffers as constants.
+FOLDING_CONFIG = "joint_graph_constant_folding"
+# torch's non-strict trace of a program whose lifted constants alias its
+# buffers fails in run_decompositions with this (torch 2.11-2.13).
+_ALIAS_FAILURE = "expected compiled_fn to be GraphModule"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of a multi-method :func:`compile`: example inputs, and the
+    module's entry point that serves it (``forward`` unless told)."""
+
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any] | None = None
+    dynamic_shapes: Any = None
+    entry: str = "forward"
+
+
+@dataclass(frozen=True)
+class Exported:
+    """One exported method: the program, its decomposition (functional: every
+    buffer mutation explicit) and whether the export was strict."""
+
+    program: ExportedProgram
+    decomposed: ExportedProgram
+    strict: bool
+
+    @property
+    def mutated(self) -> list[str]:
+        return sorted(set(self.decomposed.graph_signature.buffers_to_mutate.values()))
+
+
+def mutated_buffers(ep: ExportedProgram) -> list[str]:
+    """FQNs of the buffers the program mutates (after decompositions, which turn
+    in-place ops into explicit buffer mutations)."""
+    decomposed = ep.run_decompositions()
+    return sorted(set(decomposed.graph_signature.buffers_to_mutate.values()))
+
+
+def _export_once(module: torch.nn.Module, method: Method, strict: bool) -> ExportedProgram:
+    entry = getattr(module, method.entry, None)
+    if not callable(entry):
+        raise TypeError(f"module {type(module).__name__} has no method '{method.entry}'")
+    # The package serves inference: no autograd in the trace (dynamo's strict
+    # trace otherwise warns about .grad of tensors the module computed at init).
+    with torch.no_grad():
+        return _trace(module, entry, method, strict)
+
+
+def _trace(module: torch.nn.Module, entry: Any, method: Method, strict: bool) -> ExportedProgram:
+    kwargs = dict(method.kwargs or {})
+    if method.entry == "forward":
+        return torch.export.export(module, method.args, kwargs=kwargs, dynamic_shapes=method.dynamic_shapes,
+                                   strict=strict)
+    # Export another entry point under the module's own FQNs: route forward to it.
+    module.forward = entry
+    try:
+        return torch.export.export(module, method.args, kwargs=kwargs, dynamic_shapes=method.dynamic_shapes,
+                                   strict=strict)
+    finally:
+        del module.forward
+
+
+def _aliased_constants(ep: ExportedProgram) -> list[tuple[str, str]]:
+    """(constant, buffer or parameter) pairs of one storage: tensors the module
+    reaches through plain attributes (outside its module tree), which a
+    non-strict trace lifts as constants beside the buffers they are."""
+    owners: dict[Any, str] = {}
+    constants = []
+    for spec in ep.graph_signature.input_specs:
+        target = spec.target
+        if target is None:
+            continue
+        value = ep.state_dict.get(target, ep.constants.get(target))
+        if not isinstance(value, torch.Tensor):
+            continue
+        storage = value.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        key = (value.device, storage.data_ptr())
+        if spec.kind in (InputKind.BUFFER, InputKind.PARAMETER):
+            owners.setdefault(key, target)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constants.append((key, target))
+    return [(name, owners[key]) for key, name in constants if key in owners]
+
+
+def _aliases_text(pairs: list[tuple[str, str]]) -> str:
+    owners = list(dict.fromkeys(b for _, b in pairs))
+    return ", ".join(owners[:4]) + (f" and {len(owners) - 4} more" if len(owners) > 4 else "")
+
+
+def _attempt(module: torch.nn.Module, name: str, method: Method, strict: bool) -> Exported:
+    """One export and its decomposition; a CompileError where the non-strict
+    trace lifted constants that alias buffers (torch compiles those wrong or not at all)."""
+    program = _export_once(module, method, strict)
+    aliased = _aliased_constants(program)
+    if aliased:
+        raise CompileError(f"method '{name}': the {'strict' if strict else 'non-strict'} export lifted the "
+                           f"buffers {_aliases_text(aliased)} a second time, as constants: the module also reaches "
+                           "them through attributes outside its module tree (as transformers' static cache does)"
+                           + ("; pass strict=True" if not strict else ""))
+    try:
+        decomposed = program.run_decompositions()
+    except AssertionError as e:
+        if strict or _ALIAS_FAILURE not in str(e):
+            raise
+        raise CompileError(f"method '{name}': torch cannot decompose the non-strict export ({e}); "
+                           "pass strict=True") from e
+    return Exported(program, decomposed, strict)
+
+
+def export(module: torch.nn.Module, name: str, method: Method, strict: bool | None) -> Exported:
+    """Exports one method. ``strict=None``: non-strict (torch's default trace),
+    and strict where that trace cannot give a correct program (logged once)."""
+    if strict is not None:
+        return _attempt(module, name, method, strict)
+    try:
+        return _attempt(module, name, method, False)
+    except CompileError as e:
+        note = str(e).removesuffix("; pass strict=True")
+    log.warning("%s; exporting it again with strict=True (pass strict=True to skip the non-strict attempt)", note)
+    return _attempt(module, name, method, True)
+
+
+def _tensor_doc(val: torch.Tensor) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "dtype": str(val.dtype).removeprefix("torch."),
+        "sizes": [s if isinstance(s, int) else None for s in val.shape],
+    }
+    if any(not isinstance(s, int) for s in val.shape):
+        doc["symbols"] = [None if isinstance(s, int) else str(s) for s in val.shape]
+    return doc
+
+
+def input_specs(ep: ExportedProgram) -> list[dict[str, Any]]:
+    """Name (the exported one: the keyword, or the parameter's name for a
+    positional input), dtype, sizes and strides of every tensor input, in the
+    container's order; ``symbols`` names each dynamic dimension."""
+    user_inputs = set(ep.graph_signature.user_inputs)
+    specs = []
+    for node in ep.graph.nodes:
+        if node.op != "placeholder" or node.name not in user_inputs:
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue  # ints and other non-tensors are not container inputs
+        static = all(isinstance(s, int) for s in (*val.shape, *val.stride()))
+        strides = [int(s) for s in val.stride()] if static and not val.is_contiguous() else None
+        specs.append({"name": node.name, **_tensor_doc(val), "strides": strides})
+    return specs
+
+
+def output_specs(ep: ExportedProgram) -> list[dict[str, Any]] | None:
+    """dtype and sizes of every user output, in order; None if one is not a tensor."""
+    names = set(ep.graph_signature.user_outputs)
+    outputs = [n for n in ep.graph.output_node().args[0] if isinstance(n, torch.fx.Node) and n.name in names]
+    vals = [v for n in outputs if isinstance(v := n.meta.get("val"), torch.Tensor)]
+    if len(vals) != len(ep.graph_signature.user_outputs):
+        return None
+    return [_tensor_doc(v) for v in vals]
+
+
+def symbol_ranges(ep: ExportedProgram) -> list[dict[str, Any]]:
+    """Each dynamic dimension's symbol and its bounds (None: unbounded)."""
+    def bound(x: Any) -> int | None:
+        return int(x) if getattr(x, "is_finite", False) and getattr(x, "is_integer", False) else None
+
+    return [{"symbol": str(sym), "min": bound(r.lower), "max": bound(r.upper)}
+            for sym, r in ep.range_constraints.items()]
+
+
+_aten = torch.ops.aten
+# Ops that read only the shape, dtype and device of their first argument.
+_METADATA_OF_FIRST = {_aten.full_like.default, _aten.zeros_like.default, _aten.ones_like.default,
+                      _aten.empty_like.default, _aten.new_zeros.default, _aten.new_ones.default,
+                      _aten.new_full.default, _aten.new_empty.default, _aten.copy.default}
+
+
+def _value_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose values `node` reads (`fill_` becomes full_like(buffer),
+    which reads the buffer's shape only)."""
+    if node.target in _METADATA_OF_FIRST and node.args and isinstance(node.args[0], torch.fx.Node):
+        first = node.args[0]
+        rest = [*node.args[1:], *node.kwargs.values()]
+        return [n for n in node.all_input_nodes if n is not first or first in rest]
+    return list(node.all_input_nodes)
+
+
+def warn_folded_counters(exported: Exported, name: str, configs: Mapping[str, Any]) -> list[str]:
+    """Warns about one-element buffers that AOTInductor compiles into constants.
+
+    Inductor's joint-graph constant folding (UniformValueConstantFolder) reads
+    any one-element tensor attribute as a known constant, mutated buffers
+    included: a step counter updated from itself and constants only
+    (``self.step += 1``) is folded to its initial value plus one, so the
+    compiled model writes the same value every call and never accumulates
+    (torch's own runner as well). Returns the FQNs warned about.
+    """
+    if configs.get(FOLDING_CONFIG) is False:
+        return []
+    ep = exported.decomposed
+    sig = ep.graph_signature
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+
+    def one_element(placeholder: str) -> bool:
+        fqn = lifted.get(placeholder)
+        value = None if fqn is None else ep.state_dict.get(fqn, ep.constants.get(fqn))
+        return isinstance(value, torch.Tensor) and value.numel() == 1
+
+    nodes = {n.name: n for n in ep.graph.nodes}
+    folded = []
+    for out_name, fqn in sig.buffers_to_mutate.items():
+        own = next((p for p, f in sig.inputs_to_buffers.items() if f == fqn), None)
+        if own is None or not one_element(own):
+            continue
+        leaves, seen, todo = set(), set(), [nodes[out_name]]
+        while todo:
+            node = todo.pop()
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            if node.op == "placeholder":
+                leaves.add(node.name)
+            todo.extend(_value_inputs(node))
+        if own in leaves and all(one_element(p) for p in leaves):
+            folded.append(fqn)
+    if folded:
+        warnings.warn(
+            f"method '{name}': the one-element buffer(s) {', '.join(repr(f) for f in folded)} are updated from "
+            "their own value and constants only (as a step counter `self.step += 1` is): AOTInductor's constant "
+            "folding reads such a buffer as its initial value, so the compiled model would never accumulate it. "
+            f"Compile with inductor_configs={{'{FOLDING_CONFIG}': False}}, or make the update read an input; "
+            "verify= checks the compiled model against the module", CompileWarning, stacklevel=4)
+    return folded
