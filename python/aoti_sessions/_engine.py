@@ -18,6 +18,7 @@ from . import _core
 from ._graphs import TorchGraphHost
 from ._package import MethodFiles, open_model
 from ._session import Closable, MethodCall, Session, to_handles
+from ._signature import signature
 from .errors import PackageError
 
 __all__ = ["Engine", "Session"]
@@ -146,8 +147,8 @@ def _resolve_methods(model: ModelSource | Mapping[str, ModelSource]) -> list[Met
     return open_model(model)
 
 
-def _describe(core: _core.Engine, name: str, source: _core.MethodSource) -> MethodCall:
-    index = core.method_index(name)
+def _describe(core: _core.Engine, f: MethodFiles, source: _core.MethodSource) -> MethodCall:
+    index = core.method_index(f.name)
     in_raw, out_raw = core.call_spec(index)
     in_spec = pytree.treespec_loads(in_raw) if in_raw else None
     out_spec = pytree.treespec_loads(out_raw) if out_raw else None
@@ -155,7 +156,17 @@ def _describe(core: _core.Engine, name: str, source: _core.MethodSource) -> Meth
     flat_call = in_spec is not None and in_spec == pytree.tree_structure((tuple(range(n)), {}))
     contiguous = None if source.inputs is None else tuple(len(s.strides) == 0 for s in source.inputs)
     single = out_spec is not None and out_spec.is_leaf()
-    return MethodCall(name, index, in_spec, out_spec, flat_call, contiguous, single)
+    positional = -1
+    keywords: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+    if in_spec is not None and in_spec.type is tuple and in_spec.num_children == 2:
+        args_spec, kwargs_spec = in_spec.children()
+        if args_spec.type is tuple and kwargs_spec.type is dict:
+            positional, keywords = args_spec.num_children, tuple(kwargs_spec.context)
+            docs = f.metadata.inputs if f.metadata is not None else None
+            if docs and args_spec.num_leaves == positional <= len(docs) and all(d.name for d in docs):
+                names = tuple(str(d.name) for d in docs[:positional])
+    return MethodCall(f.name, index, in_spec, out_spec, flat_call, contiguous, single, positional, keywords, names)
 
 
 def _as_dict(obj: Any, fields: Sequence[str]) -> dict[str, Any]:
@@ -266,7 +277,8 @@ class Engine(Closable):
         for note in self._core.load_notes:
             log.warning("%s", note)
         self._buffers = self._core.mutable_buffers
-        self._methods = {f.name: _describe(self._core, f.name, src) for f, src in zip(files, sources)}
+        self._methods = {f.name: _describe(self._core, f, src) for f, src in zip(files, sources)}
+        self._files = {f.name: f for f in files}
         # What `session(...)` calls: the only method (None with several).
         self._only: MethodCall | None = next(iter(self._methods.values())) if len(self._methods) == 1 else None
         fqns = [b.fqn for b in self._buffers]
@@ -302,6 +314,23 @@ class Engine(Closable):
     def weight_bytes(self) -> int:
         """Bytes of weights held: each distinct weight once, whatever the methods."""
         return int(self._core.weight_bytes)
+
+    def signature(self, method: str | None = None) -> str:
+        """``method``'s call signature (default: the only method) as one line:
+        input names, dtypes and shapes (dynamic dimensions by symbol, with
+        their bounds), outputs, e.g. ``decode(input_ids: int64[1, 1],
+        cache_position: int64[1]) -> float32[1, 128]``. Inputs before ``/``
+        are positional only; keyword inputs may also be given by position."""
+        if method is None:
+            if self._only is None:
+                raise TypeError(f"this engine has {len(self._methods)} methods ({', '.join(self._methods)}); "
+                                "name one")
+            method = self._only.name
+        call = self._methods.get(method)
+        if call is None:
+            raise ValueError(f"unknown method {method!r}; this engine has: {', '.join(self._methods)}")
+        return signature(method, call.in_spec, call.out_spec, self._core.num_inputs(call.index),
+                         self._files[method].metadata)
 
     def weights(self) -> list[dict[str, Any]]:
         """Descriptor of every held weight: fqn, dtype, sizes, strides, bytes, methods."""

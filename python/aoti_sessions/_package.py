@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from ._json import Field, read_json
 from .errors import PackageError
 
-__all__ = ["MethodFiles", "SessionsMetadata", "InputDoc", "WeightDoc", "cache_dir", "open_model",
+__all__ = ["MethodFiles", "SessionsMetadata", "InputDoc", "OutputDoc", "WeightDoc", "cache_dir", "open_model",
            "METADATA_KEY", "METADATA_VERSION", "WEIGHTS_INDEX", "WEIGHTS_BLOB", "WEIGHTS_VERSION",
            "WEIGHTS_ALIGN"]
 
@@ -40,11 +40,24 @@ WEIGHTS_ALIGN = 256  # bytes; every tensor in the blob starts on such a boundary
 
 @dataclass(frozen=True)
 class InputDoc:
-    """One recorded input: ``None`` sizes are dynamic; ``strides`` None means contiguous."""
+    """One recorded input: ``None`` sizes are dynamic (``symbols`` names them);
+    ``strides`` None means contiguous; ``name`` is the exported name (packages
+    from before names were recorded have none)."""
 
     dtype: str
     sizes: list[int | None]
     strides: list[int] | None
+    name: str | None = None
+    symbols: list[str | None] | None = None
+
+
+@dataclass(frozen=True)
+class OutputDoc:
+    """One recorded output tensor."""
+
+    dtype: str
+    sizes: list[int | None]
+    symbols: list[str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,9 @@ class SessionsMetadata:
 
     mutable_buffers: list[str] | None
     inputs: list[InputDoc] | None
+    outputs: list[OutputDoc] | None = None
+    # Each dynamic dimension's symbol: its (min, max), None where unbounded.
+    ranges: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -165,22 +181,47 @@ def _sessions_metadata(raw: Field) -> SessionsMetadata:
                            f"({version}); upgrade aoti_sessions or recompile the package")
     mutable = doc.get("mutable_buffers")
     inputs = doc.get("inputs")
+    outputs = doc.get("outputs")
+    ranges = doc.get("ranges")
     return SessionsMetadata(
         mutable_buffers=None if mutable is None else mutable.strings(),
         inputs=None if inputs is None else [
-            InputDoc(dtype=entry["dtype"].string(),
-                     sizes=[d.integer_or_none(minimum=0) for d in entry["sizes"].items()],
+            InputDoc(dtype=entry["dtype"].string(), sizes=_sizes(entry),
                      strides=None if entry.get("strides") is None
-                     else [s.integer() for s in entry["strides"].items()])
+                     else [s.integer() for s in entry["strides"].items()],
+                     name=None if entry.get("name") is None else entry["name"].string(),
+                     symbols=_symbols(entry))
             for entry in inputs.items()
         ],
+        outputs=None if outputs is None else [
+            OutputDoc(dtype=entry["dtype"].string(), sizes=_sizes(entry), symbols=_symbols(entry))
+            for entry in outputs.items()
+        ],
+        ranges={} if ranges is None else {
+            r["symbol"].string(): (_optional_int(r.get("min")), _optional_int(r.get("max"))) for r in ranges.items()
+        },
     )
 
 
-def _weights_of(top: Path) -> tuple[str | None, list[tuple[WeightDoc, list[str]]]]:
+def _sizes(entry: Field) -> list[int | None]:
+    return [d.integer_or_none(minimum=0) for d in entry["sizes"].items()]
+
+
+def _symbols(entry: Field) -> list[str | None] | None:
+    symbols = entry.get("symbols")
+    return None if symbols is None else [None if s.value is None else s.string() for s in symbols.items()]
+
+
+def _optional_int(value: Field | None) -> int | None:
+    return None if value is None else value.integer()
+
+
+def _weights_of(top: Path) -> tuple[str | None, list[tuple[WeightDoc, list[str]]], list[str]]:
+    """The weights file, its entries with the methods reading each, and the
+    methods in the order given to ais.compile (empty if not recorded)."""
     index_path = top / WEIGHTS_INDEX
     if not index_path.is_file():
-        return None, []
+        return None, [], []
     index = read_json(index_path)
     version = index["version"].integer()
     if version != WEIGHTS_VERSION:
@@ -196,11 +237,13 @@ def _weights_of(top: Path) -> tuple[str | None, list[tuple[WeightDoc, list[str]]
                         strides=[s.integer() for s in e["strides"].items()],
                         offset=e["offset"].integer(minimum=0), nbytes=e["nbytes"].integer(minimum=0))
         entries.append((doc, e["methods"].strings()))
-    return str(blob), entries
+    order = index.get("methods")
+    return str(blob), entries, [] if order is None else order.strings()
 
 
 def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
     methods = []
+    order: list[str] = []
     for model_dir in sorted(root.glob("*/data/aotinductor/*")):
         if not model_dir.is_dir():
             continue
@@ -219,7 +262,7 @@ def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
             device_key = None if key is None else key.string()
             raw = meta.get(METADATA_KEY)
             metadata = None if raw is None else _sessions_metadata(raw)
-        weights_file, entries = _weights_of(model_dir.parents[2])
+        weights_file, entries, order = _weights_of(model_dir.parents[2])
         methods.append(MethodFiles(
             name=model_dir.name,
             library=str(libraries[0]),
@@ -231,7 +274,8 @@ def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
         ))
     if not methods:
         raise PackageError(f"{package} holds no AOTInductor model (no data/aotinductor/<model>/)")
-    return methods
+    # In the order given to ais.compile where it is recorded; by name otherwise.
+    return sorted(methods, key=lambda m: (order.index(m.name) if m.name in order else len(order), m.name))
 
 
 def _check_model_path(p: Path) -> None:

@@ -61,6 +61,13 @@ class MethodCall:
     contiguous: tuple[bool, ...] | None
     # The model returns one tensor (out_spec is a leaf): no unflattening.
     single_output: bool = False
+    # The exported call (args, kwargs): how many positional inputs, the
+    # keywords in their exported order (positions beyond the positional
+    # inputs fill them in that order), and the positional inputs' exported
+    # names where known (for messages). positional is -1 for other specs.
+    positional: int = -1
+    keywords: tuple[str, ...] = ()
+    positional_names: tuple[str, ...] = ()
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensor inputs of a call, in the container's order."""
@@ -77,6 +84,8 @@ class MethodCall:
                 raise TypeError(f"method '{self.name}' takes no keyword inputs")
             flat = list(args)
         else:
+            if self.positional >= 0:
+                args, kwargs = self._name_inputs(args, kwargs)
             try:
                 ordered = torch.export._tree_utils.reorder_kwargs(kwargs, self.in_spec)
             except ValueError as e:
@@ -94,6 +103,37 @@ class MethodCall:
                     and not x.is_contiguous():
                 flat[i] = x.contiguous()
         return flat
+
+    def _name_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Positions beyond the positional inputs given to the keywords in
+        their exported order; a TypeError naming what the method takes when
+        the call does not fit it."""
+        extra = args[self.positional:]
+        if len(extra) > len(self.keywords):
+            raise TypeError(f"method '{self.name}' takes {self.positional + len(self.keywords)} inputs "
+                            f"({self._expects()}), got {len(args)} by position")
+        named = dict(zip(self.keywords, extra))
+        twice = [k for k in named if k in kwargs]
+        if twice:
+            raise TypeError(f"method '{self.name}': input '{twice[0]}' given by position and by keyword")
+        kwargs = {**named, **kwargs}
+        unknown = [k for k in kwargs if k not in self.keywords]
+        missing = [k for k in self.keywords if k not in kwargs]
+        if unknown or missing or len(args) < self.positional:
+            what = (f"got unexpected keyword input{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}"
+                    if unknown else f"is missing input{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}"
+                    if missing else f"got {len(args)} positional inputs")
+            raise TypeError(f"method '{self.name}' {what}; it takes {self._expects()}")
+        return args[:self.positional], kwargs
+
+    def _expects(self) -> str:
+        parts = []
+        if self.positional:
+            names = f" ({', '.join(self.positional_names)})" if self.positional_names else ""
+            parts.append(f"{self.positional} positional input{'s' if self.positional > 1 else ''}{names}")
+        if self.keywords:
+            parts.append(f"{', '.join(self.keywords)} by keyword or by position in this order")
+        return " then ".join(parts) or "no inputs"
 
     def outputs(self, flat: list[torch.Tensor]) -> Any:
         if self.single_output:
