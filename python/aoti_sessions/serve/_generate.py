@@ -1,17 +1,18 @@
 """One generation request from start to end: its sampling parameters, the
-step loop (one model step per await, in a worker thread, so the event loop
-interleaves requests token by token and notices a client that left within one
-step), and the OpenAI response bodies and stream chunks."""
+step loop (a thread per request runs the model steps and hands each piece to
+the event loop, which sends it while the next step runs and notices a client
+that left within one step), and the OpenAI response bodies and stream chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import anyio.to_thread
 
 from ._errors import APIError
 from ._metrics import ServerMetrics
@@ -53,7 +54,7 @@ class Job:
             raise APIError(400, f"{field}: {limit} is more than the model's context of {self.llm.max_context} "
                                 "tokens", "invalid_value", field)
         # No limit: until a stop or the end of the context.
-        options: dict[str, Any] = {"max_tokens": limit, "stop": r.stops()}
+        options: dict[str, Any] = {"max_tokens": limit, "stop": r.stops(), "ignore_eos": r.ignore_eos}
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(r, name) is not None:
                 options[name] = getattr(r, name)
@@ -86,31 +87,58 @@ class Job:
     # -- steps -----------------------------------------------------------
     async def pieces(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
         """The generated text, piece by piece, until the generation ends or
-        ``disconnected()`` says the client left (then ``cancelled``)."""
+        ``disconnected()`` says the client left (then ``cancelled``).
+
+        A thread of this request runs the steps back to back and hands each
+        piece to the event loop, so sending a piece overlaps the next step
+        (the server adds no time per token while the loop keeps up), and
+        requests interleave token by token without waiting on each other.
+        Once the client is gone the thread stops before its next step."""
         g, entry = self.generation, self.entry
         assert g is not None and entry is not None and entry.session is not None
         session = entry.session
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str | None, int, float, int] | BaseException] = asyncio.Queue()
+        stop = threading.Event()
 
-        def step() -> tuple[str | None, int]:
-            return g.step(), len(session.tokens)  # the count for listings, read here: no waiting on the loop
+        def produce() -> None:
+            try:
+                while not stop.is_set():
+                    piece = g.step()
+                    # The token count for listings is read here: no waiting on the loop.
+                    item = (piece, g.completion_tokens, time.perf_counter(), len(session.tokens))
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                    if piece is None:
+                        return
+            except BaseException as e:  # noqa: BLE001 - raised in the request's task
+                loop.call_soon_threadsafe(queue.put_nowait, e)
 
+        producer = threading.Thread(target=produce, name=f"generate-{self.id}", daemon=True)
+        producer.start()
         tokens, last = 0, self.arrived
-        while True:
-            if await disconnected():
-                self.cancelled = True
-                return
-            piece, entry.tokens = await anyio.to_thread.run_sync(step)
-            now = time.perf_counter()
-            if g.completion_tokens > tokens:
-                if tokens == 0:
-                    self.metrics.ttft.observe(now - self.arrived)
-                else:
-                    self.metrics.itl.observe((now - last) / (g.completion_tokens - tokens))
-                tokens, last = g.completion_tokens, now
-            if piece is None:
-                return
-            if piece:
-                yield piece
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                piece, count, now, entry.tokens = item
+                if count > tokens:
+                    if tokens == 0:
+                        self.metrics.ttft.observe(now - self.arrived)
+                    else:
+                        self.metrics.itl.observe((now - last) / (count - tokens))
+                    tokens, last = count, now
+                if piece is None:
+                    return
+                if await disconnected():
+                    self.cancelled = True
+                    return
+                if piece:
+                    yield piece
+        finally:
+            stop.set()
+            # The step in flight ends before the generation is closed (finish).
+            await in_thread(producer.join)
 
     async def finish(self) -> None:
         """Cancels the generation if still running and counts its tokens;

@@ -9,7 +9,7 @@ accepted where their value asks for nothing this server does not do:
 or 0, ``presence_penalty`` / ``frequency_penalty``: 0, ``logit_bias``: {},
 ``response_format``: ``{"type": "text"}``, ``echo``: false, ``best_of``: 1,
 ``suffix``: null. Any other value of these is a 400 saying it is not
-supported. Extensions: ``top_k`` and ``session_id``.
+supported. Extensions: ``top_k``, ``ignore_eos`` and ``session_id``.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class _Generate(_Strict):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)  # extension: 0 means no limit
+    ignore_eos: bool = False  # extension (as vLLM's): generate past end-of-sequence tokens
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
