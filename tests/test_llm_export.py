@@ -34,13 +34,14 @@ def arch(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(arch: str) -> Iterator[ais.Engine]:
-    with ais.Engine(llm_package(arch), device="cpu") as eng:
+def engine(arch: str, device: str) -> Iterator[ais.Engine]:
+    with ais.Engine(llm_package(arch, device), device=device) as eng:
         yield eng
 
 
-def _eager(arch: str) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(arch), local_files_only=True).eval()
+def _eager(arch: str, device: str = "cpu") -> Any:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(arch), local_files_only=True)
+    return model.to(device).eval()
 
 
 def _tokenizer(arch: str) -> Any:
@@ -56,32 +57,31 @@ def _chat(tokenizer: Any, text: str) -> list[int]:
 def _reference(model: Any, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """The eager model's greedy tokens and the logits each was chosen from."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, output_logits=True,
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=STEPS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
     return out.sequences[0, len(prompt):].tolist(), list(out.logits)
 
 
-def _feed(session: ais.Session, ids: list[int], start: int, chunk: int) -> torch.Tensor:
-    """``ids`` into the cache from position ``start``, ``chunk`` tokens per prefill
-    call (a lone last token goes through decode); the last position's logits."""
+def _feed(session: ais.Session, ids: list[int], chunk: int, device: str) -> torch.Tensor:
+    """``ids`` into the cache from position 0, ``chunk`` tokens per prefill call
+    (a lone last token goes through decode); the last position's logits."""
     logits = torch.empty(0)
-    pos = start
-    while pos < start + len(ids):
-        piece = ids[pos - start:pos - start + chunk]
-        if len(piece) == 1:
-            logits = session.run("decode", torch.tensor([piece]), torch.tensor([pos]))
-        else:
-            logits = session.run("prefill", torch.tensor([piece]), torch.arange(pos, pos + len(piece)))
-        pos += len(piece)
+    pos = 0
+    while pos < len(ids):
+        piece = torch.tensor([ids[pos:pos + chunk]], device=device)
+        method = "decode" if piece.shape[1] == 1 else "prefill"
+        logits = session.run(method, piece, torch.arange(pos, pos + piece.shape[1], device=device))
+        pos += piece.shape[1]
     return logits
 
 
 class _Greedy:
     """Greedy decoding of one session of a package, one step per call."""
 
-    def __init__(self, session: ais.Session, prompt: list[int], chunk: int, eos: list[int]) -> None:
-        self.session, self.pos, self.eos = session, len(prompt), eos
-        self.logits = [_feed(session, prompt, 0, chunk)]
+    def __init__(self, session: ais.Session, prompt: list[int], chunk: int, eos: list[int],
+                 device: str = "cpu") -> None:
+        self.session, self.pos, self.eos, self.device = session, len(prompt), eos, device
+        self.logits = [_feed(session, prompt, chunk, device)]
         self.tokens: list[int] = []
 
     def step(self) -> bool:
@@ -89,22 +89,23 @@ class _Greedy:
         self.tokens.append(token)
         if token in self.eos or len(self.tokens) == STEPS:
             return False
-        self.logits.append(self.session.run("decode", torch.tensor([[token]]), torch.tensor([self.pos])))
+        self.logits.append(self.session.run("decode", torch.tensor([[token]], device=self.device),
+                                            torch.tensor([self.pos], device=self.device)))
         self.pos += 1
         return True
 
 
 @pytest.mark.parametrize("chunk", [64, 5])
-def test_greedy_tokens_match_eager_generate(arch: str, engine: ais.Engine, chunk: int) -> None:
+def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.Engine, chunk: int) -> None:
     """The whole prompt in one prefill, or in chunks of 5 at growing offsets (the
     last token alone through decode), then decode: the same greedy tokens as
     transformers' generate, from logits within float rounding."""
-    model, tokenizer = _eager(arch), _tokenizer(arch)
+    model, tokenizer = _eager(arch, device), _tokenizer(arch)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     prompt = _chat(tokenizer, PROMPTS[0])
     expected, logits = _reference(model, prompt)
     with engine.new_session() as s:
-        greedy = _Greedy(s, prompt, chunk, eos)
+        greedy = _Greedy(s, prompt, chunk, eos, device)
         while greedy.step():
             pass
     assert greedy.tokens == expected
