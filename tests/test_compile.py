@@ -34,9 +34,10 @@ CACHE_LEN = 32
 PREFILL = 4  # example prompt length of the two-method package
 
 
-def static_cache_lm(arch: str) -> nn.Module:
+def static_cache_lm(arch: str, device: str = "cpu") -> nn.Module:
     """transformers' static-cache export wrapper around a random-weight tiny
-    decoder (the same weights every call)."""
+    decoder (the same weights every call). The cache is made on `device`
+    (moving the wrapper later would leave the cache's own references behind)."""
     torch.manual_seed(0)
     config = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, head_dim=16)
@@ -44,11 +45,12 @@ def static_cache_lm(arch: str) -> nn.Module:
         model: nn.Module = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
-    model.eval()
+    model.to(device).eval()
     model.generation_config = transformers.GenerationConfig(
         use_cache=True, cache_implementation="static", max_length=CACHE_LEN,
         cache_config={"batch_size": 1, "max_cache_len": CACHE_LEN})
-    return TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=CACHE_LEN)
+    return TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=CACHE_LEN,
+                                                device=torch.device(device))
 
 
 def decode_inputs(position: int = 0) -> dict[str, torch.Tensor]:
@@ -59,7 +61,8 @@ def lm_methods() -> dict[str, Method]:
     """Prefill (dynamic length, given first) then decode, both by keyword."""
     tokens = torch.export.Dim("tokens", min=2, max=16)
     return {
-        "prefill": Method((), {"input_ids": torch.arange(1, PREFILL + 1)[None], "cache_position": torch.arange(PREFILL)},
+        "prefill": Method((), {"input_ids": torch.arange(1, PREFILL + 1)[None],
+                               "cache_position": torch.arange(PREFILL)},
                           dynamic_shapes={"input_ids": {1: tokens}, "cache_position": {0: tokens}}),
         "decode": Method((), decode_inputs(PREFILL)),
     }
@@ -174,7 +177,8 @@ def test_positional_and_keyword_inputs_together() -> None:
 
 def test_keywords_for_positional_inputs_name_them(counter_cpu_pkg: Path) -> None:
     with ais.Engine(counter_cpu_pkg) as engine, engine.new_session() as s:
-        with pytest.raises(TypeError, match=r"unexpected keyword inputs 'x', 'slot'; it takes 2 positional inputs \(x, slot\)"):
+        with pytest.raises(TypeError, match=r"unexpected keyword inputs 'x', 'slot'; "
+                                            r"it takes 2 positional inputs \(x, slot\)"):
             s(x=torch.randn(1, 8), slot=torch.tensor([0]))
 
 
