@@ -95,14 +95,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(package: Path, device: str, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
-                             "--device", device, "--max-sessions", "256"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def start_server(package: Path, device: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:  # the server's own log, read back if it fails
+        proc = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
+                                 "--device", device, "--max-sessions", "256"],
+                                stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+            raise RuntimeError(f"server exited ({proc.returncode}): {log.read_text()[-3000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
@@ -223,12 +224,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per turn")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--server-log", default=str(ROOT / "build" / "bench_serve_server.log"))
     args = parser.parse_args()
     device = args.device
     chats = [int(x) for x in args.chats.split(",")]
     package = bench_package(device)
     port = free_port()
-    server = start_server(package, device, port)
+    log = Path(args.server_log)
+    server = start_server(package, device, port, log)
     MODEL[0] = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
     modes = ("sessions", "no-session", "serialised")
     rates: dict[tuple[int, str], list[float]] = {}
@@ -245,6 +248,10 @@ def main() -> None:
                         merged.setdefault(turn, []).extend(xs)
                     print(f"round {r} chats {n} {mode}: {rate:.1f} tokens/s", flush=True)
         server_itl = [asyncio.run(server_token_time(port, 64)) for _ in range(args.rounds)]
+    except BaseException:
+        print(f"server (exit status {server.poll()}), the end of its log {log}:\n{log.read_text()[-3000:]}",
+              flush=True)
+        raise
     finally:
         server.terminate()
         server.wait(timeout=60)

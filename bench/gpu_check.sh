@@ -21,7 +21,7 @@ fi
 if [ -d .deps/gtest ]; then
   export CMAKE_PREFIX_PATH=$PWD/.deps/gtest/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
 fi
-stage=${1:-all}  # all | test | some | bench | weights | lifecycle
+stage=${1:-all}  # all | test | some | bench | weights | lifecycle | serve
 status=0
 
 {
@@ -58,5 +58,11 @@ if [ "$stage" = all ] || [ "$stage" = lifecycle ]; then
   python3 bench/bench_lifecycle.py --disk-dir build/disk --out bench/RESULTS_lifecycle.md 2>&1 \
     | tee "$OUT/bench_lifecycle.txt" || status=$?
   cp bench/RESULTS_lifecycle.md "$OUT/" 2>/dev/null || true
+fi
+if [ "$stage" = all ] || [ "$stage" = serve ]; then
+  # The chat server under multi-turn load (CHATS, TURNS, ROUNDS to shorten it).
+  python3 bench/bench_serve.py --device cuda --chats "${CHATS:-1,4,16}" --turns "${TURNS:-8}" \
+    --rounds "${ROUNDS:-3}" --out bench/RESULTS_serve_cuda.md 2>&1 | tee "$OUT/bench_serve.txt" || status=$?
+  cp bench/RESULTS_serve_cuda.md "$OUT/" 2>/dev/null || true
 fi
 exit $status

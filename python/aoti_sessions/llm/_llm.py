@@ -62,12 +62,12 @@ class LLM(Closable):
         eos = self.generation_config.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset(int(t) for t in (*self.spec.eos_token_ids, *eos_ids))
-        self._streams: list[torch.cuda.Stream] = []
+        self._streams: list[_SharedStream] = []
         if self.engine.device.type == "cuda":
             count = streams if streams is not None else int(engine_options.get("lanes") or 4)
             if count < 1:
                 raise ValueError(f"streams must be at least 1, got {count}")
-            self._streams = [torch.cuda.Stream(self.engine.device) for _ in range(count)]  # type: ignore[no-untyped-call]
+            self._streams = [_SharedStream(self.engine.device) for _ in range(count)]
         self._next_stream = itertools.count()
 
     @property
@@ -143,7 +143,7 @@ class LLM(Closable):
             raise SessionFileError(f"{history}: not a token history of this model")
         return ChatSession(self, self.engine.load_session(path), tokens)
 
-    def _pick_stream(self) -> torch.cuda.Stream | None:
+    def _pick_stream(self) -> _SharedStream | None:
         if not self._streams:
             return None
         return self._streams[next(self._next_stream) % len(self._streams)]
@@ -153,6 +153,31 @@ class LLM(Closable):
 
     def __repr__(self) -> str:
         return f"LLM({self.name!r}, {self.spec.architecture}, context {self.max_context}, {self.engine.device})"
+
+
+class _SharedStream:
+    """A CUDA stream and the lock that keeps one session's work on it at a
+    time: the stream orders the device work anyway, and a session capturing a
+    CUDA graph on a stream must be the only one queueing work there (another
+    session's kernels would land in its graph). Taken after a session's lock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._lock = threading.Lock()
+        self._context: AbstractContextManager[Any] | None = None
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._context = torch.cuda.stream(self.stream)
+        self._context.__enter__()  # type: ignore[no-untyped-call]
+
+    def __exit__(self, *exc: object) -> None:
+        context, self._context = self._context, None
+        try:
+            assert context is not None
+            context.__exit__(None, None, None)
+        finally:
+            self._lock.release()
 
 
 class ChatSession(Closable):
@@ -260,11 +285,11 @@ class ChatSession(Closable):
         active = self._active
         if active is not None:
             active.close()
-        with self._lock:
+        with self._lock, self._on_stream():
             self._session.close()
 
     def _on_stream(self) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        return self._stream if self._stream is not None else nullcontext()
 
     def _release(self, generation: Generation) -> None:
         if self._active is generation:
