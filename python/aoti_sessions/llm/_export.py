@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import os
 import tempfile
 import warnings
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .._compile import Method, compile
+from .._package import METADATA_KEY
 from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec
 
 if TYPE_CHECKING:
@@ -46,12 +48,15 @@ class _PrefillDecode(torch.nn.Module):
 
     lm: TorchExportableModuleWithStaticCache
 
-    def __init__(self, lm: TorchExportableModuleWithStaticCache, logits_to_keep: bool) -> None:
+    def __init__(self, lm: TorchExportableModuleWithStaticCache) -> None:
         from transformers.cache_utils import StaticLayer
 
         super().__init__()
         self.lm = lm
-        self.logits_to_keep = logits_to_keep
+        parameters = inspect.signature(lm.model.forward).parameters
+        # transformers 5.2x calls the argument ``cache``, earlier releases ``past_key_values``.
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self.logits_to_keep = "logits_to_keep" in parameters
         self.layers: list[StaticLayer] = []
         for layer in lm.static_cache.layers:
             if not isinstance(layer, StaticLayer):
@@ -64,8 +69,10 @@ class _PrefillDecode(torch.nn.Module):
         for layer in self.layers:
             layer.cumulative_length.copy_(cache_position[0])
         # The last position only: the lm head of a prompt's every token is wasted work.
-        extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
-        out = self.lm.model(input_ids=input_ids, cache=self.lm.static_cache, use_cache=True, **extra)
+        extra: dict[str, Any] = {self.cache_argument: self.lm.static_cache}
+        if self.logits_to_keep:
+            extra["logits_to_keep"] = 1
+        out = self.lm.model(input_ids=input_ids, use_cache=True, **extra)
         logits: torch.Tensor = out.logits
         return logits[:, -1, :]
 
@@ -204,7 +211,10 @@ def _first_id(*values: Any) -> int | None:
 def _methods(max_prefill: int, device: torch.device) -> dict[str, Method]:
     """Example inputs: prefill's length is dynamic in [2, max_prefill], decode's static."""
     example = min(_EXAMPLE_PREFILL, max_prefill)
-    tokens = torch.export.Dim("tokens", min=2, max=max_prefill)
+    # A hint, not a named Dim: on CUDA, attention pads the mask to a multiple of
+    # 8 and dynamo cannot prove the guard that adds for every length in range
+    # ("Constraints violated (tokens)"); a hint lets export keep it as a check.
+    tokens = torch.export.Dim.DYNAMIC(min=2, max=max_prefill)
     return {
         "prefill": Method((torch.zeros(1, example, dtype=torch.long, device=device),
                            torch.arange(example, device=device)),
@@ -237,6 +247,24 @@ def _exportable(model: PreTrainedModel, device: torch.device, dtype: torch.dtype
         model.generation_config, model.config.use_cache = generation, use_cache
         if restore:
             cast(torch.nn.Module, model).to(device=old_device, dtype=old_dtype).train(training)
+
+
+def _check_kv_state(package: str, module: _PrefillDecode) -> None:
+    """Every method must mutate every KV cache buffer: else the model did not
+    write into the cache export gave it, and sessions would share no context."""
+    caches = {name for name, _ in module.named_buffers() if "key_cache" in name or "value_cache" in name}
+    mutated: dict[str, set[str]] = {}
+    with zipfile.ZipFile(package) as zf:  # read in place: extracting a large package costs its size
+        for name in zf.namelist():
+            parts = name.split("/")
+            if len(parts) == 5 and parts[1:3] == ["data", "aotinductor"] and name.endswith("metadata.json"):
+                doc = json.loads(json.loads(zf.read(name)).get(METADATA_KEY, "{}"))
+                mutated.setdefault(parts[3], set()).update(doc.get("mutable_buffers") or [])
+    for method in ("prefill", "decode"):
+        if not caches or not caches <= mutated.get(method, set()):
+            raise RuntimeError(f"export: method '{method}' does not write the static KV cache (it mutates "
+                               f"{sorted(mutated.get(method, set()))}); this model or transformers version does "
+                               "not take the cache export passes it")
 
 
 def _model_name(model: PreTrainedModel, source: Path | None) -> str:
@@ -316,8 +344,7 @@ def export(
     with _exportable(model, dev, torch_dtype, restore=model is model_or_dir), \
             tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(target))) as staging:
         module = _PrefillDecode(TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=cache_len,
-                                                                     device=dev),
-                                logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters)
+                                                                     device=dev))
         # Export under the final name: the package's top folder is named after the file.
         tmp = os.path.join(staging, os.path.basename(target))
         with warnings.catch_warnings():
@@ -327,6 +354,7 @@ def export(
             # non-strict trace fails in run_decompositions ("expected compiled_fn
             # to be GraphModule").
             compile(module, _methods(prefill_len, dev), path=tmp, inductor_configs=inductor_configs, strict=True)
+        _check_kv_state(tmp, module)
         spec = LLMSpec(
             model_type=str(config.model_type), architecture=type(model).__name__,
             max_cache_len=cache_len, max_prefill=prefill_len, vocab_size=int(config.vocab_size),
