@@ -35,15 +35,22 @@ class _TokenReader:
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
+        self._token = torch.zeros(1, dtype=torch.int64)
         if self._cuda:
             self._host = torch.empty(1, dtype=torch.int64, pin_memory=True)
             self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
-    def __call__(self, token: torch.Tensor) -> int:
+    def start(self, token: torch.Tensor) -> None:
+        """Queues the copy of ``token`` (a one-element device tensor) to the host."""
+        self._token = token
+        if self._cuda:
+            self._host.copy_(token.reshape(1), non_blocking=True)
+            self._done.record()
+
+    def finish(self) -> int:
+        """The token :meth:`start` queued, once it has arrived."""
         if not self._cuda:
-            return int(token)
-        self._host.copy_(token.reshape(1), non_blocking=True)
-        self._done.record()
+            return int(self._token)
         self._done.synchronize()
         return int(self._host[0])
 
@@ -103,12 +110,25 @@ class Generation:
                     logits = self._feed_prompt()
                     if logits is None:
                         return ""  # more of the prompt to go
-                else:
-                    assert self._next is not None
-                    logits = self._run(self._next.view(1, 1), 1)
-                    session._tokens.append(self.token_ids[-1])
-                self._next = self._sampler(logits)
-                return self._accept(self._reader(self._next))
+                    self._sample(logits)
+                # The token sampled last (by the previous step, or from the
+                # prompt just now) is read; unless it ends the reply, the step
+                # that feeds it is queued before its text is returned, so the
+                # device computes the next token while the caller sends this one.
+                piece = self._accept(self._reader.finish())
+                if not self.finished:
+                    self._sample(self._feed_last())
+                return piece
+
+    def _sample(self, logits: torch.Tensor) -> None:
+        self._next = self._sampler(logits)
+        self._reader.start(self._next)
+
+    def _feed_last(self) -> torch.Tensor:
+        assert self._next is not None
+        logits = self._run(self._next.view(1, 1), 1)
+        self._session._tokens.append(self.token_ids[-1])
+        return logits
 
     def _feed_prompt(self) -> torch.Tensor | None:
         chunk = self._pending[:self._session.llm.spec.max_prefill]
