@@ -230,3 +230,15 @@ def test_sessions_on_threads_equal_serial(llm):
     assert got == serial
     for s in sessions:
         s.close()
+
+
+def test_bad_llm_arguments_are_refused():
+    from aoti_sessions.demo import compiled_decoder
+    from aoti_sessions.models import SMALL
+
+    package = llm_package("qwen3", device="cpu", max_cache_len=CONTEXT)
+    for streams in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="streams"):
+            LLM(package, streams=streams)
+    with pytest.raises(ais.PackageError, match="llm"):
+        LLM(compiled_decoder(SMALL, "cpu"))

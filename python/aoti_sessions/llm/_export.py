@@ -28,7 +28,7 @@ import torch
 
 from .._compile import Method, compile
 from .._package import METADATA_KEY
-from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec
+from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec, require_transformers
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -316,6 +316,7 @@ def export(
     ``max_prefill`` to ``min(512, max_cache_len)``, ``dtype`` to the model's.
     Returns the package path.
     """
+    require_transformers()
     import transformers
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 

@@ -49,6 +49,8 @@ class LLM(Closable):
 
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu", *,
                  streams: int | None = None, **engine_options: Any) -> None:
+        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
+            raise ValueError(f"streams must be a positive int, got {streams!r}")
         read = read_llm_package(package)
         self.spec = read.spec
         self.generation_config: dict[str, Any] = dict(read.generation_config)
@@ -65,8 +67,6 @@ class LLM(Closable):
         self._streams: list[_SharedStream] = []
         if self.engine.device.type == "cuda":
             count = streams if streams is not None else int(engine_options.get("lanes") or 4)
-            if count < 1:
-                raise ValueError(f"streams must be at least 1, got {count}")
             self._streams = [_SharedStream(self.engine.device) for _ in range(count)]
         self._next_stream = itertools.count()
 

@@ -25,7 +25,7 @@ from .._json import Field
 from .._package import _check_model_path, _extract
 from ..errors import PackageError
 
-__all__ = ["LLMSpec", "LLMPackage", "read_llm_package", "LLM_DIR", "SPEC_FILE", "GENERATION_CONFIG_FILE",
+__all__ = ["LLMSpec", "LLMPackage", "read_llm_package", "require_transformers", "LLM_DIR", "SPEC_FILE", "GENERATION_CONFIG_FILE",
            "TOKENIZER_DIR", "SPEC_VERSION"]
 
 LLM_DIR = "data/aoti_sessions/llm"  # below the package's top folder
@@ -66,9 +66,16 @@ class LLMPackage:
 
     def load_tokenizer(self) -> Any:
         """The package's tokenizer (``AutoTokenizer``), chat template included."""
-        from transformers import AutoTokenizer
+        return require_transformers().AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
 
-        return AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
+
+def require_transformers() -> Any:
+    """The transformers module, or an ImportError saying how to install it."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("aoti_sessions.llm needs transformers: pip install 'aoti-sessions[llm]'") from e
+    return transformers
 
 
 def _optional_id(doc: Field, key: str) -> int | None:
