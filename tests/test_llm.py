@@ -242,3 +242,44 @@ def test_bad_llm_arguments_are_refused():
             LLM(package, streams=streams)
     with pytest.raises(ais.PackageError, match="llm"):
         LLM(compiled_decoder(SMALL, "cpu"))
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(llm):
+    with llm.new_session() as s:
+        out = s.generate("The cat", max_tokens=8, temperature=1e-40, seed=3, ignore_eos=True)
+    assert out.token_ids == greedy(llm, "The cat", 8).token_ids
+
+
+def test_a_chat_template_that_refuses_is_a_value_error(llm):
+    template = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    try:
+        with llm.new_session() as s, pytest.raises(ValueError, match="roles must alternate"):
+            s.start(USER)
+    finally:
+        llm.tokenizer.chat_template = template
+
+
+@pytest.mark.parametrize("stop", [["x"] * 17, ["y" * 257], [""]])
+def test_stop_strings_are_bounded(stop):
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=stop)
+
+
+def test_text_is_held_back_only_while_it_may_begin_a_stop_string(llm):
+    from aoti_sessions.llm._text import TextStream
+
+    ids = llm.tokenizer.encode("the river and the old mill")
+    text = llm.tokenizer.decode(ids)
+
+    def run(stop):
+        stream = TextStream(llm.tokenizer, stop)
+        pieces = [stream.push(t) for t in ids]
+        return pieces, "".join(pieces) + stream.flush(), stream.stopped
+
+    pieces, out, stopped = run(["old m"])
+    assert out == text[:text.index("old m")] and stopped
+    pieces, out, stopped = run(["mill!"])  # never completes: "mill" is held back, then flushed
+    assert out == text and not stopped and not "".join(pieces).endswith("mill")
+    pieces, out, stopped = run(["zzz"])
+    assert "".join(pieces) == text == out

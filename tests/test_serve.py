@@ -332,6 +332,11 @@ BAD_BODIES: list[tuple[str, Any, str | None]] = [  # (what, body or raw bytes, t
     ("two choices", {"n": 2}, "n"),
     ("logprobs", {"logprobs": True}, "logprobs"),
     ("a penalty", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("seed past 64 bits", {"seed": 2**64}, "seed"),
+    ("huge top_k", {"top_k": 2**40}, "top_k"),
+    ("17 stop strings", {"stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ("an empty stop string", {"stop": ["ok", ""]}, "stop"),
+    ("a stop string of 257 characters", {"stop": "x" * 257}, "stop"),
 ]
 
 

@@ -105,19 +105,23 @@ class Generation:
         with session._lock:
             if self.finished:
                 return None
-            with torch.no_grad(), session._on_stream():
+            with torch.no_grad():
                 if self._pending:
-                    logits = self._feed_prompt()
-                    if logits is None:
-                        return ""  # more of the prompt to go
-                    self._sample(logits)
+                    with session._on_stream():
+                        logits = self._feed_prompt()
+                        if logits is None:
+                            return ""  # more of the prompt to go
+                        self._sample(logits)
                 # The token sampled last (by the previous step, or from the
                 # prompt just now) is read; unless it ends the reply, the step
                 # that feeds it is queued before its text is returned, so the
                 # device computes the next token while the caller sends this one.
+                # Waiting and decoding text need no stream: other sessions on it
+                # queue their work meanwhile.
                 piece = self._accept(self._reader.finish())
                 if not self.finished:
-                    self._sample(self._feed_last())
+                    with session._on_stream():
+                        self._sample(self._feed_last())
                 return piece
 
     def _sample(self, logits: torch.Tensor) -> None:

@@ -100,8 +100,13 @@ class LLM(Closable):
                 raise ValueError(f"messages[{i}] must have a string 'role' and a 'content'")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.name} has no chat template; send a text prompt instead")
-        ids = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True,
-                                                 add_generation_prompt=True)
+        try:
+            ids = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True,
+                                                     add_generation_prompt=True)
+        except Exception as e:  # the template's own refusals (jinja2's TemplateError)
+            if type(e).__module__.split(".")[0] != "jinja2":
+                raise
+            raise ValueError(f"the chat template of {self.name} refused the messages: {e}") from e
         if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]

@@ -13,6 +13,13 @@ import torch
 # The largest ``max_tokens`` accepted: anything past the context ends with
 # finish reason "length" anyway, but a number this large is a client bug.
 MAX_TOKENS_LIMIT = 1 << 20
+# Stop strings: at most this many, of at most this many characters (each new
+# token is checked against every one of them).
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+# Temperatures below this sample as greedy: dividing by them overflows the
+# scores to inf, and the softmax of those is NaN.
+MIN_TEMPERATURE = 1e-5
 
 
 def _number(name: str, value: object, low: float, high: float, *, integer: bool = False) -> None:
@@ -28,7 +35,7 @@ class SamplingParams:
     """How to generate. ``None`` fields take the package's generation config
     (its ``temperature``, ``top_p``, ``top_k``; greedy if it does not sample).
 
-    ``temperature=0`` is greedy whatever the generation config says.
+    ``temperature=0`` (or below 1e-5) is greedy whatever the generation config says.
     ``max_tokens=None`` generates until a stop or the end of the context.
     ``stop``: strings that end the text (not included in it);
     ``stop_token_ids``: token ids that end it, besides the model's
@@ -58,9 +65,12 @@ class SamplingParams:
         if self.seed is not None:
             _number("seed", self.seed, -(1 << 63), (1 << 64) - 1, integer=True)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         for s in stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_LENGTH:
+                raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_LENGTH} "
+                                 f"characters, got {s!r:.60}")
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids)
         for t in ids:
@@ -81,7 +91,7 @@ class Sampler:
         temperature = params.temperature
         if temperature is None:
             temperature = float(config.get("temperature") or 1.0) if config.get("do_sample") else 0.0
-        self.greedy = temperature == 0.0
+        self.greedy = temperature < MIN_TEMPERATURE
         self.temperature = temperature
         self.top_k = params.top_k if params.top_k is not None else int(config.get("top_k") or 0)
         self.top_p = params.top_p if params.top_p is not None else float(config.get("top_p") or 1.0)
@@ -99,7 +109,7 @@ class Sampler:
         row = logits.reshape(-1)
         if self.greedy:
             return row.argmax().reshape(1)
-        scores = row.float() / self.temperature
+        scores = (row.float() - row.max().float()) / self.temperature
         if 0 < self.top_k < scores.numel():
             kth = torch.topk(scores, self.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, -math.inf)

@@ -76,13 +76,18 @@ class TextStream:
         elif final:
             end = len(text)
         else:
-            # Hold back a tail that could begin a stop string.
+            # Hold back a tail that could begin a stop string: the earliest
+            # start, among the last len(s) - 1 characters, of a suffix that
+            # is a prefix of s.
             end = len(text)
             for s in self._stop:
-                for k in range(min(len(s) - 1, len(text)), 0, -1):
-                    if text.endswith(s[:k]):
-                        end = min(end, len(text) - k)
+                start = max(self._shown, len(text) - len(s) + 1)
+                at = text.find(s[0], start)
+                while at >= 0 and at < end:
+                    if s.startswith(text[at:]):
+                        end = at
                         break
+                    at = text.find(s[0], at + 1)
         end = max(end, self._shown)
         piece = text[self._shown:end]
         self._shown = end

@@ -58,7 +58,11 @@ class Job:
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(r, name) is not None:
                 options[name] = getattr(r, name)
-        return SamplingParams(**options)
+        try:
+            return SamplingParams(**options)
+        except (ValueError, TypeError) as e:  # the runtime's own bounds (seed, top_k, stop)
+            field = str(e).split()[0].rstrip(":")
+            raise APIError(400, str(e), "invalid_value", field if hasattr(r, field) else None) from e
 
     def _prompt(self) -> Any:
         if isinstance(self.request, ChatRequest):

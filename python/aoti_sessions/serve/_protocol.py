@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_STOP = 16  # stop strings per request
 SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
 
@@ -92,16 +91,6 @@ class _Generate(_Strict):
     def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value:
             raise _unsupported(value, "an empty logit_bias")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
         return value
 
     def stops(self) -> list[str]:
