@@ -214,6 +214,11 @@ class ChatSession(Closable):
             return tuple(self._tokens)
 
     @property
+    def token_count(self) -> int:
+        """``len(tokens)``, without waiting for a step in progress."""
+        return len(self._tokens)
+
+    @property
     def busy(self) -> bool:
         """Whether a generation is running on this session."""
         return self._active is not None

@@ -110,7 +110,7 @@ class Job:
                 while not stop.is_set():
                     piece = g.step()
                     # The token count for listings is read here: no waiting on the loop.
-                    item = (piece, g.completion_tokens, time.perf_counter(), len(session.tokens))
+                    item = (piece, g.completion_tokens, time.perf_counter(), session.token_count)
                     loop.call_soon_threadsafe(queue.put_nowait, item)
                     if piece is None:
                         return

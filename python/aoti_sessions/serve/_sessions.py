@@ -60,7 +60,7 @@ class Entry:
     def describe(self) -> dict[str, Any]:
         resident = self.session is not None  # a busy session is on the device (or on its way)
         if self.session is not None and not self.busy:  # else a step may hold the session's lock
-            self.tokens, resident = len(self.session.tokens), self.session.resident
+            self.tokens, resident = self.session.token_count, self.session.resident
         return {"id": self.id, "object": "session", "created": int(self.created), "tokens": self.tokens,
                 "busy": self.busy, "resident": resident, "last_used": int(self.last_used)}
 
