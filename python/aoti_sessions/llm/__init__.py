@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ._export import export
 from ._generation import Completion, Generation
-from ._llm import LLM, ChatSession, Prompt
+from ._llm import LLM, ChatSession, ContextLengthError, Prompt
 from ._sampling import SamplingParams
 
-__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams"]
+__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "ContextLengthError"]

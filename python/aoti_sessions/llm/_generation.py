@@ -35,7 +35,7 @@ class _TokenReader:
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
-        self._token = torch.zeros(1, dtype=torch.int64)
+        self._token: torch.Tensor | None = None
         if self._cuda:
             self._host = torch.empty(1, dtype=torch.int64, pin_memory=True)
             self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -50,6 +50,7 @@ class _TokenReader:
     def finish(self) -> int:
         """The token :meth:`start` queued, once it has arrived."""
         if not self._cuda:
+            assert self._token is not None
             return int(self._token)
         self._done.synchronize()
         return int(self._host[0])

@@ -23,18 +23,22 @@ import torch
 
 from .._engine import Engine
 from .._session import Closable, Session
-from ..errors import PackageError, SessionBusyError, SessionFileError
+from ..errors import PackageError, SessionBusyError, SessionClosedError, SessionFileError
 from ._generation import Completion, Generation
 from ._sampling import SamplingParams
 from ._spec import read_llm_package
 
-__all__ = ["LLM", "ChatSession", "Prompt"]
+__all__ = ["LLM", "ChatSession", "Prompt", "ContextLengthError"]
 
 # A prompt: text (tokenized as is), token ids, or chat messages
 # ({"role": ..., "content": ...}) put through the model's chat template.
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
 
 HISTORY_SUFFIX = ".tokens.json"  # beside a saved session: the tokens its cache holds
+
+
+class ContextLengthError(ValueError):
+    """A prompt longer than the context."""
 
 
 class LLM(Closable):
@@ -127,7 +131,7 @@ class LLM(Closable):
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) > self.max_context:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
         return ids
 
     def new_session(self) -> ChatSession:
@@ -242,7 +246,6 @@ class ChatSession(Closable):
             if self._active is not None:
                 raise SessionBusyError(f"session {self.id} is busy: a generation is running on it")
             if self._session.closed:
-                from ..errors import SessionClosedError
                 raise SessionClosedError(f"session {self.id} is closed")
             generation = Generation(self, ids, params)
             self._active = generation

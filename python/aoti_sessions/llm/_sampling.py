@@ -22,12 +22,20 @@ MAX_STOP_LENGTH = 256
 MIN_TEMPERATURE = 1e-5
 
 
+class ParamError(ValueError):
+    """A sampling parameter out of range; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _number(name: str, value: object, low: float, high: float, *, integer: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         kind = "an integer" if integer else "a number"
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
     if not (low <= value <= high) or (isinstance(value, float) and math.isnan(value)):
-        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}")
+        raise ParamError(name.removesuffix("[]"), f"{name} must be in [{low:g}, {high:g}], got {value}")
 
 
 @dataclass(frozen=True)
@@ -59,18 +67,18 @@ class SamplingParams:
         if self.top_p is not None:
             _number("top_p", self.top_p, 0.0, 1.0)
             if self.top_p == 0:
-                raise ValueError("top_p must be in (0, 1], got 0")
+                raise ParamError("top_p", "top_p must be in (0, 1], got 0")
         if self.top_k is not None:
             _number("top_k", self.top_k, 0, 1 << 31, integer=True)
         if self.seed is not None:
             _number("seed", self.seed, -(1 << 63), (1 << 64) - 1, integer=True)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+            raise ParamError("stop", f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_LENGTH:
-                raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_LENGTH} "
-                                 f"characters, got {s!r:.60}")
+                raise ParamError("stop", f"stop strings must be non-empty strings of at most {MAX_STOP_LENGTH} "
+                                         f"characters, got {s!r:.60}")
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids)
         for t in ids:

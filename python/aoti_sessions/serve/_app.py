@@ -95,6 +95,7 @@ def create_app(llm: LLM, *, api_key: str | None = None, session_dir: str | os.Pa
         if body.model is not None:
             _check_model(body.model, model)
         job = Job(llm, body, model, metrics)
+        await job.tokenize()
         entry = await registry.acquire(session_id, create=True)
         headers = {"X-Session-ID": session_id} if session_id else {}
         if not body.stream:

@@ -40,11 +40,12 @@ class Job:
         self.cancelled = False
         self._counted = False
         # Checked before any session is touched: a bad request changes nothing.
-        self.params, self.prompt = self._params(), self._prompt()
+        self.params = self._params()
+        self.prompt: list[int] = []  # token ids, from tokenize()
 
     # -- start -----------------------------------------------------------
     def _params(self) -> Any:
-        from ..llm import SamplingParams
+        from ..llm._sampling import ParamError, SamplingParams
 
         r = self.request
         field, limit = r.limit()
@@ -60,32 +61,28 @@ class Job:
                 options[name] = getattr(r, name)
         try:
             return SamplingParams(**options)
-        except (ValueError, TypeError) as e:  # the runtime's own bounds (seed, top_k, stop)
-            field = str(e).split()[0].rstrip(":")
-            raise APIError(400, str(e), "invalid_value", field if hasattr(r, field) else None) from e
+        except ParamError as e:  # the runtime's own bounds (seed, top_k, stop)
+            raise APIError(400, str(e), "invalid_value", e.field) from e
 
-    def _prompt(self) -> Any:
-        if isinstance(self.request, ChatRequest):
-            return [m.as_dict() for m in self.request.messages]
-        prompt = self.request.the_prompt()
-        if isinstance(prompt, list):
-            vocab = self.llm.spec.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
-                               "invalid_value", "prompt")
-        return prompt
+    async def tokenize(self) -> None:
+        """The prompt as token ids (chat template, tokenizer, the runtime's
+        checks), in a worker thread, before any session is touched (400 for a
+        prompt the runtime refuses)."""
+        from ..llm import ContextLengthError
+
+        r = self.request
+        prompt: Any = [m.as_dict() for m in r.messages] if isinstance(r, ChatRequest) else r.the_prompt()
+        try:
+            self.prompt = await in_thread(lambda: self.llm.prompt_ids(prompt))
+        except (ValueError, TypeError) as e:
+            code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
+            raise APIError(400, str(e), code, "messages" if self.chat else "prompt") from e
 
     async def start(self, entry: Entry) -> None:
-        """Starts the generation on ``entry``'s session, held by this request
-        (400 for a prompt or parameters the runtime refuses)."""
+        """Starts the generation on ``entry``'s session, held by this request."""
         self.entry, session, params, prompt = entry, entry.session, self.params, self.prompt
         assert session is not None
-        try:
-            self.generation = await in_thread(lambda: session.start(prompt, params))
-        except ValueError as e:
-            code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
-            raise APIError(400, str(e), code, "messages" if self.chat else "prompt") from e
+        self.generation = await in_thread(lambda: session.start(prompt, params))
         self.metrics.active += 1
 
     # -- steps -----------------------------------------------------------
