@@ -14,9 +14,9 @@ supported. Extensions: ``top_k``, ``ignore_eos`` and ``session_id``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
@@ -72,25 +72,20 @@ class _Generate(_Strict):
     logit_bias: dict[str, float] | None = None
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)  # extension
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise _unsupported(value, "n=1")
-        return value
+    # Fields OpenAI's clients send on their own, accepted while their value asks
+    # for nothing this server does not do: null, or the value here (with how
+    # the error says it).
+    HARMLESS: ClassVar[dict[str, tuple[object, str]]] = {
+        "n": (1, "n=1"), "presence_penalty": (0, "0"), "frequency_penalty": (0, "0"),
+        "logit_bias": ({}, "an empty logit_bias"),
+    }
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("*")
     @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0):
-            raise _unsupported(value, "0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise _unsupported(value, "an empty logit_bias")
+    def _harmless(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed = cls.HARMLESS.get(info.field_name or "")
+        if allowed is not None and value is not None and value != allowed[0]:
+            raise _unsupported(value, allowed[1])
         return value
 
     def stops(self) -> list[str]:
@@ -106,20 +101,7 @@ class ChatRequest(_Generate):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported(value, "logprobs=false")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value not in (None, 0):
-            raise _unsupported(value, "0")
-        return value
+    HARMLESS = {**_Generate.HARMLESS, "logprobs": (False, "logprobs=false"), "top_logprobs": (0, "0")}
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:
@@ -141,6 +123,8 @@ class CompletionRequest(_Generate):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    HARMLESS = {**_Generate.HARMLESS, "logprobs": (0, "null"), "echo": (False, "echo=false"),
+                "best_of": (1, "best_of=1"), "suffix": ("", "no suffix")}
 
     @field_validator("prompt")
     @classmethod
@@ -149,34 +133,6 @@ class CompletionRequest(_Generate):
             raise ValueError("the prompt is empty")
         if isinstance(value, list) and isinstance(value[0], str) and len(value) != 1:
             raise ValueError(f"only one prompt per request is supported, got {len(value)}")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value not in (None, 0):
-            raise _unsupported(value, "null")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported(value, "echo=false")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise _unsupported(value, "best_of=1")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise _unsupported(value, "no suffix")
         return value
 
     def the_prompt(self) -> str | list[int]:
