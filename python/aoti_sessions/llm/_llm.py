@@ -70,7 +70,7 @@ class LLM(Closable):
         self.eos_token_ids = frozenset(int(t) for t in (*self.spec.eos_token_ids, *eos_ids))
         self._streams: list[_SharedStream] = []
         if self.engine.device.type == "cuda":
-            count = streams if streams is not None else int(engine_options.get("lanes") or 4)
+            count = streams if streams is not None else int(self.engine.stats()["lanes"])
             self._streams = [_SharedStream(self.engine.device) for _ in range(count)]
         self._next_stream = itertools.count()
 
