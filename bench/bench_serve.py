@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import inspect
 import json
 import os
 import socket
@@ -45,7 +46,7 @@ import httpx  # noqa: E402
 import transformers  # noqa: E402
 
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import LLM, export  # noqa: E402
+from aoti_sessions.llm import LLM, _export, export  # noqa: E402
 from llm_models import hf_model_dir  # noqa: E402
 
 # Model sizes: a step of a few ms on the CPU; on the GPU a model whose step is
@@ -64,7 +65,9 @@ MODEL = [""]  # the served model's id, read from /v1/models
 def bench_package(device: str) -> Path:
     """The bench model, exported once per device and size."""
     size = SIZES["cuda" if device.startswith("cuda") else "cpu"]
-    key = f"{torch.__version__}-{transformers.__version__}-{sorted(size.items())}-{CONTEXT}-{PREFILL}"
+    # The exporter's source is in the key: a change to what it compiles re-exports.
+    key = (f"{torch.__version__}-{transformers.__version__}-{sorted(size.items())}-{CONTEXT}-{PREFILL}-"
+           f"{inspect.getsource(_export)}")
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = cache_dir() / "models" / f"bench-qwen3-{device.split(':')[0]}-{digest}.pt2"
     if target.is_file():

@@ -22,6 +22,7 @@ from aoti_sessions.__main__ import main
 from aoti_sessions._package import cache_dir
 from aoti_sessions.llm import _export_cli, export
 from aoti_sessions.llm._spec import LLM_DIR, SPEC_FILE, read_llm_package
+from conftest import requires_cuda
 from llm_models import ARCHS, FAST, cached_package, hf_model_dir, llm_package
 
 STEPS = 12  # greedy tokens compared per prompt
@@ -142,6 +143,19 @@ def test_kv_cache_is_per_session_state(engine: ais.Engine, arch: str) -> None:
         assert buffers[fqn]["sizes"] == [1, config.num_key_value_heads, 128, head_dim]
         assert sorted(buffers[fqn]["methods"]) == ["decode", "prefill"]
     assert sorted(engine.methods) == ["decode", "prefill"]
+
+
+@requires_cuda
+def test_cuda_attention_is_not_cudnn() -> None:
+    """cuDNN's attention plans every new prefill length anew, per thread (tens
+    of ms on an H100): the export compiles attention to another backend. Read
+    from the generated code each method of the package calls."""
+    with zipfile.ZipFile(llm_package("qwen3", "cuda")) as z:
+        wrappers = {n.split("/")[-2]: z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")}
+    assert sorted(wrappers) == ["decode", "prefill"]
+    for method, source in wrappers.items():
+        assert "scaled_dot_product" in source, f"{method}: attention not found in the generated code"
+        assert "cudnn_attention" not in source, f"{method} calls cuDNN attention"
 
 
 def test_package_carries_tokenizer_spec_and_generation_config(arch: str) -> None:

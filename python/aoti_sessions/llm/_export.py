@@ -249,6 +249,19 @@ def _exportable(model: PreTrainedModel, device: torch.device, dtype: torch.dtype
             cast(torch.nn.Module, model).to(device=old_device, dtype=old_dtype).train(training)
 
 
+@contextmanager
+def _attention_without_cudnn() -> Iterator[None]:
+    """Attention compiled to any backend but cuDNN's. cuDNN's attention builds
+    an execution plan for every new input shape, cached per thread: on an
+    H100 (torch 2.11) about 45 ms, which a prefill of a length not seen before
+    on that thread (most chat turns) would pay in its time to first token.
+    Flash, memory-efficient and the math fallback have no such step."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
+
+
 def _check_kv_state(package: str, module: _PrefillDecode) -> None:
     """Every method must mutate every KV cache buffer: else the model did not
     write into the cache export gave it, and sessions would share no context."""
@@ -354,7 +367,9 @@ def export(
             # transformers' static cache exports only through dynamo (strict): the
             # non-strict trace fails in run_decompositions ("expected compiled_fn
             # to be GraphModule").
-            compile(module, _methods(prefill_len, dev), path=tmp, inductor_configs=inductor_configs, strict=True)
+            with _attention_without_cudnn():
+                compile(module, _methods(prefill_len, dev), path=tmp, inductor_configs=inductor_configs,
+                        strict=True)
         _check_kv_state(tmp, module)
         spec = LLMSpec(
             model_type=str(config.model_type), architecture=type(model).__name__,
