@@ -62,12 +62,12 @@ PREFILL = 256
 MODEL = [""]  # the served model's id, read from /v1/models
 
 
-def bench_package(device: str) -> Path:
-    """The bench model, exported once per device and size."""
-    size = SIZES["cuda" if device.startswith("cuda") else "cpu"]
-    # The exporter's source is in the key: a change to what it compiles re-exports.
+def bench_package(device: str, **overrides: object) -> Path:
+    """The bench model (``overrides``: config fields), exported once per device and size."""
+    size = {**SIZES["cuda" if device.startswith("cuda") else "cpu"], **overrides}
+    # The exporter's source and attention choices are in the key: a change to what it compiles re-exports.
     key = (f"{torch.__version__}-{transformers.__version__}-{sorted(size.items())}-{CONTEXT}-{PREFILL}-"
-           f"{inspect.getsource(_export)}")
+           f"{inspect.getsource(_export)}-{_export.PREFILL_ATTENTION}-{_export.DECODE_ATTENTION}")
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = cache_dir() / "models" / f"bench-qwen3-{device.split(':')[0]}-{digest}.pt2"
     if target.is_file():

@@ -1,6 +1,7 @@
 """Where an LLM step's time goes on one device (a diagnostic for bench_serve).
 
     python bench/profile_llm.py [--device cuda] [--graphs auto|off]
+    python bench/profile_llm.py --attention-sweep LAYERS   (CUDA)
 
 On the bench_serve model: prefill time by chunk length (host time until the
 call returns, and until the device is done), decode, the chat template, prefill
@@ -135,5 +136,90 @@ def main() -> None:
         chat.close()
 
 
+def _first_on_new_thread(fn) -> float:
+    """ms of fn's first call on a thread of its own, device work included."""
+    out: list[float] = []
+
+    def body() -> None:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+    th = threading.Thread(target=body)
+    th.start()
+    th.join()
+    return out[0]
+
+
+def _parallel(fns, n: int) -> float:
+    """Seconds for each fn run n times, all on threads of their own at once."""
+    threads = [threading.Thread(target=lambda f=f: [f() for _ in range(n)]) for f in fns]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t0
+
+
+def attention_sweep(layers: int) -> None:
+    """The bench model with each attention backend in both methods: prefill
+    and decode times, the cost of a new prefill length and of a new thread,
+    and 4-session scaling."""
+    from torch.nn.attention import SDPBackend
+
+    from aoti_sessions.llm import _export
+    variants = {"default (cuDNN)": None, "efficient": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION),
+                "math": (SDPBackend.MATH,)}
+    rows = []
+    for label, backends in variants.items():
+        _export.PREFILL_ATTENTION = _export.DECODE_ATTENTION = backends
+        package = bench_package("cuda", num_hidden_layers=layers)
+        with LLM(package, device="cuda") as llm:
+            dev = llm.device
+            chats = [llm.new_session() for _ in range(4)]
+            runs = [c._session for c in chats]
+
+            def on(c, method, ids, pos):
+                with c._lock, c._on_stream():
+                    out = c._session.run(method, ids, pos)
+                    torch.cuda.current_stream().synchronize()
+                return out
+            ids64, pos64 = torch.randint(0, 100, (1, 64), device=dev), torch.arange(64, device=dev)
+            timed(lambda: on(chats[0], "prefill", ids64, pos64), dev, 3)
+            _, prefill = timed(lambda: on(chats[0], "prefill", ids64, pos64), dev, 10)
+            new_len = []
+            for count in (37, 41, 45, 49, 53):
+                ids, pos = torch.randint(0, 100, (1, count), device=dev), torch.arange(count, device=dev)
+                _, first = timed(lambda: on(chats[0], "prefill", ids, pos), dev, 1)
+                _, again = timed(lambda: on(chats[0], "prefill", ids, pos), dev, 1)
+                new_len.append(first - again)
+            thread_first = _first_on_new_thread(lambda: on(chats[1], "prefill", ids64, pos64))
+            one, p1 = torch.tensor([[5]], device=dev), torch.tensor([300], device=dev)
+            decode_first = _first_on_new_thread(lambda: on(chats[2], "decode", one, p1))
+            for c in chats:
+                for _ in range(5):
+                    on(c, "decode", one, p1)
+            _, decode = timed(lambda: on(chats[0], "decode", one, p1), dev, 50)
+            serial = _parallel([lambda: on(chats[0], "decode", one, p1)], 200)
+            par = _parallel([lambda c=c: on(c, "decode", one, p1) for c in chats], 50)
+            pser = _parallel([lambda: on(chats[0], "prefill", ids64, pos64)], 40)
+            ppar = _parallel([lambda c=c: on(c, "prefill", ids64, pos64) for c in chats], 10)
+            rows.append(f"| {label} | {prefill:.2f} | {statistics.median(new_len):.1f} | {thread_first:.1f} | "
+                        f"{pser / ppar:.2f}x | {decode:.3f} | {decode_first:.1f} | {serial / par:.2f}x |")
+            print(rows[-1], flush=True)
+            for c in chats:
+                c.close()
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bench model with {layers} layers")
+    print("| attention | prefill T=64 ms | new length extra ms (median of 5) | prefill, first on a new thread ms | "
+          "prefill 4 sessions/4 threads vs 1 | decode ms (graph) | decode, first on a new thread ms (eager) | "
+          "decode 4 sessions/4 threads vs 1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(rows), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if "--attention-sweep" in sys.argv:
+        attention_sweep(int(sys.argv[sys.argv.index("--attention-sweep") + 1]))
+    else:
+        main()

@@ -10,6 +10,7 @@ import logging
 import subprocess
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -282,6 +283,38 @@ def test_verify_passes_for_prefill_then_decode(lm_methods_pkg: Path) -> None:
     with ais.Engine(lm_methods_pkg) as engine:
         assert engine.methods == ("prefill", "decode")
         assert all(b["methods"] == ["prefill", "decode"] for b in engine.buffers())
+
+
+class SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_backend_per_method(tmp_path: Path) -> None:
+    """Method(attention=...) picks the attention backends one method compiles
+    to (read from the generated code), other methods keep torch's choice, and
+    both compute the same attention."""
+    from torch.nn.attention import SDPBackend
+
+    x = torch.randn(1, 8, 32)
+    path = tmp_path / "attention.pt2"
+    ais.compile(SelfAttention(), {"fused": Method((x,)), "math": Method((x,), attention=[SDPBackend.MATH])},
+                path=path, inductor_configs=FAST, progress=None)
+    with zipfile.ZipFile(path) as z:
+        code = {n.split("/")[-2]: z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")}
+    assert "flash_attention_for_cpu" in code["fused"]
+    assert "scaled_dot_product" in code["math"] and "flash_attention" not in code["math"]
+    with ais.Engine(path) as engine, engine.new_session() as s:
+        torch.testing.assert_close(s.run("math", x), s.run("fused", x))
+        torch.testing.assert_close(s.run("math", x), SelfAttention()(x))
+    with pytest.raises(TypeError, match="attention must be a non-empty sequence of torch.nn.attention.SDPBackend"):
+        Method((x,), attention=["math"])  # type: ignore[list-item]
 
 
 def test_verify_argument_is_checked(tmp_path: Path) -> None:

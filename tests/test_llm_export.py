@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,16 +147,42 @@ def test_kv_cache_is_per_session_state(engine: ais.Engine, arch: str) -> None:
 
 
 @requires_cuda
-def test_cuda_attention_is_not_cudnn() -> None:
-    """cuDNN's attention plans every new prefill length anew, per thread (tens
-    of ms on an H100): the export compiles attention to another backend. Read
-    from the generated code each method of the package calls."""
+def test_cuda_prefill_attention_is_not_cudnn() -> None:
+    """cuDNN's attention plans every new input shape anew, per thread (tens of
+    ms on an H100): prefill, whose length changes every turn, is compiled to
+    another backend. Read from the generated code of the package's methods."""
     with zipfile.ZipFile(llm_package("qwen3", "cuda")) as z:
-        wrappers = {n.split("/")[-2]: z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")}
-    assert sorted(wrappers) == ["decode", "prefill"]
-    for method, source in wrappers.items():
-        assert "scaled_dot_product" in source, f"{method}: attention not found in the generated code"
-        assert "cudnn_attention" not in source, f"{method} calls cuDNN attention"
+        code = {n.split("/")[-2]: z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")}
+    assert sorted(code) == ["decode", "prefill"]
+    assert "scaled_dot_product" in code["prefill"], "attention not found in prefill's generated code"
+    assert "cudnn_attention" not in code["prefill"]
+
+
+@requires_cuda
+def test_cuda_decode_graph_is_captured_on_a_thread_other_than_the_warm_ups() -> None:
+    """Warm-up runs on one thread, the next runs on another (as a server's
+    requests do): torch makes cuDNN and cuBLAS state per thread, which a
+    capture cannot contain, so the new thread runs eagerly once before it
+    captures. The graph is captured and replayed, not given up for eager runs."""
+    with ais.Engine(llm_package("qwen3", "cuda"), device="cuda") as engine, engine.new_session() as session:
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        outputs: list[torch.Tensor] = []
+
+        def decode() -> None:
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    outputs.append(session.run("decode", torch.tensor([[3]], device="cuda"),
+                                               torch.tensor([5], device="cuda")))
+            stream.synchronize()
+        for _ in range(2):
+            worker = threading.Thread(target=decode)
+            worker.start()
+            worker.join()
+        stats = engine.stats()
+        assert (stats["graph_captures"], stats["graphs"], stats["graph_replays"]) == (1, 1, 2)
+        assert len(outputs) == 6
+        for out in outputs[1:]:
+            torch.testing.assert_close(out, outputs[0], rtol=0, atol=0)
 
 
 def test_package_carries_tokenizer_spec_and_generation_config(arch: str) -> None:

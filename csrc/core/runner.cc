@@ -56,6 +56,36 @@ class DeviceScope {
 // contain (docs/aoti-runtime.md).
 constexpr int kWarmUpRuns = 3;
 
+// Torch and the libraries under it make some state lazily, per thread: cuBLAS
+// and cuDNN handles, a cuBLAS workspace per stream, cuDNN's attention plans. A
+// capture must not be a thread's first run of the method on the stream: that
+// state would be made inside the capture, which fails (cuDNN:
+// CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED) and leaves the method
+// eager for good. So a lane captures only on a thread that has run the method
+// eagerly on that stream. Per thread: (runner, method, stream) run eagerly here.
+namespace {
+struct ThreadRun {
+  uint64_t runner;
+  size_t method;
+  StreamHandle stream;
+  bool operator==(const ThreadRun& o) const {
+    return runner == o.runner && method == o.method && stream == o.stream;
+  }
+};
+constexpr size_t kThreadRunsKept = 256;  // past this the list starts over (a few extra eager runs)
+thread_local std::vector<ThreadRun> t_eager_runs;
+
+bool RanEagerlyOnThisThread(const ThreadRun& run) {
+  return std::find(t_eager_runs.begin(), t_eager_runs.end(), run) != t_eager_runs.end();
+}
+
+void NoteEagerRunOnThisThread(const ThreadRun& run) {
+  if (RanEagerlyOnThisThread(run)) return;
+  if (t_eager_runs.size() >= kThreadRunsKept) t_eager_runs.clear();
+  t_eager_runs.push_back(run);
+}
+}  // namespace
+
 static uint64_t NextRunnerId() {
   static std::atomic<uint64_t> next{1};
   return next.fetch_add(1);
@@ -287,7 +317,8 @@ std::vector<OwnedTensor> Runner::RunOnLane(SessionState& state, size_t method,
   Lane& lane = lease.lane();
   BindLane(lane, method, state);
   Container& container = *lane.container;
-  if (key != nullptr && lease.warm()) {
+  const ThreadRun here{id_, method, stream};
+  if (key != nullptr && lease.warm() && RanEagerlyOnThisThread(here)) {
     // Nothing runs during the capture: the replay right after is this run.
     Graph* graph = graphs_.Capture(state.id(), method, std::move(*key), inputs,
                                    [&](std::vector<OwnedTensor> static_inputs, StreamHandle on) {
@@ -297,6 +328,7 @@ std::vector<OwnedTensor> Runner::RunOnLane(SessionState& state, size_t method,
   }
   std::vector<OwnedTensor> outputs = container.Run(std::move(inputs), stream);
   lease.CountRun();
+  if (key != nullptr) NoteEagerRunOnThisThread(here);
   return outputs;
 }
 

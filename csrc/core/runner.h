@@ -37,7 +37,8 @@ class Runner {
 
   // Runs `method` on `state`, which must be resident: a replay of the
   // session's graph if it has a valid one, else on a lane (captured there
-  // into a new graph once the lane is warm, where the method captures).
+  // into a new graph once the lane is warm and the calling thread has run the
+  // method eagerly on the stream, where the method captures).
   // Inputs are consumed. Throws kInvalidArgument / kTypeMismatch for inputs
   // that do not match the method (before the model runs), kRun if the model
   // fails, kSessionClosed once the engine is closed.

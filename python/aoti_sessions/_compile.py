@@ -174,12 +174,13 @@ def _named_methods(methods: Mapping[str, Method | tuple[Any, ...]]) -> list[tupl
 
 def _compile_one(module: torch.nn.Module, method: Method, path: str | os.PathLike[str],
                  configs: dict[str, Any], strict: bool | None, progress: TextIO | None) -> str:
-    with _phase(progress, f"exporting {method.entry}"):
-        exported = export(module, method.entry, method, strict)
-    warn_folded_counters(exported, method.entry, configs)
-    with _phase(progress, f"compiling {method.entry} with AOTInductor"):
-        out = torch._inductor.aoti_compile_and_package(exported.program, package_path=os.fspath(path),
-                                                       inductor_configs=_metadata(exported, configs))
+    with method.attention_backends():
+        with _phase(progress, f"exporting {method.entry}"):
+            exported = export(module, method.entry, method, strict)
+        warn_folded_counters(exported, method.entry, configs)
+        with _phase(progress, f"compiling {method.entry} with AOTInductor"):
+            out = torch._inductor.aoti_compile_and_package(exported.program, package_path=os.fspath(path),
+                                                           inductor_configs=_metadata(exported, configs))
     return str(out)
 
 
@@ -192,7 +193,7 @@ def _compile_methods(module: torch.nn.Module, methods: list[tuple[str, Method]],
     with tempfile.TemporaryDirectory() as work:
         for i, (name, method) in enumerate(methods, 1):
             label = f"method '{name}' ({i}/{len(methods)})"
-            with _phase(progress, f"exporting {label}"):
+            with method.attention_backends(), _phase(progress, f"exporting {label}"):
                 exported = export(module, name, method, strict)
             warn_folded_counters(exported, name, configs)
             ep = exported.program
@@ -211,7 +212,7 @@ def _compile_methods(module: torch.nn.Module, methods: list[tuple[str, Method]],
                 "aot_inductor.package_constants_in_so": False,
                 "aot_inductor.output_path": os.path.join(work, name),
             })
-            with _phase(progress, f"compiling {label} with AOTInductor"):
+            with method.attention_backends(), _phase(progress, f"compiling {label} with AOTInductor"):
                 compiled = torch._inductor.aot_compile(ep.module(), ep.example_inputs[0], ep.example_inputs[1],
                                                        options=method_configs)
             if not isinstance(compiled, list):

@@ -210,7 +210,9 @@ class Engine(Closable):
             and up to ``lanes`` sessions run at once (on their own streams).
         cuda_graphs: ``"auto"`` (default): on CUDA, a session's run of a
             method is captured into a CUDA graph of its own (after 3 eager
-            warm-up runs of the method on that stream) and replayed from then
+            warm-up runs of the method on that stream, one of them on the
+            capturing thread: torch makes cuBLAS and cuDNN state lazily per
+            thread, which a capture cannot contain) and replayed from then
             on; a method that cannot be captured (dynamic input shapes, a host
             synchronisation inside) runs eagerly, logged once. ``True``: the
             same, but such a method raises. ``False``: always eager. A graph

@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import CompileError, CompileWarning
 
@@ -37,6 +39,23 @@ class Method:
     kwargs: Mapping[str, Any] | None = None
     dynamic_shapes: Any = None
     entry: str = "forward"
+    # The scaled-dot-product-attention backends the method may compile to
+    # (``torch.nn.backends.SDPBackend``, as ``torch.nn.attention.sdpa_kernel``
+    # takes them); None: torch's choice for the device.
+    attention: tuple[SDPBackend, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention is None:
+            return
+        backends = tuple(self.attention)
+        if not backends or not all(isinstance(b, SDPBackend) for b in backends):
+            raise TypeError(f"attention must be a non-empty sequence of torch.nn.attention.SDPBackend, "
+                            f"got {self.attention!r}")
+        object.__setattr__(self, "attention", backends)
+
+    def attention_backends(self) -> AbstractContextManager[None]:
+        """What the method's export and compile run under: its attention backends."""
+        return nullcontext() if self.attention is None else sdpa_kernel(list(self.attention))
 
 
 @dataclass(frozen=True)

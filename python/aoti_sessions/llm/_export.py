@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from .._compile import Method, compile
 from .._package import METADATA_KEY
@@ -208,6 +209,19 @@ def _first_id(*values: Any) -> int | None:
     return None
 
 
+# Attention backends per method (bench/RESULTS_attention_cuda.md). Prefill:
+# not cuDNN's, which builds an execution plan for every new input shape, cached
+# per thread: about 50 ms on an H100 (torch 2.11) that a prefill of a length
+# not seen before on that thread (most chat turns) would add to its time to
+# first token; the memory-efficient kernel is as fast there. Decode: torch's
+# choice (cuDNN on an H100): its one shape is planned once per thread, before
+# the session's graph is captured, and its step is 1.7x faster than the
+# memory-efficient kernel's.
+PREFILL_ATTENTION: tuple[SDPBackend, ...] | None = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                                    SDPBackend.MATH)
+DECODE_ATTENTION: tuple[SDPBackend, ...] | None = None
+
+
 def _methods(max_prefill: int, device: torch.device) -> dict[str, Method]:
     """Example inputs: prefill's length is dynamic in [2, max_prefill], decode's static."""
     example = min(_EXAMPLE_PREFILL, max_prefill)
@@ -218,9 +232,9 @@ def _methods(max_prefill: int, device: torch.device) -> dict[str, Method]:
     return {
         "prefill": Method((torch.zeros(1, example, dtype=torch.long, device=device),
                            torch.arange(example, device=device)),
-                          dynamic_shapes=({1: tokens}, {0: tokens}), entry="prefill"),
+                          dynamic_shapes=({1: tokens}, {0: tokens}), entry="prefill", attention=PREFILL_ATTENTION),
         "decode": Method((torch.zeros(1, 1, dtype=torch.long, device=device),
-                          torch.tensor([example], device=device)), entry="decode"),
+                          torch.tensor([example], device=device)), entry="decode", attention=DECODE_ATTENTION),
     }
 
 
@@ -247,19 +261,6 @@ def _exportable(model: PreTrainedModel, device: torch.device, dtype: torch.dtype
         model.generation_config, model.config.use_cache = generation, use_cache
         if restore:
             cast(torch.nn.Module, model).to(device=old_device, dtype=old_dtype).train(training)
-
-
-@contextmanager
-def _attention_without_cudnn() -> Iterator[None]:
-    """Attention compiled to any backend but cuDNN's. cuDNN's attention builds
-    an execution plan for every new input shape, cached per thread: on an
-    H100 (torch 2.11) about 45 ms, which a prefill of a length not seen before
-    on that thread (most chat turns) would pay in its time to first token.
-    Flash, memory-efficient and the math fallback have no such step."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        yield
 
 
 def _check_kv_state(package: str, module: _PrefillDecode) -> None:
@@ -367,9 +368,7 @@ def export(
             # transformers' static cache exports only through dynamo (strict): the
             # non-strict trace fails in run_decompositions ("expected compiled_fn
             # to be GraphModule").
-            with _attention_without_cudnn():
-                compile(module, _methods(prefill_len, dev), path=tmp, inductor_configs=inductor_configs,
-                        strict=True)
+            compile(module, _methods(prefill_len, dev), path=tmp, inductor_configs=inductor_configs, strict=True)
         _check_kv_state(tmp, module)
         spec = LLMSpec(
             model_type=str(config.model_type), architecture=type(model).__name__,

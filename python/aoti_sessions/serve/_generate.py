@@ -1,5 +1,5 @@
 """One generation request from start to end: its sampling parameters, the
-step loop (a thread per request runs the model steps and hands each piece to
+step loop (a worker thread per request runs the model steps and hands each piece to
 the event loop, which sends it while the next step runs and notices a client
 that left within one step), and the OpenAI response bodies and stream chunks."""
 
@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+from concurrent.futures import Executor, wait
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -29,8 +30,9 @@ class Job:
     """A generation request: its session, its generation, and what it reports."""
 
     def __init__(self, llm: LLM, request: ChatRequest | CompletionRequest, model: str,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, steps: Executor) -> None:
         self.llm, self.request, self.model, self.metrics = llm, request, model, metrics
+        self._steps = steps  # runs the step loop (see pieces)
         self.entry: Entry | None = None
         self.chat = isinstance(request, ChatRequest)
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -90,11 +92,14 @@ class Job:
         """The generated text, piece by piece, until the generation ends or
         ``disconnected()`` says the client left (then ``cancelled``).
 
-        A thread of this request runs the steps back to back and hands each
-        piece to the event loop, so sending a piece overlaps the next step
-        (the server adds no time per token while the loop keeps up), and
-        requests interleave token by token without waiting on each other.
-        Once the client is gone the thread stops before its next step."""
+        A worker thread runs the steps back to back and hands each piece to
+        the event loop, so sending a piece overlaps the next step (the server
+        adds no time per token while the loop keeps up), and requests
+        interleave token by token without waiting on each other. Once the
+        client is gone the thread stops before its next step. The threads
+        are the server's, reused from request to request: what torch and its
+        libraries cache per thread (cuDNN's attention plans, cuBLAS
+        workspaces) is made once per thread, not once per request."""
         g, entry = self.generation, self.entry
         assert g is not None and entry is not None and entry.session is not None
         session = entry.session
@@ -114,8 +119,7 @@ class Job:
             except BaseException as e:  # noqa: BLE001 - raised in the request's task
                 loop.call_soon_threadsafe(queue.put_nowait, e)
 
-        producer = threading.Thread(target=produce, name=f"generate-{self.id}", daemon=True)
-        producer.start()
+        producer = self._steps.submit(produce)
         tokens, last = 0, self.arrived
         try:
             while True:
@@ -139,7 +143,7 @@ class Job:
         finally:
             stop.set()
             # The step in flight ends before the generation is closed (finish).
-            await in_thread(producer.join)
+            await in_thread(lambda: wait([producer]))
 
     async def finish(self) -> None:
         """Cancels the generation if still running and counts its tokens;
