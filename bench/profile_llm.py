@@ -2,6 +2,7 @@
 
     python bench/profile_llm.py [--device cuda] [--graphs auto|off]
     python bench/profile_llm.py --attention-sweep LAYERS   (CUDA)
+    python bench/profile_llm.py --chat-scaling LAYERS      (CUDA)
 
 On the bench_serve model: prefill time by chunk length (host time until the
 call returns, and until the device is done), decode, the chat template, prefill
@@ -218,8 +219,51 @@ def attention_sweep(layers: int) -> None:
     print("\n".join(rows), flush=True)
 
 
+def chat_scaling(layers: int) -> None:
+    """Chats through ChatSession.stream in this process (no server): tokens/s
+    of 4 chats on 4 threads vs one chat at a time, and cProfile's table of one
+    chat's turn (where the host's time per token goes)."""
+    import cProfile
+    import pstats
+
+    package = bench_package("cuda", num_hidden_layers=layers)
+    with LLM(package, device="cuda") as llm:
+        def chat(index: int, turns: int = 4) -> int:
+            messages: list[dict[str, str]] = []
+            made = 0
+            with llm.new_session() as s:
+                for turn in range(turns):
+                    messages.append({"role": "user", "content": user_message(index, turn)})
+                    c = s.generate(messages, max_tokens=32, temperature=0, ignore_eos=True)
+                    made += c.completion_tokens
+                    messages.append({"role": "assistant", "content": c.text})
+            return made
+        chat(0)
+        for rnd in range(3):
+            t0 = time.perf_counter()
+            made = sum(chat(i) for i in range(4))
+            serial = made / (time.perf_counter() - t0)
+            counts: list[int] = []
+            threads = [threading.Thread(target=lambda i=i: counts.append(chat(i))) for i in range(4)]
+            t0 = time.perf_counter()
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            par = sum(counts) / (time.perf_counter() - t0)
+            print(f"round {rnd}: 4 chats one at a time {serial:.0f} tokens/s, on 4 threads {par:.0f} tokens/s "
+                  f"({par / serial:.2f}x)", flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        chat(1)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 if __name__ == "__main__":
-    if "--attention-sweep" in sys.argv:
+    if "--chat-scaling" in sys.argv:
+        chat_scaling(int(sys.argv[sys.argv.index("--chat-scaling") + 1]))
+    elif "--attention-sweep" in sys.argv:
         attention_sweep(int(sys.argv[sys.argv.index("--attention-sweep") + 1]))
     else:
         main()
