@@ -47,6 +47,7 @@ import transformers  # noqa: E402
 
 from aoti_sessions._package import cache_dir  # noqa: E402
 from aoti_sessions.llm import LLM, _export, export  # noqa: E402
+from aoti_sessions.serve._cli import compute_threads  # noqa: E402
 from llm_models import hf_model_dir  # noqa: E402
 
 # Model sizes: a step of a few ms on the CPU; on the GPU a model whose step is
@@ -98,10 +99,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(package: Path, device: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_server(package: Path, device: str, port: int, log: Path, threads: int | None) -> subprocess.Popen[bytes]:
+    extra = ["--threads", str(threads)] if threads else []
     with log.open("wb") as out:  # the server's own log, read back if it fails
         proc = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
-                                 "--device", device, "--max-sessions", "256"],
+                                 "--device", device, "--max-sessions", "256", *extra],
                                 stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -228,13 +230,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--server-log", default=str(ROOT / "build" / "bench_serve_server.log"))
+    parser.add_argument("--server-threads", type=int, default=None,
+                        help="the server's --threads (default: its own default)")
     args = parser.parse_args()
     device = args.device
     chats = [int(x) for x in args.chats.split(",")]
     package = bench_package(device)
     port = free_port()
     log = Path(args.server_log)
-    server = start_server(package, device, port, log)
+    server = start_server(package, device, port, log, args.server_threads)
     MODEL[0] = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
     modes = ("sessions", "no-session", "serialised")
     rates: dict[tuple[int, str], list[float]] = {}
@@ -259,11 +263,22 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     direct_itl = direct_token_time(package, device, 64, args.rounds)
-    report(args, device, package, chats, modes, rates, ttfts, server_itl, direct_itl)
+    # The server may give the model fewer CPU threads than torch's default
+    # (serve --threads): the same call with the server's count tells the
+    # server's own overhead from the CPUs it leaves to its HTTP work.
+    threads = compute_threads(args.server_threads, device)
+    default_threads = torch.get_num_threads()
+    same_itl: list[float] = []
+    if threads is not None and threads != default_threads:
+        torch.set_num_threads(threads)
+        same_itl = direct_token_time(package, device, 64, args.rounds)
+        torch.set_num_threads(default_threads)
+    report(args, device, package, chats, modes, rates, ttfts, server_itl, direct_itl, (threads, default_threads, same_itl))
 
 
 def report(args: argparse.Namespace, device: str, package: Path, chats: list[int], modes: tuple[str, ...],
-           rates: dict, ttfts: dict, server_itl: list[float], direct_itl: list[float]) -> None:
+           rates: dict, ttfts: dict, server_itl: list[float], direct_itl: list[float],
+           same: tuple[int | None, int, list[float]]) -> None:
     card = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     size = SIZES["cuda" if device.startswith("cuda") else "cpu"]
     doc = [f"# Chat server under multi-turn load (bench/bench_serve.py, {device})", "",
@@ -294,6 +309,14 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
                 f"(min {min(server_itl) * 1e3:.3f} / max {max(server_itl) * 1e3:.3f}); `ChatSession.stream` "
                 f"directly {d_med * 1e3:.3f} ms (min {min(direct_itl) * 1e3:.3f} / max {max(direct_itl) * 1e3:.3f}): "
                 f"server overhead {overhead * 100:+.1f}%.", ""]
+    threads, default_threads, same_itl = same
+    if same_itl:
+        own = s_med / statistics.median(same_itl) - 1
+        doc += [f"The server ran the model's kernels on {threads} CPU thread(s) (`serve --threads`; this process: "
+                f"{default_threads}), leaving the rest to its HTTP work and, here, the benchmark's client. "
+                f"`ChatSession.stream` on {threads} thread(s): {statistics.median(same_itl) * 1e3:.3f} ms "
+                f"(min {min(same_itl) * 1e3:.3f} / max {max(same_itl) * 1e3:.3f}): the server's own overhead at "
+                f"equal compute threads {own * 100:+.1f}%.", ""]
     targets = [(f"TTFT turn {args.turns} / turn 1 with sessions <= 1.2x (chats {n}): {ratio[(n, 'sessions')]:.2f}x",
                 ratio[(n, "sessions")] <= 1.2) for n in chats]
     if 4 in chats:

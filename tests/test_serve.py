@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from aoti_sessions.llm import LLM
+from aoti_sessions.serve._cli import compute_threads
 from aoti_sessions.serve import create_app
 from conftest import on_threads
 from llm_models import hf_model_dir, llm_package
@@ -430,7 +431,8 @@ def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_
     log = (tmp_path / "server.log").open("w")
     process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
                                 "--device", device, "--max-sessions", "3", "--memory-budget", "64MiB", "--session-dir",
-                                str(tmp_path / "sessions")], env=env, stdout=log, stderr=subprocess.STDOUT)
+                                str(tmp_path / "sessions"), "--threads", "1"],
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60) as http:
             def up() -> bool:
@@ -450,3 +452,17 @@ def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_
         process.terminate()
         process.wait(60)
         log.close()
+    started = (tmp_path / "server.log").read_text()
+    assert f" on {device}" in started and ", 1 CPU thread for its kernels" in started, started
+
+
+def test_cli_threads_default_and_refusals() -> None:
+    """On a CPU device the model's kernels leave one CPU to the server (at
+    least one thread); on CUDA torch's default stays; 0 threads is refused."""
+    cpus = len(os.sched_getaffinity(0))
+    assert compute_threads(None, "cpu") == max(1, cpus - 1)
+    assert compute_threads(None, "cuda:0") is None
+    assert compute_threads(3, "cpu") == 3 and compute_threads(2, "cuda") == 2
+    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "serve", "x.pt2", "--threads", "0"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--threads: must be at least 1, got 0" in result.stderr, result.stderr

@@ -56,6 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-timeout", type=_seconds, help="seconds after which an idle session goes to host memory")
     parser.add_argument("--session-dir", help="folder of session files for save and load (default: off)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--threads", type=_positive,
+                        help="threads for the model's CPU kernels (torch.set_num_threads); default on a CPU "
+                             "device: one fewer than the CPUs this process may use (at least 1), leaving one to "
+                             "the server's own work; on CUDA: torch's default")
+
+
+def compute_threads(requested: int | None, device: str) -> int | None:
+    """The model's CPU thread count for ``serve`` (None: leave torch's)."""
+    if requested is not None:
+        return requested
+    if not device.startswith("cpu"):
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus - 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +89,17 @@ def run(args: argparse.Namespace) -> int:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     engine_options = {k: v for k, v in (("max_sessions", args.max_sessions), ("memory_budget", args.memory_budget),
                                         ("idle_timeout", args.idle_timeout)) if v is not None}
+    threads = compute_threads(args.threads, args.device)
+    if threads is not None:
+        import torch
+
+        # The model's kernels and the server's event loop share the CPUs: a
+        # parallel kernel waits for its slowest thread, so one the loop
+        # preempts stalls every step.
+        torch.set_num_threads(threads)
     llm = LLM(args.package, device=args.device, **engine_options)
+    kernels = f", {threads} CPU thread{'s' if threads != 1 else ''} for its kernels" if threads is not None else ""
+    print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
     try:
         app = create_app(llm, api_key=args.api_key, session_dir=args.session_dir)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
