@@ -112,7 +112,10 @@ def compile(
     compiles one library per method *without* weights and stores every
     tensor constant once, in ``data/aoti_sessions/weights.bin`` inside the
     package, so the Engine loads each weight once and binds every method to it.
-    The engine lists the methods in the order given.
+    The engine lists the methods in the order given. A :class:`Method`'s
+    ``attention`` picks the attention backends that method compiles to (on
+    an H100 torch picks cuDNN's, which plans every new input shape anew, per
+    thread: a poor fit for a method whose shapes change every call).
 
     Either way the package records the buffers each program mutates (the
     per-session state) and each method's call signature (input names, dtypes
