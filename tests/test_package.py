@@ -84,3 +84,14 @@ def test_metadata_declares_the_mutable_set(counter_cpu_pkg: Path, tmp_path: Path
         assert sorted(engine.mutable_fqns) == ["acc", "hits", "table"]
     with ais.Engine(counter_cpu_pkg) as engine:
         assert sorted(engine.mutable_fqns) == ["acc", "hits"]
+
+
+def test_long_buffer_lists_are_shortened_in_the_log() -> None:
+    """A package with dozens of state buffers (an LLM's KV cache) logs a count
+    and the first names, not a wall of names."""
+    from aoti_sessions._engine import _names
+
+    assert _names(["acc", "hits", "table"]) == "acc, hits, table"
+    names = [f"layer{i}" for i in range(48)]
+    assert _names(names) == ("48 buffers: " + ", ".join(names[:8]) +
+                             " and 40 more (Engine.mutable_fqns lists all)")

@@ -24,6 +24,14 @@ from .errors import PackageError
 __all__ = ["Engine", "Session"]
 
 log = logging.getLogger("aoti_sessions")
+_NAMES_LOGGED = 8  # a log line lists this many names, then how many more
+
+
+def _names(names: list[str]) -> str:
+    """``names`` for a log line: all of a few, else the first ones and a count."""
+    if len(names) <= _NAMES_LOGGED:
+        return ", ".join(names)
+    return f"{len(names)} buffers: {', '.join(names[:_NAMES_LOGGED])} and {len(names) - _NAMES_LOGGED} more (Engine.mutable_fqns lists all)"
 
 ModelSource = str | os.PathLike[str]
 
@@ -285,7 +293,7 @@ class Engine(Closable):
         self._only: MethodCall | None = next(iter(self._methods.values())) if len(self._methods) == 1 else None
         fqns = [b.fqn for b in self._buffers]
         level = logging.WARNING if options.mutable_patterns is None or not fqns else logging.INFO
-        log.log(level, "mutable state from %s: %s", source, ", ".join(fqns) or "none (stateless model)")
+        log.log(level, "mutable state from %s: %s", source, _names(fqns) or "none (stateless model)")
 
     # -- properties ------------------------------------------------------
     @property
