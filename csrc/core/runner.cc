@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include "errors.h"
 #include "util.h"
@@ -62,14 +63,16 @@ constexpr int kWarmUpRuns = 3;
 // state would be made inside the capture, which fails (cuDNN:
 // CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED) and leaves the method
 // eager for good. So a lane captures only on a thread that has run the method
-// eagerly on that stream. Per thread: (runner, method, stream) run eagerly here.
+// eagerly on that stream with the same input shapes (cuDNN plans per shape).
+// Per thread: (runner, method, stream, shapes) run eagerly here.
 namespace {
 struct ThreadRun {
   uint64_t runner;
   size_t method;
   StreamHandle stream;
+  std::vector<int64_t> shapes;  // a graph key's shapes (every input's rank and sizes)
   bool operator==(const ThreadRun& o) const {
-    return runner == o.runner && method == o.method && stream == o.stream;
+    return runner == o.runner && method == o.method && stream == o.stream && shapes == o.shapes;
   }
 };
 constexpr size_t kThreadRunsKept = 256;  // past this the list starts over (a few extra eager runs)
@@ -317,8 +320,9 @@ std::vector<OwnedTensor> Runner::RunOnLane(SessionState& state, size_t method,
   Lane& lane = lease.lane();
   BindLane(lane, method, state);
   Container& container = *lane.container;
-  const ThreadRun here{id_, method, stream};
-  if (key != nullptr && lease.warm() && RanEagerlyOnThisThread(here)) {
+  std::optional<ThreadRun> here;  // only where the run may capture
+  if (key != nullptr) here = ThreadRun{id_, method, stream, key->shapes};
+  if (here && lease.warm() && RanEagerlyOnThisThread(*here)) {
     // Nothing runs during the capture: the replay right after is this run.
     Graph* graph = graphs_.Capture(state.id(), method, std::move(*key), inputs,
                                    [&](std::vector<OwnedTensor> static_inputs, StreamHandle on) {
@@ -328,7 +332,7 @@ std::vector<OwnedTensor> Runner::RunOnLane(SessionState& state, size_t method,
   }
   std::vector<OwnedTensor> outputs = container.Run(std::move(inputs), stream);
   lease.CountRun();
-  if (key != nullptr) NoteEagerRunOnThisThread(here);
+  if (here) NoteEagerRunOnThisThread(*here);
   return outputs;
 }
 
