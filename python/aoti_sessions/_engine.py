@@ -19,6 +19,7 @@ from ._graphs import TorchGraphHost
 from ._package import MethodFiles, open_model
 from ._session import Closable, MethodCall, Session, to_handles
 from ._signature import signature
+from ._words import first_names
 from .errors import PackageError
 
 __all__ = ["Engine", "Session"]
@@ -31,7 +32,7 @@ def _names(names: list[str]) -> str:
     """``names`` for a log line: all of a few, else the first ones and a count."""
     if len(names) <= _NAMES_LOGGED:
         return ", ".join(names)
-    return f"{len(names)} buffers: {', '.join(names[:_NAMES_LOGGED])} and {len(names) - _NAMES_LOGGED} more (Engine.mutable_fqns lists all)"
+    return f"{len(names)} buffers: {first_names(names, _NAMES_LOGGED)} (Engine.mutable_fqns lists all)"
 
 ModelSource = str | os.PathLike[str]
 

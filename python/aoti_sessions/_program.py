@@ -16,6 +16,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ._words import first_names
 from .errors import CompileError, CompileWarning
 
 __all__ = ["Method", "Exported", "export", "mutated_buffers", "input_specs", "output_specs", "symbol_ranges",
@@ -128,8 +129,7 @@ def _aliased_constants(ep: ExportedProgram) -> list[tuple[str, str]]:
 
 
 def _aliases_text(pairs: list[tuple[str, str]]) -> str:
-    owners = list(dict.fromkeys(b for _, b in pairs))
-    return ", ".join(owners[:4]) + (f" and {len(owners) - 4} more" if len(owners) > 4 else "")
+    return first_names(list(dict.fromkeys(b for _, b in pairs)), 4)
 
 
 def _attempt(module: torch.nn.Module, name: str, method: Method, strict: bool) -> Exported:
