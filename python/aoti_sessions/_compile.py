@@ -38,7 +38,7 @@ from typing import Any, TextIO
 import torch
 
 from ._package import (METADATA_KEY, METADATA_VERSION, WEIGHTS_ALIGN, WEIGHTS_BLOB, WEIGHTS_INDEX,
-                       WEIGHTS_VERSION, cache_dir)
+                       WEIGHTS_VERSION, cache_dir, top_folder)
 from ._program import (Exported, Method, export, input_specs, mutated_buffers, output_specs, symbol_ranges,
                        warn_folded_counters)
 from ._verify import verify_package
@@ -245,7 +245,7 @@ def _append_weights(path: str, tensors: Mapping[str, list[tuple[torch.Tensor, li
     """Adds the weights file (one copy of every distinct tensor) and its index,
     which also lists the methods in the order given."""
     with zipfile.ZipFile(path, "a", allowZip64=True) as zf:
-        top = zf.namelist()[0].split("/", 1)[0]
+        top = top_folder(zf.namelist())
         entries = []
         with zf.open(f"{top}/{WEIGHTS_BLOB}", "w", force_zip64=True) as blob:
             offset = 0

@@ -24,7 +24,7 @@ from ._json import Field, read_json
 from .errors import PackageError
 
 __all__ = ["MethodFiles", "SessionsMetadata", "InputDoc", "OutputDoc", "WeightDoc", "cache_dir", "open_model",
-           "METADATA_KEY", "METADATA_VERSION", "WEIGHTS_INDEX", "WEIGHTS_BLOB", "WEIGHTS_VERSION",
+           "top_folder", "METADATA_KEY", "METADATA_VERSION", "WEIGHTS_INDEX", "WEIGHTS_BLOB", "WEIGHTS_VERSION",
            "WEIGHTS_ALIGN"]
 
 # Key of the JSON document ais.compile stores in the AOTI package metadata.
@@ -109,6 +109,12 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "aoti_sessions"
+
+
+def top_folder(names: list[str]) -> str:
+    """The folder a package's entries sit under (named after its file, as
+    torch writes packages), from the archive's names; "" for an empty one."""
+    return names[0].split("/", 1)[0] if names else ""
 
 
 def _sha256(path: Path) -> str:

@@ -28,7 +28,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from .._compile import Method, compile
-from .._package import METADATA_KEY
+from .._package import METADATA_KEY, top_folder
 from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec, require_transformers
 
 if TYPE_CHECKING:
@@ -292,7 +292,7 @@ def _model_name(model: PreTrainedModel, source: Path | None) -> str:
 def _append_files(package: str, files: Mapping[str, bytes]) -> None:
     """Adds ``files`` (names relative to LLM_DIR) below the package's top folder."""
     with zipfile.ZipFile(package, "a", allowZip64=True) as zf:
-        top = zf.namelist()[0].split("/", 1)[0]
+        top = top_folder(zf.namelist())
         for name, data in files.items():
             zf.writestr(f"{top}/{LLM_DIR}/{name}", data)
 

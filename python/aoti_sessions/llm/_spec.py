@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .._json import Field
-from .._package import _check_model_path, _extract
+from .._package import _check_model_path, _extract, top_folder
 from ..errors import PackageError
 
 __all__ = ["LLMSpec", "LLMPackage", "read_llm_package", "require_transformers", "LLM_DIR", "SPEC_FILE", "GENERATION_CONFIG_FILE",
@@ -132,7 +132,7 @@ def read_llm_package(path: str | os.PathLike[str]) -> LLMPackage:
     try:
         with zipfile.ZipFile(package) as archive:
             names = archive.namelist()
-            top = names[0].split("/", 1)[0] if names else ""
+            top = top_folder(names)
             llm_dir = f"{top}/{LLM_DIR}"
             if f"{llm_dir}/{SPEC_FILE}" not in names:
                 raise PackageError(f"{package} is not an LLM package (no {LLM_DIR}/{SPEC_FILE} in it); "
