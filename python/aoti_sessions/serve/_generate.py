@@ -9,11 +9,10 @@ import asyncio
 import json
 import threading
 import time
-from concurrent.futures import Executor, wait
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor, wait
 from typing import TYPE_CHECKING, Any
-
 
 from ._errors import APIError
 from ._metrics import ServerMetrics
@@ -200,15 +199,20 @@ class Job:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        body = self._envelope(self._chunk_kind, [choice])
         if self.request.include_usage():
             body["usage"] = None
         return _event(body)
 
     def usage_chunk(self) -> bytes:
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body = self._envelope(self._chunk_kind, [])
         body["usage"] = self.usage()
         return _event(body)
+
+    @property
+    def _chunk_kind(self) -> str:
+        """The ``object`` of a stream chunk (OpenAI streams completions as ``text_completion``)."""
+        return "chat.completion.chunk" if self.chat else "text_completion"
 
 
 def _event(body: dict[str, Any]) -> bytes:

@@ -14,7 +14,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -142,22 +143,24 @@ class Registry:
         finally:
             del self._entries[session_id]
 
-    async def reset(self, session_id: str) -> Entry:
+    @asynccontextmanager
+    async def _held(self, session_id: str) -> AsyncIterator[tuple[Entry, ChatSession]]:
+        """The named session, held for one operation (409 while a request holds it)."""
         entry = self._take(self.get(session_id))
         try:
             assert entry.session is not None
-            await in_thread(entry.session.reset)
+            yield entry, entry.session
         finally:
             entry.busy = False
+
+    async def reset(self, session_id: str) -> Entry:
+        async with self._held(session_id) as (entry, session):
+            await in_thread(session.reset)
         return entry
 
     async def fork(self, session_id: str, new_session_id: str | None) -> Entry:
-        entry = self._take(self.get(session_id))
-        try:
-            assert entry.session is not None
-            child = await self._add(new_session_id or new_id(), entry.session.fork)
-        finally:
-            entry.busy = False
+        async with self._held(session_id) as (_, session):
+            child = await self._add(new_session_id or new_id(), session.fork)
         child.busy = False
         return child
 
@@ -176,13 +179,8 @@ class Registry:
 
     async def save(self, session_id: str, name: str) -> Path:
         path = self.file(name)
-        entry = self._take(self.get(session_id))
-        try:
-            assert entry.session is not None
-            session = entry.session
+        async with self._held(session_id) as (_, session):
             await in_thread(lambda: session.save(path))
-        finally:
-            entry.busy = False
         return path
 
     async def load(self, name: str, session_id: str | None) -> Entry:
