@@ -196,31 +196,32 @@ def _compile_methods(module: torch.nn.Module, methods: list[tuple[str, Method]],
     with tempfile.TemporaryDirectory() as work:
         for i, (name, method) in enumerate(methods, 1):
             label = f"method '{name}' ({i}/{len(methods)})"
-            with method.attention_backends(), _phase(progress, f"exporting {label}"):
-                exported = export(module, name, method, strict)
-            warn_folded_counters(exported, name, configs)
-            ep = exported.program
-            for fqn, value in (*ep.state_dict.items(), *ep.constants.items()):
-                if not isinstance(value, torch.Tensor):
-                    continue
-                variants = tensors.setdefault(fqn, [])
-                same = next((v for v in variants if _identical(v[0], value)), None)
-                if same is None:
-                    variants.append((value.detach(), [name]))
-                else:
-                    same[1].append(name)
-            method_configs = _metadata(exported, configs, weights=WEIGHTS_INDEX)
-            method_configs.update({
-                "aot_inductor.package": True,
-                "aot_inductor.package_constants_in_so": False,
-                "aot_inductor.output_path": os.path.join(work, name),
-            })
-            with method.attention_backends(), _phase(progress, f"compiling {label} with AOTInductor"):
-                compiled = torch._inductor.aot_compile(ep.module(), ep.example_inputs[0], ep.example_inputs[1],
-                                                       options=method_configs)
-            if not isinstance(compiled, list):
-                raise RuntimeError(f"method '{name}': AOTInductor produced {type(compiled).__name__}, not files")
-            files[name] = [str(f) for f in compiled]
+            with method.attention_backends():  # both export and compile choose attention
+                with _phase(progress, f"exporting {label}"):
+                    exported = export(module, name, method, strict)
+                warn_folded_counters(exported, name, configs)
+                ep = exported.program
+                for fqn, value in (*ep.state_dict.items(), *ep.constants.items()):
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    variants = tensors.setdefault(fqn, [])
+                    same = next((v for v in variants if _identical(v[0], value)), None)
+                    if same is None:
+                        variants.append((value.detach(), [name]))
+                    else:
+                        same[1].append(name)
+                method_configs = _metadata(exported, configs, weights=WEIGHTS_INDEX)
+                method_configs.update({
+                    "aot_inductor.package": True,
+                    "aot_inductor.package_constants_in_so": False,
+                    "aot_inductor.output_path": os.path.join(work, name),
+                })
+                with _phase(progress, f"compiling {label} with AOTInductor"):
+                    compiled = torch._inductor.aot_compile(ep.module(), ep.example_inputs[0], ep.example_inputs[1],
+                                                           options=method_configs)
+                if not isinstance(compiled, list):
+                    raise RuntimeError(f"method '{name}': AOTInductor produced {type(compiled).__name__}, not files")
+                files[name] = [str(f) for f in compiled]
         package_aoti(path, files)  # type: ignore[arg-type]
         _append_weights(path, tensors, [name for name, _ in methods])
     return path

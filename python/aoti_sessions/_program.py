@@ -70,14 +70,17 @@ class Exported:
 
     @property
     def mutated(self) -> list[str]:
-        return sorted(set(self.decomposed.graph_signature.buffers_to_mutate.values()))
+        return _mutated_by(self.decomposed)
+
+
+def _mutated_by(decomposed: ExportedProgram) -> list[str]:
+    return sorted(set(decomposed.graph_signature.buffers_to_mutate.values()))
 
 
 def mutated_buffers(ep: ExportedProgram) -> list[str]:
     """FQNs of the buffers the program mutates (after decompositions, which turn
     in-place ops into explicit buffer mutations)."""
-    decomposed = ep.run_decompositions()
-    return sorted(set(decomposed.graph_signature.buffers_to_mutate.values()))
+    return _mutated_by(ep.run_decompositions())
 
 
 def _export_once(module: torch.nn.Module, method: Method, strict: bool) -> ExportedProgram:
@@ -91,17 +94,16 @@ def _export_once(module: torch.nn.Module, method: Method, strict: bool) -> Expor
 
 
 def _trace(module: torch.nn.Module, entry: Any, method: Method, strict: bool) -> ExportedProgram:
-    kwargs = dict(method.kwargs or {})
-    if method.entry == "forward":
-        return torch.export.export(module, method.args, kwargs=kwargs, dynamic_shapes=method.dynamic_shapes,
-                                   strict=strict)
-    # Export another entry point under the module's own FQNs: route forward to it.
-    module.forward = entry
+    # Another entry point is exported under the module's own FQNs: forward is routed to it.
+    routed = method.entry != "forward"
+    if routed:
+        module.forward = entry
     try:
-        return torch.export.export(module, method.args, kwargs=kwargs, dynamic_shapes=method.dynamic_shapes,
-                                   strict=strict)
+        return torch.export.export(module, method.args, kwargs=dict(method.kwargs or {}),
+                                   dynamic_shapes=method.dynamic_shapes, strict=strict)
     finally:
-        del module.forward
+        if routed:
+            del module.forward
 
 
 def _aliased_constants(ep: ExportedProgram) -> list[tuple[str, str]]:
