@@ -102,23 +102,13 @@ def main() -> None:
 
         def work(cs, n: int) -> None:
             for _ in range(n):
-                with cs._lock, cs._on_stream():
-                    cs._session.run("prefill", ids, pos)
-                    sync_stream = torch.cuda.current_stream() if dev.type == "cuda" else None
-                    if sync_stream is not None:
-                        sync_stream.synchronize()
+                _run_synced(cs, "prefill", ids, pos)
         for cs in sessions:
             work(cs, 3)
         t0 = time.perf_counter()
         work(sessions[0], 40)
         serial = time.perf_counter() - t0
-        threads = [threading.Thread(target=work, args=(cs, 10)) for cs in sessions]
-        t0 = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        parallel = time.perf_counter() - t0
+        parallel = _parallel([lambda cs=cs: _run_synced(cs, "prefill", ids, pos) for cs in sessions], 10)
         print(f"40 prefills T={count}: 1 thread {serial * 1e3:.1f} ms, 4 threads {parallel * 1e3:.1f} ms "
               f"({serial / parallel:.2f}x)", flush=True)
         print("stats", llm.engine.stats(), flush=True)
@@ -135,6 +125,16 @@ def main() -> None:
         for cs in sessions:
             cs.close()
         chat.close()
+
+
+def _run_synced(chat, method: str, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """One run of ``method`` on a chat session as the runtime makes it (under
+    the session's lock, on its stream), waited for."""
+    with chat._lock, chat._on_stream():
+        out = chat._session.run(method, ids, pos)
+        if ids.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+    return out
 
 
 def _first_on_new_thread(fn) -> float:
@@ -179,33 +179,26 @@ def attention_sweep(layers: int) -> None:
         with LLM(package, device="cuda") as llm:
             dev = llm.device
             chats = [llm.new_session() for _ in range(4)]
-            runs = [c._session for c in chats]
-
-            def on(c, method, ids, pos):
-                with c._lock, c._on_stream():
-                    out = c._session.run(method, ids, pos)
-                    torch.cuda.current_stream().synchronize()
-                return out
             ids64, pos64 = torch.randint(0, 100, (1, 64), device=dev), torch.arange(64, device=dev)
-            timed(lambda: on(chats[0], "prefill", ids64, pos64), dev, 3)
-            _, prefill = timed(lambda: on(chats[0], "prefill", ids64, pos64), dev, 10)
+            timed(lambda: _run_synced(chats[0], "prefill", ids64, pos64), dev, 3)
+            _, prefill = timed(lambda: _run_synced(chats[0], "prefill", ids64, pos64), dev, 10)
             new_len = []
             for count in (37, 41, 45, 49, 53):
                 ids, pos = torch.randint(0, 100, (1, count), device=dev), torch.arange(count, device=dev)
-                _, first = timed(lambda: on(chats[0], "prefill", ids, pos), dev, 1)
-                _, again = timed(lambda: on(chats[0], "prefill", ids, pos), dev, 1)
+                _, first = timed(lambda: _run_synced(chats[0], "prefill", ids, pos), dev, 1)
+                _, again = timed(lambda: _run_synced(chats[0], "prefill", ids, pos), dev, 1)
                 new_len.append(first - again)
-            thread_first = _first_on_new_thread(lambda: on(chats[1], "prefill", ids64, pos64))
+            thread_first = _first_on_new_thread(lambda: _run_synced(chats[1], "prefill", ids64, pos64))
             one, p1 = torch.tensor([[5]], device=dev), torch.tensor([300], device=dev)
-            decode_first = _first_on_new_thread(lambda: on(chats[2], "decode", one, p1))
+            decode_first = _first_on_new_thread(lambda: _run_synced(chats[2], "decode", one, p1))
             for c in chats:
                 for _ in range(5):
-                    on(c, "decode", one, p1)
-            _, decode = timed(lambda: on(chats[0], "decode", one, p1), dev, 50)
-            serial = _parallel([lambda: on(chats[0], "decode", one, p1)], 200)
-            par = _parallel([lambda c=c: on(c, "decode", one, p1) for c in chats], 50)
-            pser = _parallel([lambda: on(chats[0], "prefill", ids64, pos64)], 40)
-            ppar = _parallel([lambda c=c: on(c, "prefill", ids64, pos64) for c in chats], 10)
+                    _run_synced(c, "decode", one, p1)
+            _, decode = timed(lambda: _run_synced(chats[0], "decode", one, p1), dev, 50)
+            serial = _parallel([lambda: _run_synced(chats[0], "decode", one, p1)], 200)
+            par = _parallel([lambda c=c: _run_synced(c, "decode", one, p1) for c in chats], 50)
+            pser = _parallel([lambda: _run_synced(chats[0], "prefill", ids64, pos64)], 40)
+            ppar = _parallel([lambda c=c: _run_synced(c, "prefill", ids64, pos64) for c in chats], 10)
             rows.append(f"| {label} | {prefill:.2f} | {statistics.median(new_len):.1f} | {thread_first:.1f} | "
                         f"{pser / ppar:.2f}x | {decode:.3f} | {decode_first:.1f} | {serial / par:.2f}x |")
             print(rows[-1], flush=True)
@@ -244,13 +237,7 @@ def chat_scaling(layers: int) -> None:
             made = sum(chat(i) for i in range(4))
             serial = made / (time.perf_counter() - t0)
             counts: list[int] = []
-            threads = [threading.Thread(target=lambda i=i: counts.append(chat(i))) for i in range(4)]
-            t0 = time.perf_counter()
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-            par = sum(counts) / (time.perf_counter() - t0)
+            par = sum(counts) / _parallel([lambda i=i: counts.append(chat(i)) for i in range(4)], 1)
             print(f"round {rnd}: 4 chats one at a time {serial:.0f} tokens/s, on 4 threads {par:.0f} tokens/s "
                   f"({par / serial:.2f}x)", flush=True)
         prof = cProfile.Profile()
