@@ -189,13 +189,37 @@ void BindValues(py::module_& m) {
       .def_readwrite("path", &WeightsFile::path)
       .def_readwrite("entries", &WeightsFile::entries);
 
+  py::enum_<PoolKind>(m, "PoolKind", "What a unit of a pooled tensor is.")
+      .value("PAGES", PoolKind::kPages)
+      .value("SLOTS", PoolKind::kSlots);
+
+  py::class_<PooledInput>(m, "PooledInput", "An input of a method that is a pooled tensor.")
+      .def(py::init([](size_t input, std::string name, PoolKind kind) {
+             return PooledInput{input, std::move(name), kind};
+           }),
+           py::arg("input"), py::arg("name"), py::arg("kind"))
+      .def_readonly("input", &PooledInput::input)
+      .def_readonly("name", &PooledInput::name)
+      .def_readonly("kind", &PooledInput::kind);
+
+  py::class_<PoolSource>(m, "PoolSource", "How a method addresses the pooled state (input positions).")
+      .def(py::init<>())
+      .def_readwrite("page_size", &PoolSource::page_size)
+      .def_readwrite("tensors", &PoolSource::tensors)
+      .def_readwrite("page_table", &PoolSource::page_table)
+      .def_readwrite("positions", &PoolSource::positions)
+      .def_readwrite("slot_ids", &PoolSource::slot_ids)
+      .def_readwrite("tokens", &PoolSource::tokens)
+      .def_readwrite("max_rows", &PoolSource::max_rows);
+
   py::class_<MethodSource>(m, "MethodSource")
       .def(py::init<>())
       .def_readwrite("name", &MethodSource::name)
       .def_readwrite("library_path", &MethodSource::library_path)
       .def_readwrite("cubin_dir", &MethodSource::cubin_dir)
       .def_readwrite("inputs", &MethodSource::inputs)
-      .def_readwrite("weights", &MethodSource::weights);
+      .def_readwrite("weights", &MethodSource::weights)
+      .def_readwrite("pool", &MethodSource::pool);
 
   py::enum_<IdleAction>(m, "IdleAction")
       .value("OFFLOAD", IdleAction::kOffload)
@@ -227,6 +251,22 @@ void BindValues(py::module_& m) {
   buffer.def_readonly("zero_initial", &MutableBuffer::zero_initial)
       .def_readonly("methods", &MutableBuffer::methods);
 
+  py::class_<PooledTensor>(m, "PooledTensor", "A pooled tensor: [units, ...unit sizes].")
+      .def_readonly("name", &PooledTensor::name)
+      .def_readonly("kind", &PooledTensor::kind)
+      .def_property_readonly("dtype", [](const PooledTensor& t) { return DtypeName(t.unit.dtype); })
+      .def_property_readonly("unit_sizes", [](const PooledTensor& t) { return t.unit.sizes; })
+      .def_readonly("unit_bytes", &PooledTensor::unit_bytes);
+
+  py::class_<PoolLayout>(m, "PoolLayout", "The pooled state every pooled method shares.")
+      .def_readonly("page_size", &PoolLayout::page_size)
+      .def_readonly("max_pages", &PoolLayout::max_pages)
+      .def_readonly("max_rows", &PoolLayout::max_rows)
+      .def_readonly("tensors", &PoolLayout::tensors)
+      .def_readonly("page_bytes", &PoolLayout::page_bytes)
+      .def_readonly("slot_bytes", &PoolLayout::slot_bytes)
+      .def_property_readonly("max_positions", &PoolLayout::max_positions);
+
   py::class_<WeightInfo> weight(m, "WeightInfo", "A weight held by the engine.");
   BindLayout(weight);
   weight.def_readonly("methods", &WeightInfo::methods);
@@ -237,6 +277,7 @@ void BindValues(py::module_& m) {
       .def_readonly("sessions", &MemoryReport::sessions)
       .def_readonly("containers", &MemoryReport::containers)
       .def_readonly("offloaded", &MemoryReport::offloaded)
+      .def_readonly("pool", &MemoryReport::pool)
       .def_readonly("host_spare", &MemoryReport::host_spare);
 
   py::class_<SessionStats>(m, "SessionStats", "Where one session is.")
@@ -268,7 +309,15 @@ void BindValues(py::module_& m) {
            {"graph_replays", &EngineStats::graph_replays},
            {"graph_captures", &EngineStats::graph_captures},
            {"graphs", &EngineStats::graphs},
-           {"graph_pools", &EngineStats::graph_pools}}) {
+           {"graph_pools", &EngineStats::graph_pools},
+           {"pool_pages", &EngineStats::pool_pages},
+           {"pool_pages_used", &EngineStats::pool_pages_used},
+           {"pool_slots", &EngineStats::pool_slots},
+           {"pool_slots_used", &EngineStats::pool_slots_used},
+           {"pool_grows", &EngineStats::pool_grows},
+           {"pages_copied", &EngineStats::pages_copied},
+           {"batch_runs", &EngineStats::batch_runs},
+           {"batch_rows", &EngineStats::batch_rows}}) {
     stats.def_readonly(name, field);
   }
   stats.def_property_readonly("bind_seconds", [](const EngineStats& s) { return s.bind_nanoseconds * 1e-9; })
@@ -339,6 +388,40 @@ void BindSession(py::module_& m) {
           },
           py::arg("fqns"), py::arg("sources"), py::arg("stream") = 0,
           "Replaces every buffer at once: sources[i] is the new value of fqns[i].")
+      .def_property_readonly(
+          "length",
+          [](Session& s) {
+            py::gil_scoped_release release;  // waits for a run of this session in flight
+            return s.length();
+          },
+          "Positions the session holds (pooled state; 0 without).")
+      .def(
+          "truncate",
+          [](Session& s, int64_t length, uintptr_t stream) { s.Truncate(length, ToStream(stream)); },
+          py::arg("length"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "read_pool",
+          [](Session& s, uintptr_t stream) {
+            int64_t length = 0;
+            std::vector<OwnedTensor> out;
+            {
+              py::gil_scoped_release release;
+              out = s.ReadPool(&length, ToStream(stream));
+            }
+            return py::make_tuple(GiveHandles(std::move(out)), length);
+          },
+          py::arg("stream") = 0,
+          "(handles, length): the session's part of every pooled tensor, one snapshot.")
+      .def(
+          "write_pool",
+          [](Session& s, const std::vector<std::string>& names, const CapsuleList& sources,
+             int64_t length, uintptr_t stream) {
+            std::vector<OwnedTensor> owned = TakeHandles(sources);
+            py::gil_scoped_release release;
+            s.WritePool(names, Borrowed(owned), length, ToStream(stream));
+          },
+          py::arg("names"), py::arg("sources"), py::arg("length"), py::arg("stream") = 0,
+          "Replaces the session's pooled state (as read_pool gives it) and its length.")
       .def("close", &Session::Close, py::call_guard<py::gil_scoped_release>());
 }
 
@@ -392,6 +475,21 @@ void BindEngine(py::module_& m) {
           },
           py::arg("path"), py::arg("strict") = true, py::arg("stream") = 0,
           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("pool", &Engine::pool, "The pooled state's layout, or None.")
+      .def(
+          "run_batch",
+          [](Engine& e, const std::vector<std::shared_ptr<Session>>& rows, size_t method,
+             const CapsuleList& inputs, uintptr_t stream) {
+            std::vector<OwnedTensor> owned = TakeHandles(inputs);
+            std::vector<OwnedTensor> outputs;
+            {
+              py::gil_scoped_release release;
+              outputs = e.RunBatch(rows, method, std::move(owned), ToStream(stream));
+            }
+            return GiveHandles(std::move(outputs));
+          },
+          py::arg("rows"), py::arg("method"), py::arg("inputs"), py::arg("stream") = 0,
+          "Runs pooled `method` once over `rows` (one session each, in order).")
       .def("close", &Engine::Close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Engine::closed);
 }

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 
 #include "device.h"
@@ -141,6 +142,10 @@ class CudaDevice final : public Device {
   void Order(StreamHandle from, StreamHandle to) override {
     if (from == to) return;
     DeviceGuard guard(spec_.index);
+    // `from` may be a stream another thread is capturing (the last stream of
+    // a session that a batch shared with others): an event recorded on it
+    // now would join that capture. Wait for captures to end.
+    std::shared_lock<std::shared_mutex> no_capture(capture_gate_);
     cudaEvent_t event = nullptr;
     Check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     cudaError_t err = cudaEventRecord(event, ToCuda(from));
@@ -164,16 +169,22 @@ class CudaDevice final : public Device {
 
   void BeginCapture(StreamHandle stream) override {
     DeviceGuard guard(spec_.index);
+    // A capture holds the gate: no other thread records an event on the
+    // capturing stream (Order) until it ends.
+    capture_gate_.lock();
+    t_holds_gate = true;
     // Thread-local: only this thread's unsafe calls break the capture; other
     // threads keep running their sessions.
-    Check(cudaStreamBeginCapture(ToCuda(stream), cudaStreamCaptureModeThreadLocal),
-          "cudaStreamBeginCapture");
+    cudaError_t err = cudaStreamBeginCapture(ToCuda(stream), cudaStreamCaptureModeThreadLocal);
+    if (err != cudaSuccess) OpenGate();
+    Check(err, "cudaStreamBeginCapture");
   }
 
   void* EndCapture(StreamHandle stream) override {
     DeviceGuard guard(spec_.index);
     cudaGraph_t graph = nullptr;
     cudaError_t err = cudaStreamEndCapture(ToCuda(stream), &graph);
+    OpenGate();
     if (err != cudaSuccess || graph == nullptr) {
       if (graph != nullptr) cudaGraphDestroy(graph);
       Check(err != cudaSuccess ? err : cudaErrorStreamCaptureInvalidated, "capturing a CUDA graph");
@@ -193,6 +204,7 @@ class CudaDevice final : public Device {
       cudaStreamEndCapture(ToCuda(stream), &graph);
       if (graph != nullptr) cudaGraphDestroy(graph);
     }
+    OpenGate();
     cudaGetLastError();  // a failed capture leaves a non-sticky error behind
   }
 
@@ -208,6 +220,17 @@ class CudaDevice final : public Device {
 
  private:
   cudaMemPool_t pool_ = nullptr;
+  // Ends this thread's hold of the capture gate, if it has one.
+  void OpenGate() noexcept {
+    if (!t_holds_gate) return;
+    t_holds_gate = false;
+    capture_gate_.unlock();
+  }
+
+  // Held exclusively across a capture, shared by Order (a leaf: nothing is
+  // taken under it; see engine.h).
+  std::shared_mutex capture_gate_;
+  static inline thread_local bool t_holds_gate = false;
   std::once_flag capture_stream_once_;
   cudaStream_t capture_stream_ = nullptr;  // for work of the legacy default stream
 };

@@ -99,6 +99,19 @@ class Device {
   DeviceSpec spec_;
 };
 
+// Makes a device current on the calling thread for a scope (Device::Enter).
+class DeviceScope {
+ public:
+  explicit DeviceScope(Device& device) : device_(device), previous_(device.Enter()) {}
+  ~DeviceScope() { device_.Leave(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  Device& device_;
+  int previous_;
+};
+
 // The stream that last queued work on some memory. Using the memory on another
 // stream first orders that stream after the last one, so all uses form one
 // sequence and the memory can be freed on the last stream. Thread-safe: its

@@ -17,6 +17,10 @@ std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
   LoadedModel loaded = Model::Load(methods, options);
   auto parts = std::make_shared<EngineParts>();
   parts->model = loaded.model;
+  if (loaded.model->pool()) {
+    parts->pool = std::make_shared<StatePool>(loaded.model->device(), *loaded.model->pool(),
+                                              options.memory_budget);
+  }
   parts->files = std::make_shared<SessionFiles>(loaded.model, fingerprint.Get());
   auto runner = std::make_shared<Runner>(loaded.model, std::move(loaded.lanes), options,
                                          std::move(graph_host));
@@ -24,7 +28,8 @@ std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
   // The residency tells the runner when a state leaves its block; weakly, so
   // neither room owns the other.
   parts->residency = Residency::Create(
-      loaded.model, options, [weak = std::weak_ptr<Runner>(runner)](const SessionState& state) {
+      loaded.model, parts->pool, options,
+      [weak = std::weak_ptr<Runner>(runner)](const SessionState& state) {
         if (auto r = weak.lock()) r->Forget(state);
       });
   parts->process_generation = generation;
@@ -62,6 +67,21 @@ size_t Engine::buffer_index(const std::string& fqn) const {
 
 size_t Engine::bytes_per_session() const { return parts_->model->block_bytes(); }
 
+const std::optional<PoolLayout>& Engine::pool() const { return parts_->model->pool(); }
+
+std::vector<OwnedTensor> Engine::RunBatch(const std::vector<std::shared_ptr<Session>>& rows,
+                                          size_t method, std::vector<OwnedTensor>&& inputs,
+                                          StreamHandle stream) {
+  parts_->CheckProcess();
+  for (const auto& row : rows) {
+    if (row != nullptr && !row->BelongsTo(*parts_)) {
+      Throw(ErrorKind::kInvalidArgument,
+            "session " + std::to_string(row->id()) + " belongs to another engine");
+    }
+  }
+  return Session::RunBatch(rows, method, std::move(inputs), stream);
+}
+
 size_t Engine::weight_bytes() const { return parts_->model->weight_bytes(); }
 
 size_t Engine::template_bytes() const { return parts_->model->template_bytes(); }
@@ -80,6 +100,7 @@ MemoryReport Engine::memory_report() const {
   report.containers =
       model.parking_bytes() + (parts_->runner->closed() ? 0 : model.container_state_bytes());
   parts_->residency->AddMemory(report);
+  if (parts_->pool) report.pool = parts_->pool->allocated_bytes();
   return report;
 }
 
@@ -89,6 +110,7 @@ EngineStats Engine::stats() const {
   parts_->residency->AddStats(stats);
   parts_->runner->AddStats(stats);
   parts_->files->AddStats(stats);
+  if (parts_->pool) parts_->pool->AddStats(stats);
   return stats;
 }
 
@@ -99,9 +121,14 @@ void Engine::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double
 
 std::shared_ptr<Session> Engine::NewSession(StreamHandle stream) {
   parts_->CheckProcess();
+  if (parts_->pool) return Session::NewPooled(parts_, nullptr, stream);
   const Model& model = *parts_->model;
   auto state = parts_->residency->Admit(
-      stream, [&](void* block, StreamHandle s) { model.InitializeBlock(block, s); });
+      static_cast<int64_t>(model.block_bytes()), stream,
+      [&](SessionState& made, StreamHandle s) {
+        made.mutex().AssertHeld();  // Admit holds it
+        model.InitializeBlock(made.device_block(), s);
+      });
   return Session::Make(parts_, std::move(state));
 }
 
@@ -112,14 +139,21 @@ std::shared_ptr<Session> Engine::LoadSession(const std::string& path, bool stric
   // The header is checked before anything is allocated, every byte before a
   // session is made.
   SessionFiles::CheckedFile file = parts_->files->Check(path, strict);
+  if (parts_->pool) {
+    auto session = Session::NewPooled(parts_, &file, stream);
+    parts_->files->CountLoad();
+    return session;
+  }
   HostBlock staging(parts_->residency->host_pool());
   parts_->files->Read(file, staging.get());
   Device& device = parts_->model->device();
   const size_t bytes = parts_->model->block_bytes();
-  auto state = parts_->residency->Admit(stream, [&](void* block, StreamHandle s) {
-    device.Copy(block, staging.get(), bytes, s);
-    device.Synchronize(s);  // the staging block goes back to the pool after
-  });
+  auto state = parts_->residency->Admit(
+      static_cast<int64_t>(bytes), stream, [&](SessionState& made, StreamHandle s) {
+        made.mutex().AssertHeld();  // Admit holds it
+        if (bytes > 0) device.Copy(made.device_block(), staging.get(), bytes, s);
+        device.Synchronize(s);  // the staging block goes back to the pool after
+      });
   parts_->files->CountLoad();
   return Session::Make(parts_, std::move(state));
 }

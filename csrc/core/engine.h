@@ -36,7 +36,11 @@
 //      tables' lock (GraphSet::mutex_) and a graph pool's replay lock
 //      (GraphSet::PoolUse::replay_mutex: copies in, launch, copies out).
 //   Between 2 and 3: GraphSet::capture_mutex_, held across a capture on the
-//   device's shared capture stream (work of the legacy default stream).
+//   device's shared capture stream (work of the legacy default stream); the
+//   state pool's memory lock (StatePool::memory_mutex_, state_pool.h); and
+//   the CUDA device's capture gate, held exclusively across any capture and
+//   shared while two streams are ordered (an event on a stream another thread
+//   captures would join its capture), with nothing taken under it.
 //   A GraphHost (torch's allocator routing, the Python layer) is called with
 //   locks 1, 2 and the capture lock held, never a leaf; it must not call into
 //   the engine.
@@ -53,6 +57,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -91,8 +96,12 @@ class Engine {
   const std::vector<MutableBuffer>& mutable_buffers() const;
   // Index of a mutable FQN; throws kInvalidArgument if it is not one.
   size_t buffer_index(const std::string& fqn) const;
-  // Device bytes of one session's state (all buffers, aligned).
+  // Device bytes of one session's state (all buffers, aligned; 0 with pooled
+  // state, whose sessions hold what their positions take: pool()).
   size_t bytes_per_session() const;
+  // The pooled state every pooled method shares, if the model keeps one
+  // (docs/batching.md).
+  const std::optional<PoolLayout>& pool() const;
   // Bytes of weights held (each distinct weight once, whatever the methods).
   size_t weight_bytes() const;
   // Bytes of engine-owned template memory (zero initial values cost none).
@@ -119,6 +128,12 @@ class Engine {
   // or with `strict` other model files) leave the engine as it was.
   std::shared_ptr<Session> LoadSession(const std::string& path, bool strict,
                                        StreamHandle stream = nullptr);
+
+  // Runs pooled `method` once over `rows`, sessions of this engine: see
+  // Session::RunBatch.
+  std::vector<OwnedTensor> RunBatch(const std::vector<std::shared_ptr<Session>>& rows,
+                                    size_t method, std::vector<OwnedTensor>&& inputs,
+                                    StreamHandle stream = nullptr);
 
   // Closes every session (waiting for their runs) and releases the method
   // containers. Later calls on the engine or its sessions throw kSessionClosed.

@@ -16,14 +16,8 @@ constexpr auto kCapacityWait = std::chrono::seconds(60);
 
 }  // namespace
 
-void Residency::UnreserveDevice() {
-  MutexLock lock(registry_mutex_);
-  device_bytes_ -= block_bytes_;
-  RetainRegistryLocked();
-}
-
-void Residency::ReserveDevice(const SessionState* held, StreamHandle stream, int64_t host_credit) {
-  const int64_t need = block_bytes_;
+void Residency::ReserveDevice(const Held& held, int64_t need, StreamHandle stream,
+                              int64_t host_credit) {
   const auto deadline = std::chrono::steady_clock::now() + kCapacityWait;
   MutexLock lock(registry_mutex_);
   for (;;) {
@@ -35,10 +29,10 @@ void Residency::ReserveDevice(const SessionState* held, StreamHandle stream, int
     }
     const int64_t budget = *memory_budget_;
     std::string full = "memory_budget=" + BytesText(budget) + " exceeded: " +
-                       std::to_string(need > 0 ? device_bytes_ / need : 0) + " sessions hold " +
-                       std::to_string(device_bytes_) + " bytes and a new one needs " +
-                       std::to_string(need);
-    if (need > budget) Throw(ErrorKind::kCapacity, full + " (the budget is below one session)");
+                       std::to_string(live_sessions_ - offloaded_sessions_) +
+                       " resident sessions hold " + std::to_string(device_bytes_) +
+                       " bytes and this call needs " + std::to_string(need) + " more";
+    if (need > budget) Throw(ErrorKind::kCapacity, full + " (the budget is below that)");
     if (host_budget_ && host_bytes_ + need - host_credit > *host_budget_) {
       Throw(ErrorKind::kCapacity, full + ", and host_budget=" + BytesText(*host_budget_) +
                                       " cannot take an offloaded session (" +
@@ -48,15 +42,18 @@ void Residency::ReserveDevice(const SessionState* held, StreamHandle stream, int
     // Device bytes reserved by creations and restores in flight (or held by
     // sessions being released): they become idle or free soon.
     int64_t resident = 0;
-    for (const auto& s : open) resident += s->resident() ? 1 : 0;
-    const bool in_flight = device_bytes_ > resident * need;
+    for (const auto& s : open) resident += s->resident() ? s->bytes() : 0;
+    const bool in_flight = device_bytes_ > resident;
     lock.Unlock();
     const Eviction outcome = EvictLeastRecentlyUsed(std::move(open), held, stream, host_credit);
     lock.Lock();
     if (outcome == Eviction::kDone) continue;
-    const int64_t ours = held != nullptr && held->resident() ? need : 0;
+    int64_t ours = 0;
+    for (const SessionState* h : held) ours += h->resident() ? h->bytes() : 0;
     if (outcome == Eviction::kNoCandidate && device_bytes_ <= ours) {
-      Throw(ErrorKind::kCapacity, full + "; the only resident session is the one this call uses");
+      Throw(ErrorKind::kCapacity, full + (held.size() == 1
+                                              ? "; the only resident session is the one this call uses"
+                                              : "; the only resident sessions are the ones this call uses"));
     }
     if (outcome == Eviction::kNoCandidate && !in_flight) {
       Throw(ErrorKind::kCapacity,
@@ -74,13 +71,15 @@ void Residency::ReserveDevice(const SessionState* held, StreamHandle stream, int
 }
 
 Residency::Eviction Residency::EvictLeastRecentlyUsed(
-    std::vector<std::shared_ptr<SessionState>> candidates, const SessionState* held,
+    std::vector<std::shared_ptr<SessionState>> candidates, const Held& held,
     StreamHandle stream, int64_t host_credit) {
   // Sessions held by calls that are themselves waiting for room never become
   // idle before this call proceeds: waiting for them is futile.
   candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
                                   [&](const auto& s) {
-                                    return s.get() == held || !s->resident() || s->closed() ||
+                                    return std::find(held.begin(), held.end(), s.get()) !=
+                                               held.end() ||
+                                           !s->resident() || s->closed() ||
                                            s->waiting_for_room();
                                   }),
                    candidates.end());

@@ -2,17 +2,21 @@
 // out, and the activation pools (one per capture stream).
 #include "graphs.h"
 
+#include <algorithm>
+
 #include "errors.h"
 
 namespace aoti_sessions {
 namespace {
 
 // The first input with a dynamic dimension, as "input I: [1, *]", or "".
+// A pooled method's first dimensions (rows, pool units) do not count.
 std::string DynamicInput(const Method& method) {
   if (!method.inputs) return "";
   for (size_t i = 0; i < method.inputs->size(); ++i) {
-    for (int64_t size : (*method.inputs)[i].sizes) {
-      if (size < 0) {
+    const std::vector<int64_t>& sizes = (*method.inputs)[i].sizes;
+    for (size_t d = method.pool ? 1 : 0; d < sizes.size(); ++d) {
+      if (sizes[d] < 0) {
         return "input " + std::to_string(i) + " is " + FormatDims((*method.inputs)[i].sizes);
       }
     }
@@ -94,14 +98,26 @@ std::pair<GraphHost::Pool, std::mutex*> GraphSet::PoolFor(StreamHandle stream) {
 }
 
 Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
-                         const std::vector<OwnedTensor>& inputs, const RunFn& run) {
+                         const std::vector<OwnedTensor>& inputs, const RunFn& run,
+                         const std::vector<bool>& in_place) {
   auto graph = std::make_unique<Graph>();
   const int32_t type = device_.torch_device_type();
   const int32_t index = device_.spec().index;
-  for (const OwnedTensor& input : inputs) {
-    TensorLayout layout = ReadLayout(input.get());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (i < in_place.size() && in_place[i]) {
+      graph->input_bytes.push_back(0);
+      graph->inputs.push_back(OwnedTensor::Alias(inputs[i].get()));
+      continue;
+    }
+    TensorLayout layout = ReadLayout(inputs[i].get());
     graph->input_bytes.push_back(layout.span_bytes());
     graph->inputs.push_back(OwnedTensor::Empty(layout, type, index));
+    // A padded batch's replays fill a prefix: the rest keeps these values
+    // (valid inputs, say token ids the embedding can index).
+    if (graph->input_bytes.back() > 0) {
+      device_.Copy(DataPtr(graph->inputs.back().get()), DataPtr(inputs[i].get()),
+                   graph->input_bytes.back(), key.stream);
+    }
   }
   const auto [pool, replay_mutex] = PoolFor(key.stream);
   graph->replay_mutex = replay_mutex;
@@ -165,25 +181,39 @@ Graph* GraphSet::Refuse(size_t method, const std::string& why) {
 }
 
 std::vector<OwnedTensor> GraphSet::Replay(Graph& graph, const std::vector<OwnedTensor>& inputs) {
+  std::vector<GraphInput> copies;
+  copies.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    copies.push_back({DataPtr(inputs[i].get()), graph.input_bytes[i]});
+  }
+  return Replay(graph, copies, -1);
+}
+
+std::vector<OwnedTensor> GraphSet::Replay(Graph& graph, const std::vector<GraphInput>& inputs,
+                                          int64_t rows) {
   StreamHandle stream = graph.key.stream;
   std::lock_guard<std::mutex> queued_together(*graph.replay_mutex);
   for (size_t i = 0; i < inputs.size(); ++i) {
     void* dst = DataPtr(graph.inputs[i].get());
-    const void* src = DataPtr(inputs[i].get());
-    if (dst != src && graph.input_bytes[i] > 0) device_.Copy(dst, src, graph.input_bytes[i], stream);
+    const size_t bytes = std::min(inputs[i].bytes, graph.input_bytes[i]);
+    if (dst != inputs[i].data && bytes > 0) device_.Copy(dst, inputs[i].data, bytes, stream);
   }
   device_.Launch(graph.exec, stream);
   replays_.fetch_add(1, std::memory_order_relaxed);
   std::vector<OwnedTensor> outputs;
   outputs.reserve(graph.outputs.size());
   if (output_views_) {
-    for (const OwnedTensor& out : graph.outputs) outputs.push_back(OwnedTensor::Alias(out.get()));
+    for (size_t i = 0; i < graph.outputs.size(); ++i) {
+      outputs.push_back(rows < 0 ? OwnedTensor::Alias(graph.outputs[i].get())
+                                 : OwnedTensor::FirstRows(graph.outputs[i].get(), rows));
+    }
     return outputs;
   }
   // Copies, allocated for the run's stream and filled on it.
   TorchStreamScope scope(stream, device_.spec().index);
   for (size_t i = 0; i < graph.outputs.size(); ++i) {
-    const TensorLayout& layout = graph.output_layouts[i];
+    TensorLayout layout = graph.output_layouts[i];
+    if (rows >= 0 && !layout.sizes.empty()) layout.sizes[0] = std::min(layout.sizes[0], rows);
     outputs.push_back(OwnedTensor::Empty(layout, device_.torch_device_type(), device_.spec().index));
     size_t bytes = layout.span_bytes();
     if (bytes > 0) {

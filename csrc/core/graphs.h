@@ -64,6 +64,17 @@ struct GraphKey {
 // Appends one input's rank and sizes to a graph key's `shapes`.
 void AppendShapeKey(std::vector<int64_t>& shapes, const std::vector<int64_t>& sizes);
 
+// Graphs of a pooled method's batched runs belong to no session: their owner
+// is the padded row count (session ids count up from 1 and never get there).
+inline uint64_t BatchGraphOwner(int64_t rows) { return UINT64_MAX - static_cast<uint64_t>(rows); }
+
+// What a replay copies into one static input: the first `bytes` of it (a
+// batch with fewer rows than the graph's fills a prefix), or nothing.
+struct GraphInput {
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+
 // One session's captured run of one method.
 struct Graph {
   GraphKey key;
@@ -88,7 +99,9 @@ class GraphSet {
   GraphSet& operator=(const GraphSet&) = delete;
 
   // Whether runs of `method` are captured (mode, device, host, static shapes,
-  // and no failed capture so far).
+  // and no failed capture so far). A pooled method's inputs may have a
+  // dynamic first dimension (rows, or the pool's units): its batches are
+  // captured per padded row count.
   bool Captures(size_t method) const;
   // The session's graph of `method` if it was captured with `key`; a graph
   // captured with another key is destroyed. Call under the session's lock.
@@ -100,13 +113,21 @@ class GraphSet {
   // Nothing executes. Returns nullptr if the method cannot be captured (kAuto:
   // noted once, the method then runs eagerly); throws kRun under kOn.
   // (static inputs, the stream to queue the run on) -> outputs.
+  // Inputs marked `in_place` (the pool's tensors) are captured as they are,
+  // not copied: the graph keeps their memory's address.
   using RunFn = std::function<std::vector<OwnedTensor>(std::vector<OwnedTensor>, StreamHandle)>;
   Graph* Capture(uint64_t session, size_t method, GraphKey key,
-                 const std::vector<OwnedTensor>& inputs, const RunFn& run);
+                 const std::vector<OwnedTensor>& inputs, const RunFn& run,
+                 const std::vector<bool>& in_place = {});
   // Queues a replay with `inputs` copied into the static inputs; returns
   // copies of the outputs (or, with output views, the graph's own: they are
   // rewritten by the next replay of any graph of the same stream).
   std::vector<OwnedTensor> Replay(Graph& graph, const std::vector<OwnedTensor>& inputs);
+  // The same with each input's bytes given (a prefix of its static input;
+  // none for an in-place one); with `rows` >= 0 the outputs are their first
+  // `rows` rows (a padded batch).
+  std::vector<OwnedTensor> Replay(Graph& graph, const std::vector<GraphInput>& inputs,
+                                  int64_t rows);
   // Destroys the session's graphs (it closed).
   void Forget(uint64_t session);
   // Destroys every graph and releases the pools; no run may be in flight on

@@ -17,9 +17,25 @@ constexpr size_t kBlockAlignment = 256;
 
 }  // namespace
 
+size_t PoolLayout::PagesFor(int64_t positions) const {
+  if (!has_pages() || positions <= 0) return 0;
+  return static_cast<size_t>((positions + page_size - 1) / page_size);
+}
+
+std::vector<size_t> PoolLayout::PackedOffsets(size_t pages) const {
+  std::vector<size_t> offsets;
+  size_t offset = 0;
+  for (const PooledTensor& t : tensors) {
+    offsets.push_back(offset);
+    offset += (t.kind == PoolKind::kPages ? pages : 1) * t.unit_bytes;
+  }
+  return offsets;
+}
+
 LoadedModel Model::Load(const std::vector<MethodSource>& sources, const EngineOptions& options) {
   std::shared_ptr<Model> model(new Model());
   std::vector<std::unique_ptr<Container>> containers = model->OpenMethods(sources, options);
+  model->LayOutPool();
   model->SelectMutable(containers, options);
   model->HoldWeights(containers, options.strict_weights);
   model->CaptureTemplates(containers);
@@ -73,6 +89,7 @@ std::vector<std::unique_ptr<Container>> Model::OpenMethods(
     method.inputs = source.inputs;
     method.call_spec = {container->in_spec(), container->out_spec()};
     method.num_inputs = container->num_inputs();
+    method.pool = source.pool;
     methods_.push_back(std::move(method));
     containers.push_back(std::move(container));
   }
@@ -124,6 +141,83 @@ void Model::SelectMutable(const std::vector<std::unique_ptr<Container>>& contain
     MutableBuffer buffer;
     buffer.fqn = fqn;
     buffers_.push_back(std::move(buffer));
+  }
+  if (pool_ && !buffers_.empty()) {
+    std::vector<std::string> names;
+    for (const MutableBuffer& b : buffers_) names.push_back(b.fqn);
+    Throw(ErrorKind::kPackage, "this model keeps pooled state, so all of its mutable state must be "
+                               "pooled, but these buffers would be per-session constants: " +
+                                   JoinNames(names));
+  }
+}
+
+void Model::LayOutPool() {
+  std::unordered_map<std::string, size_t> index;  // pooled tensor name -> PoolLayout::tensors
+  std::string first;                               // the method the layout comes from
+  for (Method& method : methods_) {
+    if (!method.pool) {
+      for (size_t i = 0; i < method.num_inputs; ++i) method.caller_inputs.push_back(i);
+      continue;
+    }
+    const PoolSource& source = *method.pool;
+    const std::vector<InputSpec>& inputs = *method.inputs;
+    if (!pool_) {
+      pool_.emplace();
+      pool_->page_size = source.page_size;
+      first = method.name;
+    }
+    PoolLayout& pool = *pool_;
+    auto disagree = [&](const std::string& what) {
+      Throw(ErrorKind::kPackage, "method '" + method.name + "' and method '" + first +
+                                     "' disagree on the pooled state: " + what);
+    };
+    if (source.page_table) {
+      const int64_t width = inputs[*source.page_table].sizes[1];
+      if (pool.max_pages != 0 && pool.max_pages != width) {
+        disagree("page tables of " + std::to_string(width) + " and " +
+                 std::to_string(pool.max_pages) + " pages");
+      }
+      if (pool.page_size != source.page_size) {
+        disagree("pages of " + std::to_string(source.page_size) + " and " +
+                 std::to_string(pool.page_size) + " positions");
+      }
+      pool.max_pages = width;
+    }
+    pool.max_rows = std::max(pool.max_rows, source.max_rows);
+    std::set<size_t> engine_filled;
+    for (const PooledInput& t : source.tensors) {
+      const InputSpec& spec = inputs[t.input];
+      engine_filled.insert(t.input);
+      TensorLayout unit;
+      unit.dtype = spec.dtype;
+      unit.sizes.assign(spec.sizes.begin() + 1, spec.sizes.end());
+      unit.strides = ContiguousStrides(unit.sizes);
+      if (!spec.strides.empty()) {
+        Throw(ErrorKind::kPackage, "method '" + method.name + "': pooled tensor '" + t.name +
+                                       "' must be contiguous");
+      }
+      auto found = index.find(t.name);
+      if (found == index.end()) {
+        index[t.name] = pool.tensors.size();
+        PooledTensor tensor{t.name, t.kind, unit, unit.span_bytes()};
+        (t.kind == PoolKind::kPages ? pool.page_bytes : pool.slot_bytes) += tensor.unit_bytes;
+        pool.tensors.push_back(std::move(tensor));
+        found = index.find(t.name);
+      } else {
+        const PooledTensor& held = pool.tensors[found->second];
+        if (held.unit != unit || held.kind != t.kind) {
+          disagree("'" + t.name + "' is " + held.unit.ToString() + " in one and " +
+                   unit.ToString() + " in the other, or pages in one and slots in the other");
+        }
+      }
+      method.pool_tensors.push_back(found->second);
+    }
+    for (std::optional<size_t> filled : {source.page_table, source.positions, source.slot_ids}) {
+      if (filled) engine_filled.insert(*filled);
+    }
+    for (size_t i = 0; i < method.num_inputs; ++i) {
+      if (!engine_filled.count(i)) method.caller_inputs.push_back(i);
+    }
   }
 }
 

@@ -21,6 +21,34 @@
 
 namespace aoti_sessions {
 
+// One pooled tensor of the engine (docs/batching.md): `[units, ...unit sizes]`.
+struct PooledTensor {
+  std::string name;
+  PoolKind kind = PoolKind::kPages;
+  TensorLayout unit;  // one unit (a page or a slot), contiguous
+  size_t unit_bytes = 0;
+};
+
+// The pooled state every pooled method agrees on.
+struct PoolLayout {
+  int64_t page_size = 0;
+  int64_t max_pages = 0;  // page-table width: a session holds at most max_pages * page_size positions
+  int64_t max_rows = 1;   // the most rows any method takes in one call
+  std::vector<PooledTensor> tensors;  // in order of first appearance
+  size_t page_bytes = 0;  // one page of every page tensor
+  size_t slot_bytes = 0;  // one slot of every slot tensor
+  bool has_pages() const { return max_pages > 0; }
+  bool has_slots() const { return slot_bytes > 0; }
+  int64_t max_positions() const { return max_pages * page_size; }
+  // Pages that hold `positions` positions.
+  size_t PagesFor(int64_t positions) const;
+  // A session's units packed (offload, save, state()): each pooled tensor's
+  // units in turn (a page tensor's pages in order, a slot tensor's slot).
+  // Its bytes for `pages` pages, and where each tensor's part starts.
+  size_t PackedBytes(size_t pages) const { return pages * page_bytes + slot_bytes; }
+  std::vector<size_t> PackedOffsets(size_t pages) const;
+};
+
 // One method as loaded.
 struct Method {
   std::string name;
@@ -36,6 +64,12 @@ struct Method {
   std::vector<std::pair<HeldWeight*, std::string>> weight_bindings;
   // Its container's blob holds weights the engine adopted: never freed.
   bool keeps_own_constants = false;
+  // How it addresses the pooled state (pooled methods only), and the index in
+  // PoolLayout::tensors of each of pool->tensors.
+  std::optional<PoolSource> pool;
+  std::vector<size_t> pool_tensors;
+  // Inputs the caller gives (all but the pool's), in input order.
+  std::vector<size_t> caller_inputs;
 };
 
 // The weights a tensor is to be bound to for each, in a weight update.
@@ -78,6 +112,8 @@ class Model {
   std::vector<std::string> method_names() const;
 
   const std::vector<MutableBuffer>& buffers() const { return buffers_; }
+  // The pooled state, if any method declares one (then there are no buffers).
+  const std::optional<PoolLayout>& pool() const { return pool_; }
   // Index of a mutable FQN; throws kInvalidArgument if it is not one.
   size_t buffer_index(const std::string& fqn) const;
   bool is_mutable(const std::string& fqn) const { return buffer_index_.count(fqn) > 0; }
@@ -117,6 +153,8 @@ class Model {
                      const EngineOptions& options);
   void CaptureTemplates(const std::vector<std::unique_ptr<Container>>& containers);
   void LayOutBlock(const std::vector<const void*>& initial);
+  // Builds pool_ from the pooled methods; throws kPackage where they disagree.
+  void LayOutPool();
 
   // model_weights.cc: binds every method's weights to one held copy each
   // (loading weights files, adopting or copying embedded ones).
@@ -149,6 +187,7 @@ class Model {
   std::vector<Method> methods_;
   std::vector<MutableBuffer> buffers_;
   std::unordered_map<std::string, size_t> buffer_index_;
+  std::optional<PoolLayout> pool_;
   size_t block_bytes_ = 0;
   std::unique_ptr<WeightStore> weights_;
   std::vector<std::string> load_notes_;

@@ -8,6 +8,82 @@
 #include "util.h"
 
 namespace aoti_sessions {
+namespace {
+
+// The structural rules on one method's pool (docs/batching.md); the rules
+// across methods (one layout for every pooled tensor) are the model's.
+void ValidatePool(const MethodSource& source, const std::string& method) {
+  const PoolSource& pool = *source.pool;
+  if (!source.inputs) {
+    Throw(ErrorKind::kPackage, method + ": a pooled method needs its recorded input specs");
+  }
+  const std::vector<InputSpec>& inputs = *source.inputs;
+  std::set<size_t> used;
+  auto input = [&](size_t index, const std::string& role) -> const InputSpec& {
+    if (index >= inputs.size() || !used.insert(index).second) {
+      Throw(ErrorKind::kPackage, method + ": pool " + role + " is input " + std::to_string(index) +
+                                     ", which is out of range (" +
+                                     std::to_string(inputs.size()) + " inputs) or used twice");
+    }
+    return inputs[index];
+  };
+  auto require = [&](const InputSpec& spec, const std::string& role, const char* dtype,
+                     size_t rank) {
+    if (spec.dtype != DtypeFromName(dtype) || spec.sizes.size() != rank) {
+      Throw(ErrorKind::kPackage, method + ": pool " + role + " must be " + dtype + " of rank " +
+                                     std::to_string(rank) + ", got " + DtypeName(spec.dtype) +
+                                     FormatDims(spec.sizes));
+    }
+  };
+  bool pages = false, slots = false;
+  std::set<std::string> names;
+  for (const PooledInput& t : pool.tensors) {
+    const InputSpec& spec = input(t.input, "tensor '" + t.name + "'");
+    if (t.name.empty() || !names.insert(t.name).second) {
+      Throw(ErrorKind::kPackage, method + ": pooled tensor names must be unique and non-empty");
+    }
+    bool rest_static = spec.sizes.size() >= 1;
+    for (size_t d = 1; d < spec.sizes.size(); ++d) rest_static = rest_static && spec.sizes[d] >= 0;
+    if (!rest_static) {
+      Throw(ErrorKind::kPackage, method + ": pooled tensor '" + t.name + "' is " +
+                                     FormatDims(spec.sizes) +
+                                     "; only its first dimension (units) may be dynamic");
+    }
+    (t.kind == PoolKind::kPages ? pages : slots) = true;
+  }
+  if (pool.tensors.empty()) Throw(ErrorKind::kPackage, method + ": a pool needs pooled tensors");
+  const InputSpec& tokens = input(pool.tokens, "tokens");
+  if (tokens.sizes.size() < 2) {
+    Throw(ErrorKind::kPackage, method + ": pool tokens input must be [rows, positions, ...], got " +
+                                   FormatDims(tokens.sizes));
+  }
+  if (pages != pool.page_table.has_value() || pages != pool.positions.has_value() ||
+      slots != pool.slot_ids.has_value()) {
+    Throw(ErrorKind::kPackage, method + ": a pool with page tensors needs page_table and "
+                                        "positions inputs, one with slot tensors slot_ids, and "
+                                        "only those");
+  }
+  if (pages && pool.page_size < 1) {
+    Throw(ErrorKind::kPackage, method + ": pool page_size must be >= 1, got " +
+                                   std::to_string(pool.page_size));
+  }
+  if (pool.page_table) {
+    const InputSpec& table = input(*pool.page_table, "page_table");
+    require(table, "page_table", "int32", 2);
+    if (table.sizes[1] < 1) {
+      Throw(ErrorKind::kPackage, method + ": pool page_table's width must be static, got " +
+                                     FormatDims(table.sizes));
+    }
+  }
+  if (pool.positions) require(input(*pool.positions, "positions"), "positions", "int64", 1);
+  if (pool.slot_ids) require(input(*pool.slot_ids, "slot_ids"), "slot_ids", "int32", 1);
+  if (pool.max_rows < 1) {
+    Throw(ErrorKind::kPackage, method + ": pool max_rows must be >= 1, got " +
+                                   std::to_string(pool.max_rows));
+  }
+}
+
+}  // namespace
 
 void ValidateSources(const std::vector<MethodSource>& methods) {
   if (methods.empty()) Throw(ErrorKind::kInvalidArgument, "an engine needs at least one method");
@@ -21,6 +97,7 @@ void ValidateSources(const std::vector<MethodSource>& methods) {
     RequireValidPath(source.library_path, (method + ": library path").c_str());
     RequireValidPath(source.cubin_dir, (method + ": kernel folder").c_str());
     if (source.weights) RequireValidPath(source.weights->path, (method + ": weights file").c_str());
+    if (source.pool) ValidatePool(source, method);
     if (!source.inputs) continue;
     for (size_t i = 0; i < source.inputs->size(); ++i) {
       const InputSpec& input = (*source.inputs)[i];

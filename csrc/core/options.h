@@ -35,6 +35,31 @@ struct WeightsFile {
   std::vector<WeightEntry> entries;
 };
 
+// Pooled state (docs/batching.md): tensors that are inputs of the methods,
+// allocated once by the engine and passed to every run, each session owning
+// pages (one per `page_size` positions it holds) or one slot of them.
+enum class PoolKind { kPages, kSlots };
+
+// One input of a method that is a pooled tensor: `[units, ...]`.
+struct PooledInput {
+  size_t input = 0;
+  std::string name;  // the pooled tensor it is: the same name in every method
+  PoolKind kind = PoolKind::kPages;
+};
+
+// How a method addresses the pooled state: which of its inputs the engine
+// fills (input positions). The caller gives the others, each with the rows
+// (one per session) first.
+struct PoolSource {
+  int64_t page_size = 0;  // positions per page (with page tensors)
+  std::vector<PooledInput> tensors;
+  std::optional<size_t> page_table;  // int32 [rows, max_pages] (with page tensors)
+  std::optional<size_t> positions;   // int64 [rows]: positions each row held before the call
+  std::optional<size_t> slot_ids;    // int32 [rows] (with slot tensors)
+  size_t tokens = 0;                 // the caller's [rows, T, ...]: T new positions per row
+  int64_t max_rows = 1;              // rows of one call at most
+};
+
 // A method to load: a model library and how to call it.
 struct MethodSource {
   std::string name;
@@ -43,11 +68,14 @@ struct MethodSource {
   std::optional<std::vector<InputSpec>> inputs;
   // Where the method's weights are when its library was compiled without them.
   std::optional<WeightsFile> weights;
+  // Set for a method over pooled state.
+  std::optional<PoolSource> pool;
 };
 
 // Throws kInvalidArgument (no methods, a name empty or given twice, a path
 // with a NUL byte) or kPackage (an input spec whose strides and sizes differ
-// in length), naming the method.
+// in length; a pool that names inputs out of range, twice, or of the wrong
+// dtype or rank), naming the method.
 void ValidateSources(const std::vector<MethodSource>& methods);
 
 // What an idle_timeout does to a session left idle that long.
@@ -134,6 +162,7 @@ struct MemoryReport {
   size_t templates = 0;   // initial values that are not all zero
   size_t sessions = 0;    // session blocks
   size_t containers = 0;  // held by containers beyond shared weights, plus parking
+  size_t pool = 0;        // pooled state allocated (in use by sessions: `sessions`)
   // Host memory: offloaded session state, and spare blocks kept for the next
   // offload or save (on a CPU engine both tiers are host memory).
   size_t offloaded = 0;
@@ -173,6 +202,15 @@ struct EngineStats {
   int64_t graph_captures = 0;
   int64_t graphs = 0;               // captured graphs alive now
   int64_t graph_pools = 0;          // activation pools (one per capture stream)
+  // Pooled state (zero without it).
+  int64_t pool_pages = 0;           // pages allocated (reserved ones included)
+  int64_t pool_pages_used = 0;      // pages owned by sessions (shared ones once)
+  int64_t pool_slots = 0;
+  int64_t pool_slots_used = 0;
+  int64_t pool_grows = 0;           // times the pool grew (each recaptures the graphs)
+  int64_t pages_copied = 0;         // copy-on-write copies of a shared page
+  int64_t batch_runs = 0;           // runs of a pooled method
+  int64_t batch_rows = 0;           // sessions those runs stepped
 };
 
 }  // namespace aoti_sessions

@@ -12,9 +12,10 @@
 namespace aoti_sessions {
 
 std::shared_ptr<Residency> Residency::Create(std::shared_ptr<Model> model,
+                                             std::shared_ptr<StatePool> pool,
                                              const EngineOptions& options,
                                              LeftDevice left_device) {
-  std::shared_ptr<Residency> residency(new Residency(std::move(model), options));
+  std::shared_ptr<Residency> residency(new Residency(std::move(model), std::move(pool), options));
   residency->left_device_ = std::move(left_device);
   if (residency->idle_timeout_seconds_) {
     // Check often enough to expire within an eighth of the timeout.
@@ -34,8 +35,10 @@ std::shared_ptr<Residency> Residency::Create(std::shared_ptr<Model> model,
   return residency;
 }
 
-Residency::Residency(std::shared_ptr<Model> model, const EngineOptions& options)
+Residency::Residency(std::shared_ptr<Model> model, std::shared_ptr<StatePool> pool,
+                     const EngineOptions& options)
     : model_(std::move(model)),
+      pool_(std::move(pool)),
       device_(model_->device()),
       block_bytes_(static_cast<int64_t>(model_->block_bytes())),
       max_sessions_(options.max_sessions),
@@ -49,12 +52,13 @@ Residency::~Residency() { reaper_.reset(); }
 
 // ---------------------------------------------------------------- admission
 
-std::shared_ptr<SessionState> Residency::Admit(StreamHandle stream, const Fill& fill) {
-  return AdmitFor(nullptr, stream, fill);
+std::shared_ptr<SessionState> Residency::Admit(int64_t bytes, StreamHandle stream,
+                                               const Fill& fill) {
+  return AdmitFor({}, bytes, stream, fill);
 }
 
-std::shared_ptr<SessionState> Residency::AdmitBeside(SessionState& held, StreamHandle stream,
-                                                     const Fill& fill) {
+std::shared_ptr<SessionState> Residency::AdmitBeside(SessionState& held, int64_t bytes,
+                                                     StreamHandle stream, const Fill& fill) {
   // While this call waits for room, `held` stays busy: evictors skip it and
   // waiters know it will not become idle before this call proceeds.
   struct Waiting {
@@ -67,11 +71,11 @@ std::shared_ptr<SessionState> Residency::AdmitBeside(SessionState& held, StreamH
       if (marked) state.set_waiting_for_room(false);
     }
   } waiting(held);
-  return AdmitFor(&held, stream, fill);
+  return AdmitFor({&held}, bytes, stream, fill);
 }
 
-std::shared_ptr<SessionState> Residency::AdmitFor(const SessionState* held, StreamHandle stream,
-                                                  const Fill& fill) {
+std::shared_ptr<SessionState> Residency::AdmitFor(const Held& held, int64_t bytes,
+                                                  StreamHandle stream, const Fill& fill) {
   uint64_t id = 0;
   {
     MutexLock lock(registry_mutex_);
@@ -85,7 +89,7 @@ std::shared_ptr<SessionState> Residency::AdmitFor(const SessionState* held, Stre
     id = next_session_id_++;
   }
   try {
-    ReserveDevice(held, stream, /*host_credit=*/0);
+    ReserveDevice(held, bytes, stream, /*host_credit=*/0);
   } catch (...) {
     MutexLock lock(registry_mutex_);
     --live_sessions_;
@@ -94,21 +98,27 @@ std::shared_ptr<SessionState> Residency::AdmitFor(const SessionState* held, Stre
   void* block = nullptr;
   std::shared_ptr<SessionState> state;
   try {
-    if (block_bytes_ > 0) {
-      block = device_.Allocate(static_cast<size_t>(block_bytes_), stream);
-      fill(block, stream);
-    }
-    state = std::make_shared<SessionState>(id, block, model_->AliasTensors(block), stream);
+    if (block_bytes_ > 0) block = device_.Allocate(static_cast<size_t>(block_bytes_), stream);
+    state = std::make_shared<SessionState>(id, block, model_->AliasTensors(block), stream, bytes);
   } catch (...) {
-    // Nothing was handed to a session: release the block and the reservation.
     if (block != nullptr) {
       try {
         device_.Free(block, stream);
       } catch (...) {
       }
     }
-    Forget(id, /*resident=*/true);
+    Forget(id, /*resident=*/true, bytes);
     throw;
+  }
+  {
+    MutexLock lock(state->mutex());
+    try {
+      fill(*state, stream);
+    } catch (...) {
+      // Nothing was handed to a session: release what the fill took too.
+      Release(*state, "");
+      throw;
+    }
   }
   {
     MutexLock lock(registry_mutex_);
@@ -126,6 +136,17 @@ std::shared_ptr<SessionState> Residency::AdmitFor(const SessionState* held, Stre
   Throw(ErrorKind::kSessionClosed, "the engine is closed");
 }
 
+void Residency::Reserve(const Held& held, int64_t extra, StreamHandle stream) {
+  if (extra > 0) ReserveDevice(held, extra, stream, /*host_credit=*/0);
+}
+
+void Residency::Shrink(int64_t bytes) {
+  if (bytes <= 0) return;
+  MutexLock lock(registry_mutex_);
+  device_bytes_ -= bytes;
+  RetainRegistryLocked();
+}
+
 // ---------------------------------------------------------------- tiers
 
 void Residency::Offload(SessionState& state, StreamHandle stream, OffloadCause cause) {
@@ -135,7 +156,7 @@ void Residency::Offload(SessionState& state, StreamHandle stream, OffloadCause c
 void Residency::OffloadWithCredit(SessionState& state, StreamHandle stream, OffloadCause cause,
                                   int64_t host_credit) {
   if (!state.resident()) return;
-  const int64_t need = block_bytes_;
+  const int64_t need = state.bytes();
   {
     MutexLock lock(registry_mutex_);
     if (host_budget_ && host_bytes_ + need - host_credit > *host_budget_) {
@@ -149,13 +170,17 @@ void Residency::OffloadWithCredit(SessionState& state, StreamHandle stream, Offl
   }
   void* host = nullptr;
   try {
-    HostBlock block(host_pool_);
     state.Use(device_, stream);
-    if (need > 0) {
-      device_.Copy(block.get(), state.device_block(), static_cast<size_t>(need), stream);
-      device_.Synchronize(stream);
+    if (pool_) {
+      host = PackToHost(state, stream);
+    } else {
+      HostBlock block(host_pool_);
+      if (need > 0) {
+        device_.Copy(block.get(), state.device_block(), static_cast<size_t>(need), stream);
+        device_.Synchronize(stream);
+      }
+      host = block.release();
     }
-    host = block.release();
   } catch (...) {
     MutexLock lock(registry_mutex_);
     host_bytes_ -= need;
@@ -179,17 +204,22 @@ void Residency::OffloadWithCredit(SessionState& state, StreamHandle stream, Offl
   if (cause == OffloadCause::kIdle) idle_offloads_.fetch_add(1);
 }
 
-void Residency::Restore(SessionState& state, StreamHandle stream) {
+void Residency::Restore(SessionState& state, StreamHandle stream, const Held& also_held) {
   if (state.resident()) return;
+  const int64_t bytes = state.bytes();
+  Held held = also_held;
+  held.push_back(&state);
   // The restore releases its own host block right after evicting: the swap
   // leaves host use unchanged, so a full host budget does not stop it.
-  ReserveDevice(&state, stream, /*host_credit=*/block_bytes_);
+  ReserveDevice(held, bytes, stream, /*host_credit=*/bytes);
   void* block = nullptr;
   std::vector<OwnedTensor> tensors;
   try {
-    if (block_bytes_ > 0) {
+    state.Use(device_, stream);
+    if (pool_) {
+      UnpackFromHost(state, stream);
+    } else if (block_bytes_ > 0) {
       block = device_.Allocate(static_cast<size_t>(block_bytes_), stream);
-      state.Use(device_, stream);
       device_.Copy(block, state.memory(), static_cast<size_t>(block_bytes_), stream);
       device_.Synchronize(stream);  // the host block goes back to the pool right after
     }
@@ -202,16 +232,60 @@ void Residency::Restore(SessionState& state, StreamHandle stream) {
       } catch (...) {
       }
     }
-    UnreserveDevice();
+    Shrink(bytes);
     throw;
   }
-  host_pool_.Give(state.MoveToDevice(block, std::move(tensors)));
+  void* host = state.MoveToDevice(block, std::move(tensors));
+  if (pool_) {
+    device_.FreeHost(host);
+  } else {
+    host_pool_.Give(host);
+  }
   {
     MutexLock lock(registry_mutex_);
-    host_bytes_ -= block_bytes_;
+    host_bytes_ -= bytes;
     --offloaded_sessions_;
   }
   restores_.fetch_add(1);
+}
+
+void* Residency::PackToHost(SessionState& state, StreamHandle stream) {
+  PoolShare& share = state.share();
+  void* host = nullptr;
+  const size_t bytes = pool_->layout().PackedBytes(share.pages.size());
+  if (bytes > 0) host = device_.AllocateHost(bytes);
+  try {
+    if (bytes > 0) {
+      pool_->Pack(share, host, stream);
+      device_.Synchronize(stream);
+    }
+  } catch (...) {
+    device_.FreeHost(host);
+    throw;
+  }
+  // The copy is done: the units go back (after this stream's work, which
+  // includes the copy).
+  pool_->Release(share, stream);
+  return host;
+}
+
+void Residency::UnpackFromHost(SessionState& state, StreamHandle stream) {
+  PoolShare& share = state.share();
+  const StatePool& pool = *pool_;
+  PoolShare taken;
+  try {
+    taken.pages = pool_->TakePages(pool.layout().PagesFor(share.length), /*zero=*/false, stream);
+    if (pool.layout().has_slots()) taken.slot = pool_->TakeSlot(stream);
+    if (pool.layout().PackedBytes(taken.pages.size()) > 0) {
+      pool_->Unpack(state.memory(), taken, stream);
+      device_.Synchronize(stream);  // the host copy is freed right after
+    }
+  } catch (...) {
+    pool_->Release(taken, stream);
+    throw;
+  }
+  share.pages = std::move(taken.pages);
+  share.slot = taken.slot;
 }
 
 // ---------------------------------------------------------------- release
@@ -221,25 +295,31 @@ void Residency::Release(SessionState& state, const std::string& reason) {
   SessionState::Released released = state.Close(reason);
   if (!released.was_open) return;
   if (left_device_) left_device_(state);
-  host_pool_.Give(released.host_block);
+  if (pool_) {
+    // Its units are free once the work queued on them is done.
+    pool_->Release(state.share(), last);
+    device_.FreeHost(released.host_block);
+  } else {
+    host_pool_.Give(released.host_block);
+  }
   try {
     // Freed in the order of the last stream that used it: after its runs finish.
     if (released.device_block != nullptr) device_.Free(released.device_block, last);
   } catch (...) {
-    Forget(state.id(), released.was_resident);
+    Forget(state.id(), released.was_resident, state.bytes());
     throw;
   }
-  Forget(state.id(), released.was_resident);
+  Forget(state.id(), released.was_resident, state.bytes());
 }
 
-void Residency::Forget(uint64_t id, bool resident) {
+void Residency::Forget(uint64_t id, bool resident, int64_t bytes) {
   MutexLock lock(registry_mutex_);
   states_.erase(id);
   --live_sessions_;
   if (resident) {
-    device_bytes_ -= block_bytes_;
+    device_bytes_ -= bytes;
   } else {
-    host_bytes_ -= block_bytes_;
+    host_bytes_ -= bytes;
     --offloaded_sessions_;
   }
   RetainRegistryLocked();
@@ -251,7 +331,7 @@ void Residency::RetainRegistryLocked() {
   // not a fresh mapping of device memory; anything beyond goes back.
   device_.Retain(model_->weight_bytes() + model_->parking_bytes() +
                  static_cast<size_t>(device_bytes_) + model_->template_bytes() +
-                 static_cast<size_t>(block_bytes_));
+                 static_cast<size_t>(block_bytes_) + (pool_ ? pool_->allocated_bytes() : 0));
 }
 
 std::vector<std::shared_ptr<SessionState>> Residency::OpenStatesRegistryLocked() const {
@@ -341,7 +421,7 @@ void Residency::AddStats(EngineStats& s) const {
     open = OpenStatesRegistryLocked();
   }
   for (const auto& state : open) {
-    s.sessions.push_back({state->id(), state->resident(), block_bytes_, state->last_use_ns()});
+    s.sessions.push_back({state->id(), state->resident(), state->bytes(), state->last_use_ns()});
   }
   std::sort(s.sessions.begin(), s.sessions.end(),
             [](const SessionStats& a, const SessionStats& b) { return a.id < b.id; });

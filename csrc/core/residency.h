@@ -1,8 +1,9 @@
 // Where session state lives, and how much of it: the registry of open
 // sessions, max_sessions and the device and host budgets, offload / restore
 // between the two tiers, eviction of the least recently used idle session, and
-// the idle reaper. It makes, moves and releases session blocks; the sessions'
-// operations call it holding their session's lock.
+// the idle reaper. It makes, moves and releases session blocks (or, with
+// pooled state, a session's share of the pool); the sessions' operations call
+// it holding their session's lock.
 #pragma once
 
 #include <atomic>
@@ -21,6 +22,7 @@
 #include "options.h"
 #include "periodic_thread.h"
 #include "session_state.h"
+#include "state_pool.h"
 
 namespace aoti_sessions {
 
@@ -33,34 +35,51 @@ class Residency : public std::enable_shared_from_this<Residency> {
   // state leaves its device block for good: offloaded, evicted or closed
   // (the runner drops what it captured with that block).
   using LeftDevice = std::function<void(const SessionState&)>;
+  // `pool`: the pooled state, if the model has one.
   static std::shared_ptr<Residency> Create(std::shared_ptr<Model> model,
+                                           std::shared_ptr<StatePool> pool,
                                            const EngineOptions& options,
                                            LeftDevice left_device = nullptr);
   ~Residency();
   Residency(const Residency&) = delete;
   Residency& operator=(const Residency&) = delete;
 
-  // Fills a new session's device block (block_bytes, not yet visible to anyone).
-  using Fill = std::function<void(void* block, StreamHandle stream)>;
-  // A new session: counted against max_sessions, device room reserved (by
-  // evicting idle sessions), its block allocated and filled, and registered
-  // only once complete. Throws kCapacity with the numbers (nothing allocated),
-  // kSessionClosed once the engine is closing, kDevice.
-  std::shared_ptr<SessionState> Admit(StreamHandle stream, const Fill& fill)
+  // Fills a new session's state (its device block, allocated; or its share of
+  // the pool, empty), with its lock held (`state.mutex().AssertHeld()` tells
+  // the analysis) and before anyone else sees it.
+  using Fill = std::function<void(SessionState& state, StreamHandle stream)>;
+  // A new session of `bytes` (blocks: the block's size): counted against
+  // max_sessions, device room reserved (by evicting idle sessions), its block
+  // allocated and filled, and registered only once complete. Throws kCapacity
+  // with the numbers (nothing allocated), kSessionClosed once the engine is
+  // closing, kDevice.
+  std::shared_ptr<SessionState> Admit(int64_t bytes, StreamHandle stream, const Fill& fill)
       EXCLUDES(registry_mutex_);
   // The same for a session made from `held` (a fork), whose lock the caller
   // holds: `held` is never evicted to make room for it.
-  std::shared_ptr<SessionState> AdmitBeside(SessionState& held, StreamHandle stream,
-                                            const Fill& fill) REQUIRES(held.mutex())
+  std::shared_ptr<SessionState> AdmitBeside(SessionState& held, int64_t bytes,
+                                            StreamHandle stream, const Fill& fill)
+      REQUIRES(held.mutex()) EXCLUDES(registry_mutex_);
+  // Pooled state: `extra` more device bytes for the resident sessions `held`
+  // (whose locks the caller holds; none of them is evicted to make room), to
+  // be added to their bytes() by the caller once their pages are taken; or
+  // given back with Shrink. Throws kCapacity as Admit does.
+  void Reserve(const std::vector<const SessionState*>& held, int64_t extra, StreamHandle stream)
       EXCLUDES(registry_mutex_);
+  // Gives back `bytes` of device room (a reservation not used, or pages a
+  // resident session released).
+  void Shrink(int64_t bytes) EXCLUDES(registry_mutex_);
 
   // Moves the state to a host block and frees its device block; waits for the
   // state's work in flight. Throws kCapacity if host_budget is full. No-op
   // when offloaded.
   void Offload(SessionState& state, StreamHandle stream, OffloadCause cause)
       REQUIRES(state.mutex()) EXCLUDES(registry_mutex_);
-  // Brings it back to the device, making room first. No-op when resident.
-  void Restore(SessionState& state, StreamHandle stream) REQUIRES(state.mutex())
+  // Brings it back to the device, making room first (never by evicting one
+  // of `also_held`, sessions whose locks the caller holds too). No-op when
+  // resident.
+  void Restore(SessionState& state, StreamHandle stream,
+               const std::vector<const SessionState*>& also_held = {}) REQUIRES(state.mutex())
       EXCLUDES(registry_mutex_);
   // Closes the session and releases its memory once its queued work is done,
   // without blocking. Later operations fail naming `reason` (if any).
@@ -81,31 +100,35 @@ class Residency : public std::enable_shared_from_this<Residency> {
   void AddMemory(MemoryReport& report) const EXCLUDES(registry_mutex_);
 
  private:
-  Residency(std::shared_ptr<Model> model, const EngineOptions& options);
-  std::shared_ptr<SessionState> AdmitFor(const SessionState* held, StreamHandle stream,
+  Residency(std::shared_ptr<Model> model, std::shared_ptr<StatePool> pool,
+            const EngineOptions& options);
+  using Held = std::vector<const SessionState*>;
+  std::shared_ptr<SessionState> AdmitFor(const Held& held, int64_t bytes, StreamHandle stream,
                                          const Fill& fill) EXCLUDES(registry_mutex_);
   // `host_credit`: host bytes the caller is about to release (a restore that
   // evicts: the swap leaves host use unchanged), allowed over host_budget.
   void OffloadWithCredit(SessionState& state, StreamHandle stream, OffloadCause cause,
                          int64_t host_credit) REQUIRES(state.mutex()) EXCLUDES(registry_mutex_);
-  // Reserves device bytes for one session under memory_budget: offloads the
-  // least recently used idle resident session (never `held`) while needed,
+  // Reserves `need` device bytes under memory_budget: offloads the least
+  // recently used idle resident session (never one of `held`) while needed,
   // and waits for a session in use to finish when all are busy. Throws
   // kCapacity when room cannot be made. `host_credit` as for OffloadWithCredit.
-  void ReserveDevice(const SessionState* held, StreamHandle stream, int64_t host_credit)
+  void ReserveDevice(const Held& held, int64_t need, StreamHandle stream, int64_t host_credit)
       EXCLUDES(registry_mutex_);
-  void UnreserveDevice() EXCLUDES(registry_mutex_);
   // Offloads the least recently used idle session among `candidates`
-  // (resident, not `held`, not waiting for room itself).
+  // (resident, not one of `held`, not waiting for room itself).
   enum class Eviction { kDone, kAllBusy, kNoCandidate };
   Eviction EvictLeastRecentlyUsed(std::vector<std::shared_ptr<SessionState>> candidates,
-                                  const SessionState* held, StreamHandle stream,
+                                  const Held& held, StreamHandle stream,
                                   int64_t host_credit) EXCLUDES(registry_mutex_);
+  // The state's units to a packed host copy (pooled state), or back.
+  void* PackToHost(SessionState& state, StreamHandle stream) REQUIRES(state.mutex());
+  void UnpackFromHost(SessionState& state, StreamHandle stream) REQUIRES(state.mutex());
   // Offloads `victim` if it is idle (its lock is free); false if it is busy.
   bool TryEvict(SessionState& victim, StreamHandle stream, int64_t host_credit)
       EXCLUDES(registry_mutex_);
   // Removes a released session from the registry and its bytes from its tier.
-  void Forget(uint64_t id, bool resident) EXCLUDES(registry_mutex_);
+  void Forget(uint64_t id, bool resident, int64_t bytes) EXCLUDES(registry_mutex_);
   // The reaper's round: offloads (or closes) sessions idle for idle_timeout.
   void ExpireIdle() EXCLUDES(registry_mutex_);
   std::vector<std::shared_ptr<SessionState>> OpenStatesRegistryLocked() const
@@ -114,6 +137,7 @@ class Residency : public std::enable_shared_from_this<Residency> {
   void RetainRegistryLocked() REQUIRES(registry_mutex_);
 
   const std::shared_ptr<Model> model_;
+  const std::shared_ptr<StatePool> pool_;  // null without pooled state
   Device& device_;
   const int64_t block_bytes_;
   LeftDevice left_device_;  // set once, before any session exists

@@ -17,14 +17,7 @@ namespace {
 // when `expected` is empty.
 std::vector<int64_t> WantedStrides(const std::vector<int64_t>& sizes,
                                    const std::vector<int64_t>& expected) {
-  if (!expected.empty()) return expected;
-  std::vector<int64_t> strides(sizes.size());
-  int64_t step = 1;
-  for (size_t i = sizes.size(); i-- > 0;) {
-    strides[i] = step;
-    step *= sizes[i];
-  }
-  return strides;
+  return expected.empty() ? ContiguousStrides(sizes) : expected;
 }
 
 // Whether `actual` addresses the same elements as `wanted`: strides of size-1
@@ -36,19 +29,6 @@ bool SameAddressing(const std::vector<int64_t>& sizes, const std::vector<int64_t
   }
   return true;
 }
-
-// Makes the engine's device current on the calling thread for a scope.
-class DeviceScope {
- public:
-  explicit DeviceScope(Device& device) : device_(device), previous_(device.Enter()) {}
-  ~DeviceScope() { device_.Leave(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  Device& device_;
-  int previous_;
-};
 
 }  // namespace
 
@@ -201,6 +181,8 @@ void Runner::Forget(const SessionState& state) { graphs_.Forget(state.id()); }
 
 void Runner::AddStats(EngineStats& s) const {
   s.runs = runs_.load();
+  s.batch_runs = batch_runs_.load();
+  s.batch_rows = batch_rows_.load();
   s.binds = binds_.load();
   s.bind_nanoseconds = bind_nanoseconds_.load();
   s.reclaim_nanoseconds = reclaim_nanoseconds_.load();
@@ -232,12 +214,19 @@ void Runner::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inpu
                                            std::to_string(method.num_inputs) +
                                            " tensor inputs, got " + std::to_string(inputs.size()));
   }
-  const DeviceSpec& spec = device_.spec();
   for (size_t i = 0; i < inputs.size(); ++i) {
-    AtenTensorHandle tensor = inputs[i].get();
+    std::vector<int64_t> sizes = ValidateInput(method, i, inputs[i]);
+    if (shapes != nullptr) AppendShapeKey(*shapes, sizes);
+  }
+}
+
+std::vector<int64_t> Runner::ValidateInput(const Method& method, size_t i,
+                                           OwnedTensor& input) const {
+  const DeviceSpec& spec = device_.spec();
+  {
+    AtenTensorHandle tensor = input.get();
     std::string which = "input " + std::to_string(i) + " of method '" + method.name + "'";
     TensorLayout got = ReadLayout(tensor, which);
-    if (shapes != nullptr) AppendShapeKey(*shapes, got.sizes);
     int32_t type = DeviceType(tensor);
     int32_t index = DeviceIndex(tensor);
     if (type != device_.torch_device_type() ||
@@ -266,7 +255,7 @@ void Runner::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inpu
     std::vector<int64_t> wanted =
         WantedStrides(got.sizes, want != nullptr ? want->strides : std::vector<int64_t>{});
     if (!SameAddressing(got.sizes, got.strides, wanted)) {
-      if (want == nullptr) continue;  // the model's own check decides
+      if (want == nullptr) return got.sizes;  // the model's own check decides
       Throw(ErrorKind::kInvalidArgument,
             which + " has strides " + FormatDims(got.strides) + ", expected " +
                 (want->strides.empty() ? std::string("a contiguous tensor")
@@ -274,7 +263,8 @@ void Runner::ValidateInputs(const Method& method, std::vector<OwnedTensor>& inpu
     }
     // Same elements, other strides on size-1 dimensions (x[:, -1:] and the
     // like): hand the model the exact strides it was compiled for, as a view.
-    if (got.strides != wanted) inputs[i] = OwnedTensor::Restrided(tensor, wanted);
+    if (got.strides != wanted) input = OwnedTensor::Restrided(tensor, wanted);
+    return got.sizes;
   }
 }
 
@@ -307,32 +297,46 @@ std::vector<OwnedTensor> Runner::Run(SessionState& state, size_t method,
   DeviceScope scope(device_);
   NoteStream(stream);
   runs_.fetch_add(1, std::memory_order_relaxed);
-  if (!captures) return RunOnLane(state, method, inputs, stream, nullptr);
+  LaneRun how;
+  how.bind_key = state.bind_key();
+  how.bind = [&](Lane& lane) {
+    state.mutex().AssertHeld();  // Run requires it
+    BindLane(lane, method, state);
+  };
+  how.owner = state.id();
+  if (!captures) return RunOnLane(method, how, inputs, stream, nullptr);
   key.weights_epoch = weights_epoch_;
   if (Graph* graph = graphs_.Find(state.id(), method, key)) return graphs_.Replay(*graph, inputs);
-  return RunOnLane(state, method, inputs, stream, &key);
+  return RunOnLane(method, how, inputs, stream, &key);
 }
 
-std::vector<OwnedTensor> Runner::RunOnLane(SessionState& state, size_t method,
+std::vector<OwnedTensor> Runner::RunOnLane(size_t method, const LaneRun& how,
                                            std::vector<OwnedTensor>& inputs, StreamHandle stream,
                                            GraphKey* key) {
-  LaneLease lease(*this, method, state.bind_key(), stream, key != nullptr);
+  LaneLease lease(*this, method, how.bind_key, stream, key != nullptr);
   Lane& lane = lease.lane();
-  BindLane(lane, method, state);
+  how.bind(lane);
   Container& container = *lane.container;
   std::optional<ThreadRun> here;  // only where the run may capture
   if (key != nullptr) here = ThreadRun{id_, method, stream, key->shapes};
   if (here && lease.warm() && RanEagerlyOnThisThread(*here)) {
-    // Nothing runs during the capture: the replay right after is this run.
-    Graph* graph = graphs_.Capture(state.id(), method, std::move(*key), inputs,
+    // Nothing runs during the capture: the replay right after is this run
+    // (the static inputs hold its inputs already).
+    Graph* graph = graphs_.Capture(how.owner, method, std::move(*key), inputs,
                                    [&](std::vector<OwnedTensor> static_inputs, StreamHandle on) {
                                      return container.Run(std::move(static_inputs), on);
-                                   });
-    if (graph != nullptr) return graphs_.Replay(*graph, inputs);
+                                   },
+                                   how.in_place);
+    if (graph != nullptr) {
+      return graphs_.Replay(*graph, std::vector<GraphInput>(inputs.size()), how.rows);
+    }
   }
   std::vector<OwnedTensor> outputs = container.Run(std::move(inputs), stream);
   lease.CountRun();
   if (here) NoteEagerRunOnThisThread(*here);
+  if (how.rows >= 0) {
+    for (OwnedTensor& out : outputs) out = OwnedTensor::FirstRows(out.get(), how.rows);
+  }
   return outputs;
 }
 

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -22,8 +23,22 @@
 #include "mutex.h"
 #include "options.h"
 #include "session_state.h"
+#include "state_pool.h"
 
 namespace aoti_sessions {
+
+// What the engine fills for one run of a pooled method (docs/batching.md):
+// per row its page-table row, its position (length before the run) and slot.
+struct PoolRows {
+  int64_t rows = 0;
+  std::vector<int32_t> page_table;  // rows x max_pages
+  std::vector<int64_t> positions;
+  std::vector<int32_t> slot_ids;
+};
+
+// The padded row count a batch of `rows` runs as on a device with graphs:
+// 1, 2, 4, then multiples of 8, at most `max_rows`.
+int64_t BatchBucket(int64_t rows, int64_t max_rows);
 
 class Runner {
  public:
@@ -45,6 +60,15 @@ class Runner {
   std::vector<OwnedTensor> Run(SessionState& state, size_t method,
                                std::vector<OwnedTensor>&& inputs, StreamHandle stream)
       REQUIRES(state.mutex()) EXCLUDES(weights_mutex_, lanes_mutex_);
+
+  // Runs pooled `method` over `rows` sessions whose units the pool holds for
+  // the positions written (taken beforehand); `inputs` are the caller's, each
+  // with the rows first. The pool's tensors and the addressing are filled in
+  // here. On a device with graphs the batch is padded to BatchBucket rows and
+  // captured once per bucket, stream and pool epoch. Throws as Run does.
+  std::vector<OwnedTensor> RunPooled(size_t method, StatePool& pool, const PoolRows& rows,
+                                     std::vector<OwnedTensor>&& inputs, StreamHandle stream)
+      EXCLUDES(weights_mutex_, lanes_mutex_);
 
   // Forgets what the runner keeps for `state` (its graphs); it is closing.
   void Forget(const SessionState& state);
@@ -92,13 +116,32 @@ class Runner {
   // from the layouts the checks read.
   void ValidateInputs(const Method& method, std::vector<OwnedTensor>& inputs,
                       std::vector<int64_t>* shapes) const;
+  // The same for input `index` alone; returns its sizes.
+  std::vector<int64_t> ValidateInput(const Method& method, size_t index, OwnedTensor& input) const;
+  // The pooled run's inputs as the model takes them: the caller's padded to
+  // `padded` rows, the pool's tensors, the addressing.
+  std::vector<OwnedTensor> PooledInputs(const Method& method, const StatePool::Use& use,
+                                        const PoolRows& rows, int64_t padded,
+                                        std::vector<OwnedTensor>& inputs,
+                                        StreamHandle stream) const;
   // Checks every update; returns the held weight each one writes.
   std::vector<HeldWeight*> ValidateUpdates(const std::vector<WeightUpdate>& updates) const;
-  // Runs on a lane: eagerly, or captured into the session's graph and replayed.
-  std::vector<OwnedTensor> RunOnLane(SessionState& state, size_t method,
+  // How a run uses its lane: the key the lane is bound with, what binds it
+  // (the lane is the caller's for the run), the graph owner a capture
+  // belongs to, inputs captured in place, and the rows of a padded batch
+  // (-1: all) that the outputs keep.
+  struct LaneRun {
+    uint64_t bind_key = 0;
+    std::function<void(Lane&)> bind;
+    uint64_t owner = 0;
+    std::vector<bool> in_place;
+    int64_t rows = -1;
+  };
+  // Runs on a lane: eagerly, or (with `key`) captured into the owner's graph
+  // and replayed.
+  std::vector<OwnedTensor> RunOnLane(size_t method, const LaneRun& how,
                                      std::vector<OwnedTensor>& inputs, StreamHandle stream,
-                                     GraphKey* key)
-      REQUIRES(state.mutex()) REQUIRES_SHARED(weights_mutex_);
+                                     GraphKey* key) REQUIRES_SHARED(weights_mutex_);
   // Binds `state` to `lane` (a lane the caller holds) unless bound already.
   void BindLane(Lane& lane, size_t method, SessionState& state) REQUIRES(state.mutex());
   // Rebinds every lane from the `targets`' memory to `fresh` (all or none)
@@ -136,6 +179,8 @@ class Runner {
   std::atomic<int64_t> binds_{0};
   std::atomic<int64_t> bind_nanoseconds_{0};
   std::atomic<int64_t> reclaim_nanoseconds_{0};
+  std::atomic<int64_t> batch_runs_{0};
+  std::atomic<int64_t> batch_rows_{0};
 };
 
 }  // namespace aoti_sessions

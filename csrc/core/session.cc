@@ -22,27 +22,6 @@ void EngineParts::CheckProcess() const {
   }
 }
 
-// The session's lock for one operation, after the process check. Releasing it
-// tells the residency a session may have become idle (evictable).
-class SCOPED_CAPABILITY Session::OpLock {
- public:
-  explicit OpLock(const Session& s) ACQUIRE(s.state_->mutex())
-      : parts_(*s.parts_), mutex_(s.state_->mutex()) {
-    parts_.CheckProcess();
-    mutex_.lock();
-  }
-  ~OpLock() RELEASE() {
-    mutex_.unlock();
-    parts_.residency->NotifyIdle();
-  }
-  OpLock(const OpLock&) = delete;
-  OpLock& operator=(const OpLock&) = delete;
-
- private:
-  const EngineParts& parts_;
-  Mutex& mutex_;
-};
-
 std::shared_ptr<Session> Session::Make(std::shared_ptr<const EngineParts> parts,
                                        std::shared_ptr<SessionState> state) {
   try {
@@ -80,6 +59,9 @@ const void* Session::address() const {
 std::vector<OwnedTensor> Session::Run(size_t method, std::vector<OwnedTensor>&& inputs,
                                       StreamHandle stream) {
   OpLock lock(*this);
+  if (parts_->model->method(method).pool) {
+    return RunRowsLocked(*parts_, {state_.get()}, method, std::move(inputs), stream);
+  }
   state_->CheckOpen();
   parts_->residency->Restore(*state_, stream);
   state_->Touch();
@@ -89,6 +71,7 @@ std::vector<OwnedTensor> Session::Run(size_t method, std::vector<OwnedTensor>&& 
 
 void Session::Reset(StreamHandle stream) {
   OpLock lock(*this);
+  if (parts_->pool) return ResetPooled(stream);
   state_->CheckOpen();
   parts_->residency->Restore(*state_, stream);
   state_->Touch();
@@ -98,6 +81,7 @@ void Session::Reset(StreamHandle stream) {
 
 std::shared_ptr<Session> Session::Fork(StreamHandle stream) {
   OpLock lock(*this);
+  if (parts_->pool) return ForkPooled(stream);
   state_->CheckOpen();
   Device& device = parts_->model->device();
   state_->Use(device, stream);
@@ -105,8 +89,9 @@ std::shared_ptr<Session> Session::Fork(StreamHandle stream) {
   const bool from_host = !state_->resident();
   const size_t bytes = parts_->model->block_bytes();
   auto child = parts_->residency->AdmitBeside(
-      *state_, stream, [&](void* block, StreamHandle s) {
-        device.Copy(block, source, bytes, s);
+      *state_, static_cast<int64_t>(bytes), stream, [&](SessionState& made, StreamHandle s) {
+        made.mutex().AssertHeld();  // Admit holds it
+        if (bytes > 0) device.Copy(made.device_block(), source, bytes, s);
         if (from_host) device.Synchronize(s);  // the host block may move once unlocked
       });
   return Make(parts_, std::move(child));
@@ -240,6 +225,19 @@ void Session::Restore(StreamHandle stream) {
 
 void Session::Save(const std::string& path, StreamHandle stream) {
   parts_->CheckProcess();
+  if (parts_->pool) {
+    size_t pages = 0;
+    int64_t length = 0;
+    std::vector<char> packed;
+    {
+      OpLock lock(*this);
+      state_->CheckOpen();
+      packed = PackPooled(&pages, stream);
+      length = state_->share().length;
+    }
+    parts_->files->SavePooled(path, packed.data(), pages, length);
+    return;
+  }
   HostBlock staging(parts_->residency->host_pool());
   {
     OpLock lock(*this);

@@ -16,6 +16,7 @@
 #include "runner.h"
 #include "session_files.h"
 #include "session_state.h"
+#include "state_pool.h"
 #include "torch_shim.h"
 
 namespace aoti_sessions {
@@ -24,6 +25,7 @@ namespace aoti_sessions {
 // session keeps them alive after the Engine object is gone).
 struct EngineParts {
   std::shared_ptr<Model> model;
+  std::shared_ptr<StatePool> pool;  // null without pooled state
   std::shared_ptr<Runner> runner;
   std::shared_ptr<Residency> residency;
   std::shared_ptr<SessionFiles> files;
@@ -50,6 +52,8 @@ class Session {
 
   // Unique for the life of the process; never reused.
   uint64_t id() const { return state_->id(); }
+  // Whether this is a session of the engine whose rooms are `parts`.
+  bool BelongsTo(const EngineParts& parts) const { return parts_.get() == &parts; }
   bool closed() const { return state_->closed(); }
   // Device address of this session's state block (diagnostics; nullptr once
   // closed, while offloaded, or when the model has no mutable state).
@@ -97,8 +101,51 @@ class Session {
   // blocking. Waits for a run of this session in flight; idempotent.
   void Close();
 
+  // -- pooled state (docs/batching.md; session_pooled.cc) -------------------
+  // Positions the session holds (0 without pooled state).
+  int64_t length();
+  // Forgets the positions from `length` on (a rewind: kept ones are not
+  // copied); pages wholly past it are released. Throws kInvalidArgument for a
+  // length beyond the session's.
+  void Truncate(int64_t length, StreamHandle stream = nullptr);
+  // A copy of the session's part of every pooled tensor (`[units, ...]`, on
+  // the engine's device) and its length: one snapshot.
+  std::vector<OwnedTensor> ReadPool(int64_t* length, StreamHandle stream = nullptr);
+  // Replaces the session's pooled state: `sources[i]` holds pooled tensor
+  // `names[i]`'s units for a session of `length` positions (as ReadPool gives
+  // them), every pooled tensor once. Nothing is written unless all are valid.
+  void WritePool(const std::vector<std::string>& names,
+                 const std::vector<AtenTensorHandle>& sources, int64_t length,
+                 StreamHandle stream = nullptr);
+  // Runs pooled `method` once over `rows` (one session of one engine per row,
+  // in order, each at most once): `inputs` are the caller's, rows first; each
+  // row's session is locked (in id order), restored if offloaded, and holds
+  // the positions fed after the run. Throws as Run does, and kInvalidArgument
+  // where a row would pass the sessions' context.
+  static std::vector<OwnedTensor> RunBatch(const std::vector<std::shared_ptr<Session>>& rows,
+                                           size_t method, std::vector<OwnedTensor>&& inputs,
+                                           StreamHandle stream = nullptr);
+  // A new session of a pooled engine: empty, or (`file` given) holding the
+  // checked file's state.
+  static std::shared_ptr<Session> NewPooled(std::shared_ptr<const EngineParts> parts,
+                                            SessionFiles::CheckedFile* file, StreamHandle stream);
+
  private:
   class OpLock;
+  class BatchLock;
+  // The pooled operations behind Run, Reset, Fork and Save, under the lock.
+  static std::vector<OwnedTensor> RunRowsLocked(const EngineParts& parts,
+                                                const std::vector<SessionState*>& rows,
+                                                size_t method, std::vector<OwnedTensor>&& inputs,
+                                                StreamHandle stream);
+  void ResetPooled(StreamHandle stream) REQUIRES(state_->mutex());
+  std::shared_ptr<Session> ForkPooled(StreamHandle stream) REQUIRES(state_->mutex());
+  // Releases the pages past the state's length (a session holds the pages
+  // of its positions, no more).
+  static void TrimPages(const EngineParts& parts, SessionState& state, StreamHandle stream)
+      REQUIRES(state.mutex());
+  // A host copy of the pooled state (its packed layout) and its pages.
+  std::vector<char> PackPooled(size_t* pages, StreamHandle stream) REQUIRES(state_->mutex());
   // Checks `tensor` against buffer `buffer` (dtype, layout, device or host).
   void CheckBufferTensor(size_t buffer, AtenTensorHandle tensor, const char* role) const;
   // Copies the buffers `indices` into `dsts` (same order), checked first.
@@ -107,6 +154,27 @@ class Session {
 
   std::shared_ptr<const EngineParts> parts_;
   std::shared_ptr<SessionState> state_;
+};
+
+// The session's lock for one operation, after the process check. Releasing it
+// tells the residency a session may have become idle (evictable).
+class SCOPED_CAPABILITY Session::OpLock {
+ public:
+  explicit OpLock(const Session& s) ACQUIRE(s.state_->mutex())
+      : parts_(*s.parts_), mutex_(s.state_->mutex()) {
+    parts_.CheckProcess();
+    mutex_.lock();
+  }
+  ~OpLock() RELEASE() {
+    mutex_.unlock();
+    parts_.residency->NotifyIdle();
+  }
+  OpLock(const OpLock&) = delete;
+  OpLock& operator=(const OpLock&) = delete;
+
+ private:
+  const EngineParts& parts_;
+  Mutex& mutex_;
 };
 
 }  // namespace aoti_sessions

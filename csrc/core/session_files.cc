@@ -106,8 +106,102 @@ void SessionFiles::Save(const std::string& path, const void* state) {
   saves_.fetch_add(1);
 }
 
+void SessionFiles::SavePooled(const std::string& path, const void* packed, size_t pages,
+                              int64_t length) {
+  RequireValidPath(path, "session file path");
+  StateFileHeader header;
+  header.methods = fingerprint_;
+  header.positions = length;
+  std::vector<const void*> data;
+  const std::vector<size_t> offsets = model_->pool()->PackedOffsets(pages);
+  const auto& tensors = model_->pool()->tensors;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const PooledTensor& t = tensors[i];
+    const int64_t units = t.kind == PoolKind::kPages ? static_cast<int64_t>(pages) : 1;
+    StateFileBuffer entry;
+    entry.fqn = t.name;
+    entry.dtype = DtypeName(t.unit.dtype);
+    entry.sizes = {units};
+    entry.sizes.insert(entry.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
+    entry.strides = {t.unit.numel()};
+    entry.strides.insert(entry.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
+    entry.bytes = static_cast<uint64_t>(units) * t.unit_bytes;
+    header.buffers.push_back(std::move(entry));
+    data.push_back(static_cast<const char*>(packed) + offsets[i]);
+  }
+  WriteStateFile(path, std::move(header), data);
+  saves_.fetch_add(1);
+}
+
+std::vector<size_t> SessionFiles::MatchPool(const StateFileHeader& header,
+                                            const std::string& from) const {
+  const PoolLayout& pool = *model_->pool();
+  std::vector<std::string> pooled;
+  for (const PooledTensor& t : pool.tensors) pooled.push_back(t.name);
+  if (header.positions < 0) {
+    std::vector<std::string> theirs;
+    for (const auto& b : header.buffers) theirs.push_back(b.fqn);
+    Throw(ErrorKind::kModelMismatch,
+          from + "it holds per-session buffers (" + JoinNames(theirs) +
+              "), but this engine keeps its state pooled (" + JoinNames(pooled) +
+              "): it was saved from a package made before pooled state; load it with that "
+              "package, or start the session again on this one");
+  }
+  if (header.positions > pool.max_positions()) {
+    Throw(ErrorKind::kModelMismatch, from + "it holds " + std::to_string(header.positions) +
+                                         " positions; this engine's sessions hold at most " +
+                                         std::to_string(pool.max_positions()));
+  }
+  const auto pages = static_cast<int64_t>(pool.PagesFor(header.positions));
+  std::vector<size_t> source(pool.tensors.size(), SIZE_MAX);
+  std::vector<std::string> unknown;
+  for (size_t i = 0; i < header.buffers.size(); ++i) {
+    const std::string& name = header.buffers[i].fqn;
+    auto it = std::find(pooled.begin(), pooled.end(), name);
+    if (it == pooled.end() || source[static_cast<size_t>(it - pooled.begin())] != SIZE_MAX) {
+      unknown.push_back(name);
+    } else {
+      source[static_cast<size_t>(it - pooled.begin())] = i;
+    }
+  }
+  std::vector<std::string> missing;
+  for (size_t i = 0; i < pooled.size(); ++i) {
+    if (source[i] == SIZE_MAX) missing.push_back(pooled[i]);
+  }
+  if (!unknown.empty() || !missing.empty()) {
+    Throw(ErrorKind::kModelMismatch, from + "it has pooled tensors this engine lacks (" +
+                                         JoinNames(unknown) + ") and lacks ones it has (" +
+                                         JoinNames(missing) + ")");
+  }
+  for (size_t i = 0; i < pool.tensors.size(); ++i) {
+    const PooledTensor& t = pool.tensors[i];
+    const StateFileBuffer& got = header.buffers[source[i]];
+    TensorLayout want;
+    want.dtype = t.unit.dtype;
+    want.sizes = {t.kind == PoolKind::kPages ? pages : 1};
+    want.sizes.insert(want.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
+    want.strides = {t.unit.numel()};
+    want.strides.insert(want.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
+    TensorLayout layout;
+    layout.dtype = DtypeFromName(got.dtype);
+    layout.sizes = got.sizes;
+    layout.strides = got.strides;
+    if (layout != want || got.bytes != want.span_bytes()) {
+      Throw(ErrorKind::kModelMismatch, from + "pooled tensor '" + t.name + "' is " +
+                                           layout.ToString() + " in the file but " +
+                                           want.ToString() + " in this engine");
+    }
+  }
+  return source;
+}
+
 std::vector<size_t> SessionFiles::MatchBuffers(const StateFileHeader& header,
                                                const std::string& from) const {
+  if (header.positions >= 0) {
+    Throw(ErrorKind::kModelMismatch,
+          from + "it holds pooled state (" + std::to_string(header.positions) +
+              " positions), but this engine keeps per-session buffers");
+  }
   const auto& buffers = model_->buffers();
   std::vector<size_t> source(buffers.size(), SIZE_MAX);
   std::set<std::string> unknown, missing;
@@ -176,9 +270,22 @@ SessionFiles::CheckedFile SessionFiles::Check(const std::string& path, bool stri
   file.reader = std::make_unique<StateFileReader>(path);
   const StateFileHeader& header = file.reader->header();
   const std::string from = "session file " + path + " was saved from another model: ";
-  file.source = MatchBuffers(header, from);
+  if (model_->pool()) {
+    file.source = MatchPool(header, from);
+    file.positions = header.positions;
+    file.pages = model_->pool()->PagesFor(header.positions);
+  } else {
+    file.source = MatchBuffers(header, from);
+  }
   if (strict) MatchFingerprint(header, from);
   return file;
+}
+
+void SessionFiles::ReadPooled(CheckedFile& file, void* packed) const {
+  const std::vector<size_t> offsets = model_->pool()->PackedOffsets(file.pages);
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    file.reader->ReadBuffer(file.source[i], static_cast<char*>(packed) + offsets[i]);
+  }
 }
 
 void SessionFiles::Read(CheckedFile& file, void* block) const {

@@ -64,10 +64,15 @@ class SessionFiles {
   // Writes `state` (a host copy of a session block) to a session file,
   // atomically. Throws kInvalidArgument (a NUL in the path) or kSessionFile.
   void Save(const std::string& path, const void* state);
+  // Pooled state: writes `packed` (a host copy of a share of `pages` pages,
+  // in StatePool's packed layout) and the session's length (format version 2).
+  void SavePooled(const std::string& path, const void* packed, size_t pages, int64_t length);
   // A session file whose header was checked against this engine.
   struct CheckedFile {
     std::unique_ptr<StateFileReader> reader;
-    std::vector<size_t> source;  // the file buffer of each engine buffer
+    std::vector<size_t> source;  // the file buffer of each engine buffer (or pooled tensor)
+    int64_t positions = -1;      // pooled state: the session's length
+    size_t pages = 0;            // pooled state: pages that length takes
   };
   // Opens the file at `path` and checks its header: this engine's buffers
   // and, with `strict`, its fingerprint. Allocates nothing. Throws
@@ -76,6 +81,9 @@ class SessionFiles {
   // Reads the file's state into `block`, a host block laid out as a session
   // block, checking every buffer's checksum (kSessionFile).
   void Read(CheckedFile& file, void* block) const;
+  // Pooled state: reads the file's units into `packed` (the packed layout of
+  // file.pages pages), checking every buffer's checksum.
+  void ReadPooled(CheckedFile& file, void* packed) const;
   // Counts a load that became a session.
   void CountLoad() { loads_.fetch_add(1); }
   void AddStats(EngineStats& stats) const;
@@ -83,6 +91,8 @@ class SessionFiles {
  private:
   // The file buffer that feeds each engine buffer; throws kModelMismatch.
   std::vector<size_t> MatchBuffers(const StateFileHeader& header, const std::string& from) const;
+  // The same for a pooled engine: the file buffer of each pooled tensor.
+  std::vector<size_t> MatchPool(const StateFileHeader& header, const std::string& from) const;
   void MatchFingerprint(const StateFileHeader& header, const std::string& from) const;
 
   const std::shared_ptr<Model> model_;

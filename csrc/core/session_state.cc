@@ -18,8 +18,8 @@ uint64_t NextBindKey() {
 }  // namespace
 
 SessionState::SessionState(uint64_t id, void* block, std::vector<OwnedTensor> tensors,
-                           StreamHandle stream)
-    : id_(id), stream_(stream) {
+                           StreamHandle stream, int64_t bytes)
+    : id_(id), bytes_(bytes), stream_(stream) {
   MutexLock lock(mutex_);  // no other thread sees it yet; keeps the analysis exact
   block_ = block;
   tensors_ = std::move(tensors);

@@ -1,7 +1,9 @@
 // One session's state: its block of memory in one of two tiers (resident in
 // device memory, or offloaded to host memory), the key that identifies the
 // block to the method containers, the stream that last used it, and the lock
-// that serialises every operation on it. This class is the only writer of
+// that serialises every operation on it. With pooled state (state_pool.h)
+// there is no block: the session owns a share of the pool while resident,
+// and a packed host copy of it while offloaded. This class is the only writer of
 // those fields; the residency and the session's operations change them
 // through it, holding its lock.
 #pragma once
@@ -13,6 +15,7 @@
 
 #include "device.h"
 #include "mutex.h"
+#include "state_pool.h"
 #include "torch_shim.h"
 
 namespace aoti_sessions {
@@ -21,7 +24,9 @@ class SessionState {
  public:
   // A resident state in `block` (device memory; nullptr when the model has no
   // state), with `tensors` aliasing each buffer in it, last used on `stream`.
-  SessionState(uint64_t id, void* block, std::vector<OwnedTensor> tensors, StreamHandle stream);
+  // `bytes`: its size in either tier (see bytes()).
+  SessionState(uint64_t id, void* block, std::vector<OwnedTensor> tensors, StreamHandle stream,
+               int64_t bytes);
   SessionState(const SessionState&) = delete;
   SessionState& operator=(const SessionState&) = delete;
 
@@ -35,6 +40,10 @@ class SessionState {
   bool closed() const { return closed_.load(); }
   bool resident() const { return resident_.load(); }
   int64_t last_use_ns() const { return last_use_ns_.load(); }
+  // Bytes of its state, counted against the budget of the tier it is in (a
+  // block's size; with pooled state its pages and slot, shared pages
+  // counted by every owner).
+  int64_t bytes() const { return bytes_.load(); }
   // True while the call holding the lock waits for device room: the session
   // will not become idle before that call gets it.
   bool waiting_for_room() const { return waiting_for_room_.load(); }
@@ -56,6 +65,11 @@ class SessionState {
   // Orders `stream` after the state's previous work.
   void Use(Device& device, StreamHandle stream) REQUIRES(mutex_);
   void set_waiting_for_room(bool waiting) REQUIRES(mutex_) { waiting_for_room_ = waiting; }
+  void set_bytes(int64_t bytes) REQUIRES(mutex_) { bytes_ = bytes; }
+  // Its part of the pooled state (empty without one; while offloaded only
+  // the length is kept, the units are in the host copy).
+  PoolShare& share() REQUIRES(mutex_) { return share_; }
+  const PoolShare& share() const REQUIRES(mutex_) { return share_; }
 
   // Tier moves. To host: takes `host_block` (holding a copy of the state) and
   // returns the device block, for the caller to free.
@@ -80,11 +94,13 @@ class SessionState {
   std::atomic<bool> resident_{true};
   std::atomic<int64_t> last_use_ns_{0};
   std::atomic<bool> waiting_for_room_{false};
+  std::atomic<int64_t> bytes_{0};
   std::string closed_reason_ GUARDED_BY(mutex_);
   void* block_ GUARDED_BY(mutex_) = nullptr;       // device memory (nullptr if none or offloaded)
   void* host_block_ GUARDED_BY(mutex_) = nullptr;  // host memory while offloaded
   uint64_t bind_key_ GUARDED_BY(mutex_) = 0;
   std::vector<OwnedTensor> tensors_ GUARDED_BY(mutex_);
+  PoolShare share_ GUARDED_BY(mutex_);
   StreamTracker stream_;
 };
 

@@ -98,10 +98,11 @@ std::string EncodeHeader(const StateFileHeader& h) {
     e.Put(b.bytes);
     e.Put(b.checksum);
   }
+  if (h.positions >= 0) e.Put(h.positions);
   return std::move(e.bytes());
 }
 
-StateFileHeader DecodeHeader(const std::string& in, const std::string& path) {
+StateFileHeader DecodeHeader(const std::string& in, const std::string& path, uint32_t version) {
   Decoder d(in, path);
   StateFileHeader h;
   h.payload_bytes = d.Get<uint64_t>();
@@ -126,6 +127,10 @@ StateFileHeader DecodeHeader(const std::string& in, const std::string& path) {
     b.checksum = d.Get<uint64_t>();
     if (b.offset > h.payload_bytes || b.bytes > h.payload_bytes - b.offset) d.Malformed();
     h.buffers.push_back(std::move(b));
+  }
+  if (version == kPooledStateFileVersion) {
+    h.positions = d.Get<int64_t>();
+    if (h.positions < 0) d.Malformed();
   }
   if (!d.done()) d.Malformed();
   return h;
@@ -156,7 +161,7 @@ void WriteStateFile(const std::string& path, StateFileHeader header,
   std::string encoded = EncodeHeader(header);
   std::string head(kPrefix, '\0');
   std::memcpy(&head[0], kMagic, sizeof kMagic);
-  uint32_t version = kStateFileVersion;
+  uint32_t version = header.positions >= 0 ? kPooledStateFileVersion : kStateFileVersion;
   std::memcpy(&head[8], &version, sizeof version);
   uint64_t length = encoded.size();
   std::memcpy(&head[16], &length, sizeof length);
@@ -221,10 +226,11 @@ uint64_t StateFileReader::ReadHeader(uint64_t size) {
   }
   uint32_t version = 0;
   std::memcpy(&version, prefix + 8, sizeof version);
-  if (version != kStateFileVersion) {
+  if (version != kStateFileVersion && version != kPooledStateFileVersion) {
     Throw(ErrorKind::kSessionFile, "session file " + path + " has format version " +
-                                       std::to_string(version) + "; this build reads version " +
-                                       std::to_string(kStateFileVersion));
+                                       std::to_string(version) + "; this build reads versions " +
+                                       std::to_string(kStateFileVersion) + " and " +
+                                       std::to_string(kPooledStateFileVersion));
   }
   uint64_t length = 0;
   std::memcpy(&length, prefix + 16, sizeof length);
@@ -245,7 +251,7 @@ uint64_t StateFileReader::ReadHeader(uint64_t size) {
   if (Checksum64(head.data(), head.size()) != stored) {
     Throw(ErrorKind::kSessionFile, "session file " + path + " is corrupted (header checksum mismatch)");
   }
-  header_ = DecodeHeader(head.substr(kPrefix), path);
+  header_ = DecodeHeader(head.substr(kPrefix), path, version);
   return head.size() + sizeof stored;
 }
 

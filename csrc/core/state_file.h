@@ -9,6 +9,10 @@
 //       u64 library hash, u64 weights hash}; u32 buffers, each {str fqn,
 //       str dtype, u32 rank, i64 sizes[rank], i64 strides[rank], u64 offset
 //       in the payload, u64 bytes, u64 checksum}   (str: u32 length + bytes)
+//       Version 2 (pooled state, docs/batching.md) ends the header with
+//       i64 positions: the session's length; its buffers are the pooled
+//       tensors, each [units, ...] (a page tensor's pages in order, a slot
+//       tensor's slot). Block state is written as version 1.
 //   24+H  u64 checksum of bytes [0, 24+H)
 //   then zero padding to a multiple of 64, and the payload (each buffer at
 //   its offset, 64-byte aligned). The file ends exactly at the payload's end.
@@ -22,7 +26,8 @@
 
 namespace aoti_sessions {
 
-constexpr uint32_t kStateFileVersion = 1;
+constexpr uint32_t kStateFileVersion = 1;        // block state
+constexpr uint32_t kPooledStateFileVersion = 2;  // pooled state
 
 struct StateFileMethod {
   std::string name;
@@ -44,6 +49,7 @@ struct StateFileHeader {
   std::vector<StateFileMethod> methods;
   std::vector<StateFileBuffer> buffers;
   uint64_t payload_bytes = 0;
+  int64_t positions = -1;  // pooled state: the session's length (version 2); -1: block state
 };
 
 // Writes `header` (its buffers' offsets, payload length and checksums are

@@ -147,6 +147,16 @@ std::string DeviceName(int32_t type, int32_t index) {
   return type == Shim().device_type_cuda ? name + ":" + std::to_string(index) : name;
 }
 
+std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t step = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    strides[i] = step;
+    step *= sizes[i];
+  }
+  return strides;
+}
+
 std::string FormatDims(const std::vector<int64_t>& dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) {
@@ -248,6 +258,17 @@ OwnedTensor OwnedTensor::Restrided(AtenTensorHandle tensor, const std::vector<in
   // The offset argument is added to the tensor's own storage offset: 0 keeps it.
   Check(s.reinterpret_tensor(tensor, static_cast<int64_t>(layout.sizes.size()), layout.sizes.data(),
                              strides.data(), 0, &view),
+        "_reinterpret_tensor");
+  return OwnedTensor(view);
+}
+
+OwnedTensor OwnedTensor::FirstRows(AtenTensorHandle tensor, int64_t rows) {
+  const TorchShim& s = Shim();
+  TensorLayout layout = ReadLayout(tensor);
+  if (!layout.sizes.empty()) layout.sizes[0] = std::min(layout.sizes[0], rows);
+  AtenTensorHandle view = nullptr;
+  Check(s.reinterpret_tensor(tensor, static_cast<int64_t>(layout.sizes.size()), layout.sizes.data(),
+                             layout.strides.data(), 0, &view),
         "_reinterpret_tensor");
   return OwnedTensor(view);
 }

@@ -56,6 +56,9 @@ std::string DeviceName(int32_t type, int32_t index);
 // "[2, 4, *]": dimensions as in messages, "*" for a negative (dynamic) one.
 std::string FormatDims(const std::vector<int64_t>& dims);
 
+// The strides of a contiguous tensor of `sizes`.
+std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& sizes);
+
 // Sizes, strides and dtype of a tensor: what must agree for two tensors to be
 // interchangeable as a container constant.
 struct TensorLayout {
@@ -109,6 +112,8 @@ class OwnedTensor {
   // (keeps the storage alive).
   static OwnedTensor Restrided(AtenTensorHandle tensor, const std::vector<int64_t>& strides);
 
+  // A view of the first `rows` rows (along dimension 0) of `tensor`.
+  static OwnedTensor FirstRows(AtenTensorHandle tensor, int64_t rows);
   // A second handle to `tensor` (same storage, kept alive by either).
   static OwnedTensor Alias(AtenTensorHandle tensor);
   // A new tensor from torch's allocator (for torch's current stream on CUDA).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections.abc
 import typing
 import typing_extensions
-__all__: list[str] = ['BufferInfo', 'Engine', 'EngineOptions', 'EngineStats', 'GraphMode', 'IdleAction', 'InputSpec', 'MemoryReport', 'MethodSource', 'Session', 'SessionStats', 'WeightEntry', 'WeightInfo', 'WeightsFile', 'built_with_cuda', 'dtype_code', 'error_kinds']
+__all__: list[str] = ['BufferInfo', 'Engine', 'EngineOptions', 'EngineStats', 'GraphMode', 'IdleAction', 'InputSpec', 'MemoryReport', 'MethodSource', 'PoolKind', 'PoolLayout', 'PoolSource', 'PooledInput', 'PooledTensor', 'Session', 'SessionStats', 'WeightEntry', 'WeightInfo', 'WeightsFile', 'built_with_cuda', 'dtype_code', 'error_kinds']
 class InputSpec:
     def __init__(self) -> None:
         ...
@@ -55,10 +55,121 @@ class WeightsFile:
     @entries.setter
     def entries(self, arg0: collections.abc.Sequence[WeightEntry]) -> None:
         ...
+class PoolKind:
+    """
+    What a unit of a pooled tensor is.
+    
+    Members:
+    
+      PAGES
+    
+      SLOTS
+    """
+    PAGES: typing.ClassVar[PoolKind]
+    SLOTS: typing.ClassVar[PoolKind]
+    __members__: typing.ClassVar[dict[str, PoolKind]]
+    @typing.overload
+    def __eq__(self, other: PoolKind) -> bool:
+        ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> int:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __index__(self) -> int:
+        ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __int__(self) -> int:
+        ...
+    @typing.overload
+    def __ne__(self, other: PoolKind) -> bool:
+        ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __str__(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def value(self) -> int:
+        ...
+class PooledInput:
+    """
+    An input of a method that is a pooled tensor.
+    """
+    def __init__(self, input: typing.SupportsInt | typing.SupportsIndex, name: str, kind: PoolKind) -> None:
+        ...
+    @property
+    def input(self) -> int:
+        ...
+    @property
+    def kind(self) -> PoolKind:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+class PoolSource:
+    """
+    How a method addresses the pooled state (input positions).
+    """
+    def __init__(self) -> None:
+        ...
+    @property
+    def max_rows(self) -> int:
+        ...
+    @max_rows.setter
+    def max_rows(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def page_size(self) -> int:
+        ...
+    @page_size.setter
+    def page_size(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def page_table(self) -> int | None:
+        ...
+    @page_table.setter
+    def page_table(self, arg0: typing.SupportsInt | typing.SupportsIndex | None) -> None:
+        ...
+    @property
+    def positions(self) -> int | None:
+        ...
+    @positions.setter
+    def positions(self, arg0: typing.SupportsInt | typing.SupportsIndex | None) -> None:
+        ...
+    @property
+    def slot_ids(self) -> int | None:
+        ...
+    @slot_ids.setter
+    def slot_ids(self, arg0: typing.SupportsInt | typing.SupportsIndex | None) -> None:
+        ...
+    @property
+    def tensors(self) -> list[PooledInput]:
+        ...
+    @tensors.setter
+    def tensors(self, arg0: collections.abc.Sequence[PooledInput]) -> None:
+        ...
+    @property
+    def tokens(self) -> int:
+        ...
+    @tokens.setter
+    def tokens(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
 class MethodSource:
     cubin_dir: str
     library_path: str
     name: str
+    pool: PoolSource | None
     weights: WeightsFile | None
     def __init__(self) -> None:
         ...
@@ -240,6 +351,50 @@ class BufferInfo:
     @property
     def zero_initial(self) -> bool:
         ...
+class PooledTensor:
+    """
+    A pooled tensor: [units, ...unit sizes].
+    """
+    @property
+    def dtype(self) -> str:
+        ...
+    @property
+    def kind(self) -> PoolKind:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def unit_bytes(self) -> int:
+        ...
+    @property
+    def unit_sizes(self) -> list[int]:
+        ...
+class PoolLayout:
+    """
+    The pooled state every pooled method shares.
+    """
+    @property
+    def max_pages(self) -> int:
+        ...
+    @property
+    def max_positions(self) -> int:
+        ...
+    @property
+    def max_rows(self) -> int:
+        ...
+    @property
+    def page_bytes(self) -> int:
+        ...
+    @property
+    def page_size(self) -> int:
+        ...
+    @property
+    def slot_bytes(self) -> int:
+        ...
+    @property
+    def tensors(self) -> list[PooledTensor]:
+        ...
 class WeightInfo:
     """
     A weight held by the engine.
@@ -276,6 +431,9 @@ class MemoryReport:
     def offloaded(self) -> int:
         ...
     @property
+    def pool(self) -> int:
+        ...
+    @property
     def sessions(self) -> int:
         ...
     @property
@@ -304,6 +462,12 @@ class EngineStats:
     """
     Counters of an engine.
     """
+    @property
+    def batch_rows(self) -> int:
+        ...
+    @property
+    def batch_runs(self) -> int:
+        ...
     @property
     def bind_seconds(self) -> float:
         ...
@@ -359,6 +523,24 @@ class EngineStats:
     def offloads(self) -> int:
         ...
     @property
+    def pages_copied(self) -> int:
+        ...
+    @property
+    def pool_grows(self) -> int:
+        ...
+    @property
+    def pool_pages(self) -> int:
+        ...
+    @property
+    def pool_pages_used(self) -> int:
+        ...
+    @property
+    def pool_slots(self) -> int:
+        ...
+    @property
+    def pool_slots_used(self) -> int:
+        ...
+    @property
     def reclaim_seconds(self) -> float:
         ...
     @property
@@ -390,6 +572,10 @@ class Session:
         """
         Copies every buffer at once into `dsts` (one snapshot).
         """
+    def read_pool(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple[list[typing_extensions.CapsuleType], int]:
+        """
+        (handles, length): the session's part of every pooled tensor, one snapshot.
+        """
     def reset(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
     def restore(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
@@ -398,9 +584,15 @@ class Session:
         ...
     def save(self, path: str, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
+    def truncate(self, length: typing.SupportsInt | typing.SupportsIndex, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+        ...
     def write_buffers(self, fqns: collections.abc.Sequence[str], sources: list[typing_extensions.CapsuleType], stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         """
         Replaces every buffer at once: sources[i] is the new value of fqns[i].
+        """
+    def write_pool(self, names: collections.abc.Sequence[str], sources: list[typing_extensions.CapsuleType], length: typing.SupportsInt | typing.SupportsIndex, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+        """
+        Replaces the session's pooled state (as read_pool gives it) and its length.
         """
     @property
     def address(self) -> int:
@@ -417,6 +609,11 @@ class Session:
     def last_use(self) -> float:
         """
         Last use, in seconds of time.monotonic().
+        """
+    @property
+    def length(self) -> int:
+        """
+        Positions the session holds (pooled state; 0 without).
         """
     @property
     def resident(self) -> bool:
@@ -440,6 +637,10 @@ class Engine:
         ...
     def num_inputs(self, method: typing.SupportsInt | typing.SupportsIndex) -> int:
         ...
+    def run_batch(self, rows: collections.abc.Sequence[Session], method: typing.SupportsInt | typing.SupportsIndex, inputs: list[typing_extensions.CapsuleType], stream: typing.SupportsInt | typing.SupportsIndex = 0) -> list[typing_extensions.CapsuleType]:
+        """
+        Runs pooled `method` once over `rows` (one session each, in order).
+        """
     def stats(self) -> EngineStats:
         ...
     def update_weights(self, names: collections.abc.Sequence[str], sources: list[typing_extensions.CapsuleType], double_buffer: bool = False) -> None:
@@ -464,6 +665,11 @@ class Engine:
     @property
     def mutable_buffers(self) -> list[BufferInfo]:
         ...
+    @property
+    def pool(self) -> PoolLayout | None:
+        """
+        The pooled state's layout, or None.
+        """
     @property
     def template_bytes(self) -> int:
         ...

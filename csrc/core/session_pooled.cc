@@ -1,0 +1,430 @@
+// Session operations on pooled state (docs/batching.md): runs over many
+// sessions at once, and what reset, fork, truncate, state copies and saves do
+// to a session's share of the pool. Each runs under the session's lock (a
+// batch: every row's, taken in id order).
+#include <algorithm>
+#include <numeric>
+
+#include "errors.h"
+#include "session.h"
+#include "util.h"
+
+namespace aoti_sessions {
+
+// The locks of a batch's sessions, taken in id order (so two batches never
+// wait on each other crosswise), after the process check. Releasing them
+// tells the residency sessions may have become idle.
+class Session::BatchLock {
+ public:
+  BatchLock(const EngineParts& parts, std::vector<SessionState*> states)
+      : parts_(parts), states_(std::move(states)) {
+    parts_.CheckProcess();
+    std::sort(states_.begin(), states_.end(),
+              [](const SessionState* a, const SessionState* b) { return a->id() < b->id(); });
+    for (size_t i = 1; i < states_.size(); ++i) {
+      if (states_[i] == states_[i - 1]) {
+        Throw(ErrorKind::kInvalidArgument, "session " + std::to_string(states_[i]->id()) +
+                                               " is given twice in one batch");
+      }
+    }
+    for (SessionState* state : states_) state->mutex().lock();
+  }
+  ~BatchLock() NO_THREAD_SAFETY_ANALYSIS {
+    for (SessionState* state : states_) state->mutex().unlock();
+    parts_.residency->NotifyIdle();
+  }
+  BatchLock(const BatchLock&) = delete;
+  BatchLock& operator=(const BatchLock&) = delete;
+
+ private:
+  const EngineParts& parts_;
+  std::vector<SessionState*> states_;
+};
+
+namespace {
+
+// The sessions of a batch as the residency's "held" list.
+std::vector<const SessionState*> Held(const std::vector<SessionState*>& rows) {
+  return {rows.begin(), rows.end()};
+}
+
+}  // namespace
+
+std::vector<OwnedTensor> Session::RunBatch(const std::vector<std::shared_ptr<Session>>& rows,
+                                           size_t method, std::vector<OwnedTensor>&& inputs,
+                                           StreamHandle stream) {
+  if (rows.empty()) Throw(ErrorKind::kInvalidArgument, "a batch needs at least one session");
+  const std::shared_ptr<const EngineParts>& parts = rows[0]->parts_;
+  std::vector<SessionState*> states;
+  for (const auto& row : rows) {
+    if (row == nullptr) Throw(ErrorKind::kInvalidArgument, "a batch row is not a session");
+    if (row->parts_ != parts) {
+      Throw(ErrorKind::kInvalidArgument, "session " + std::to_string(row->id()) +
+                                             " belongs to another engine than the batch's first");
+    }
+    states.push_back(row->state_.get());
+  }
+  BatchLock lock(*parts, states);
+  return RunRowsLocked(*parts, states, method, std::move(inputs), stream);
+}
+
+std::vector<OwnedTensor> Session::RunRowsLocked(const EngineParts& parts,
+                                                const std::vector<SessionState*>& rows,
+                                                size_t method, std::vector<OwnedTensor>&& inputs,
+                                                StreamHandle stream) NO_THREAD_SAFETY_ANALYSIS {
+  // Every row's lock is held (a dynamic set, which the analysis cannot follow).
+  const Method& called = parts.model->method(method);
+  if (!called.pool) {
+    Throw(ErrorKind::kInvalidArgument, "method '" + called.name + "' takes no pooled state");
+  }
+  StatePool& pool = *parts.pool;
+  const PoolLayout& layout = pool.layout();
+  // New positions per row: the tokens input's second dimension.
+  const auto tokens = static_cast<size_t>(
+      std::find(called.caller_inputs.begin(), called.caller_inputs.end(), called.pool->tokens) -
+      called.caller_inputs.begin());
+  if (tokens >= inputs.size()) {
+    Throw(ErrorKind::kInvalidArgument, "method '" + called.name + "' takes " +
+                                           std::to_string(called.caller_inputs.size()) +
+                                           " tensor inputs besides the pooled state, got " +
+                                           std::to_string(inputs.size()));
+  }
+  const TensorLayout fed = ReadLayout(inputs[tokens].get(), "the tokens input");
+  if (fed.sizes.size() < 2 || fed.sizes[1] < 1) {
+    Throw(ErrorKind::kInvalidArgument, "input " + std::to_string(called.pool->tokens) +
+                                           " of method '" + called.name + "' is " +
+                                           FormatDims(fed.sizes) +
+                                           "; it takes [rows, positions, ...] with positions >= 1");
+  }
+  const int64_t count = fed.sizes[1];
+  Device& device = parts.model->device();
+  const std::vector<const SessionState*> held = Held(rows);
+  for (SessionState* state : rows) {
+    state->CheckOpen();
+    parts.residency->Restore(*state, stream, held);
+    state->Touch();
+    state->Use(device, stream);
+    const int64_t length = state->share().length;
+    if (length + count > layout.max_positions()) {
+      Throw(ErrorKind::kInvalidArgument,
+            "session " + std::to_string(state->id()) + " holds " + std::to_string(length) +
+                " positions; " + std::to_string(count) + " more would pass the " +
+                std::to_string(layout.max_positions()) + " a session holds (" +
+                std::to_string(layout.max_pages) + " pages of " +
+                std::to_string(layout.page_size) + ")");
+    }
+  }
+  // Room for the rows' new pages, then the pages (copies of shared ones).
+  int64_t reserved = 0;
+  for (SessionState* state : rows) {
+    const PoolShare& share = state->share();
+    const size_t pages = layout.PagesFor(share.length + count);
+    reserved += pool.SessionBytes(pages) - state->bytes();
+  }
+  parts.residency->Reserve(held, reserved, stream);
+  try {
+    for (SessionState* state : rows) {
+      PoolShare& share = state->share();
+      pool.PrepareWrite(share, share.length, share.length + count, stream);
+      const int64_t bytes = pool.SessionBytes(share.pages.size());
+      reserved -= bytes - state->bytes();
+      state->set_bytes(bytes);
+    }
+  } catch (...) {
+    parts.residency->Shrink(reserved);
+    throw;
+  }
+  PoolRows addressing;
+  addressing.rows = static_cast<int64_t>(rows.size());
+  const size_t width = static_cast<size_t>(layout.max_pages);
+  addressing.page_table.resize(rows.size() * width);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const PoolShare& share = rows[r]->share();
+    if (layout.has_pages()) pool.FillPageRow(share, addressing.page_table.data() + r * width);
+    addressing.positions.push_back(share.length);
+    addressing.slot_ids.push_back(share.slot);
+  }
+  if (!called.pool->page_table) addressing.page_table.clear();
+  if (!called.pool->positions) addressing.positions.clear();
+  if (!called.pool->slot_ids) addressing.slot_ids.clear();
+  std::vector<OwnedTensor> outputs;
+  try {
+    outputs = parts.runner->RunPooled(method, pool, addressing, std::move(inputs), stream);
+  } catch (...) {
+    // Nothing was fed: the pages taken for it go back (a session holds the
+    // pages of its positions, no more: its host copy's layout relies on it).
+    for (SessionState* state : rows) TrimPages(parts, *state, stream);
+    throw;
+  }
+  for (SessionState* state : rows) state->share().length += count;
+  return outputs;
+}
+
+std::shared_ptr<Session> Session::NewPooled(std::shared_ptr<const EngineParts> parts,
+                                            SessionFiles::CheckedFile* file, StreamHandle stream) {
+  StatePool& pool = *parts->pool;
+  const PoolLayout& layout = pool.layout();
+  std::vector<char> packed;
+  size_t pages = 0;
+  if (file != nullptr) {
+    pages = file->pages;
+    packed.resize(layout.PackedBytes(pages));
+    parts->files->ReadPooled(*file, packed.data());  // every byte checked before a session is made
+  }
+  Device& device = parts->model->device();
+  auto state = parts->residency->Admit(
+      pool.SessionBytes(pages), stream, [&](SessionState& made, StreamHandle s) {
+        made.mutex().AssertHeld();  // Admit holds it
+        PoolShare& share = made.share();
+        if (layout.has_slots()) share.slot = pool.TakeSlot(s);
+        if (file == nullptr) return;
+        share.pages = pool.TakePages(pages, /*zero=*/false, s);
+        share.length = file->positions;
+        if (!packed.empty()) {
+          pool.Unpack(packed.data(), share, s);
+          device.Synchronize(s);  // the host copy goes away after
+        }
+      });
+  return Make(std::move(parts), std::move(state));
+}
+
+int64_t Session::length() {
+  OpLock lock(*this);
+  return state_->share().length;
+}
+
+void Session::Truncate(int64_t length, StreamHandle stream) {
+  OpLock lock(*this);
+  state_->CheckOpen();
+  if (!parts_->pool) {
+    Throw(ErrorKind::kInvalidArgument, "truncate needs pooled state; this engine has none");
+  }
+  PoolShare& share = state_->share();
+  if (length < 0 || length > share.length) {
+    Throw(ErrorKind::kInvalidArgument, "cannot truncate session " + std::to_string(id()) +
+                                           " to " + std::to_string(length) +
+                                           " positions: it holds " +
+                                           std::to_string(share.length));
+  }
+  // Restored first: the host copy's layout follows its page count.
+  parts_->residency->Restore(*state_, stream);
+  state_->Touch();
+  state_->Use(parts_->model->device(), stream);
+  share.length = length;
+  TrimPages(*parts_, *state_, stream);
+}
+
+void Session::TrimPages(const EngineParts& parts, SessionState& state, StreamHandle stream) {
+  PoolShare& share = state.share();
+  const size_t keep = parts.pool->layout().PagesFor(share.length);
+  if (keep >= share.pages.size()) return;
+  std::vector<int32_t> dropped(share.pages.begin() + static_cast<std::ptrdiff_t>(keep),
+                               share.pages.end());
+  share.pages.resize(keep);
+  parts.pool->ReleasePages(dropped, stream);
+  const int64_t bytes = parts.pool->SessionBytes(keep);
+  parts.residency->Shrink(state.bytes() - bytes);
+  state.set_bytes(bytes);
+}
+
+void Session::ResetPooled(StreamHandle stream) {
+  state_->CheckOpen();
+  parts_->residency->Restore(*state_, stream);
+  state_->Touch();
+  state_->Use(parts_->model->device(), stream);
+  StatePool& pool = *parts_->pool;
+  PoolShare& share = state_->share();
+  pool.ReleasePages(share.pages, stream);
+  share.pages.clear();
+  share.length = 0;
+  if (share.slot >= 0) {
+    // A fresh slot is a zeroed one; the old one is free once this stream is done with it.
+    PoolShare old;
+    old.slot = share.slot;
+    share.slot = pool.TakeSlot(stream);
+    pool.Release(old, stream);
+  }
+  const int64_t bytes = pool.SessionBytes(0);
+  parts_->residency->Shrink(state_->bytes() - bytes);
+  state_->set_bytes(bytes);
+}
+
+std::shared_ptr<Session> Session::ForkPooled(StreamHandle stream) {
+  state_->CheckOpen();
+  StatePool& pool = *parts_->pool;
+  Device& device = parts_->model->device();
+  state_->Use(device, stream);
+  const PoolShare& source = state_->share();
+  const bool resident = state_->resident();
+  const void* host = resident ? nullptr : state_->memory();
+  const size_t pages = pool.layout().PagesFor(source.length);
+  auto child = parts_->residency->AdmitBeside(
+      *state_, pool.SessionBytes(pages), stream, [&](SessionState& made, StreamHandle s) {
+        made.mutex().AssertHeld();  // Admit holds it
+        PoolShare& share = made.share();
+        share.length = source.length;
+        if (pool.layout().has_slots()) share.slot = pool.TakeSlot(s);
+        if (resident) {
+          // Pages are shared, copied only when one of the two writes them.
+          pool.SharePages(source.pages);
+          share.pages = source.pages;
+          if (share.slot >= 0) pool.CopySlot(share.slot, source.slot, s);
+          return;
+        }
+        share.pages = pool.TakePages(pages, /*zero=*/false, s);
+        pool.Unpack(host, share, s);
+        device.Synchronize(s);  // the host copy may move once unlocked
+      });
+  return Make(parts_, std::move(child));
+}
+
+std::vector<char> Session::PackPooled(size_t* pages, StreamHandle stream) {
+  const PoolLayout& layout = parts_->pool->layout();
+  const PoolShare& share = state_->share();
+  Device& device = parts_->model->device();
+  state_->Use(device, stream);
+  *pages = layout.PagesFor(share.length);
+  std::vector<char> packed(layout.PackedBytes(*pages));
+  if (packed.empty()) return packed;
+  if (state_->resident()) {
+    parts_->pool->Pack(share, packed.data(), stream);
+    device.Synchronize(stream);
+  } else {
+    std::copy_n(state_->memory(), packed.size(), packed.data());
+  }
+  return packed;
+}
+
+std::vector<OwnedTensor> Session::ReadPool(int64_t* length, StreamHandle stream) {
+  OpLock lock(*this);
+  state_->CheckOpen();
+  if (!parts_->pool) {
+    Throw(ErrorKind::kInvalidArgument, "this engine has no pooled state; use ReadBuffers");
+  }
+  const PoolLayout& layout = parts_->pool->layout();
+  const PoolShare& share = state_->share();
+  Device& device = parts_->model->device();
+  state_->Use(device, stream);
+  *length = share.length;
+  const size_t pages = layout.PagesFor(share.length);
+  std::vector<OwnedTensor> out;
+  std::vector<void*> parts;
+  TorchStreamScope scope(stream, device.spec().index);
+  for (const PooledTensor& t : layout.tensors) {
+    TensorLayout whole;
+    whole.dtype = t.unit.dtype;
+    whole.sizes = {t.kind == PoolKind::kPages ? static_cast<int64_t>(pages) : 1};
+    whole.sizes.insert(whole.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
+    whole.strides = {t.unit.numel()};
+    whole.strides.insert(whole.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
+    out.push_back(OwnedTensor::Empty(whole, device.torch_device_type(), device.spec().index));
+    parts.push_back(DataPtr(out.back().get()));
+  }
+  if (state_->resident()) {
+    parts_->pool->PackTensors(share, parts, stream);
+  } else {
+    const std::vector<size_t> offsets = layout.PackedOffsets(pages);
+    for (size_t i = 0; i < layout.tensors.size(); ++i) {
+      const size_t bytes = ReadLayout(out[i].get()).span_bytes();
+      device.Copy(parts[i], state_->memory() + offsets[i], bytes, stream);
+    }
+    device.Synchronize(stream);  // the host copy may move once unlocked
+  }
+  return out;
+}
+
+void Session::WritePool(const std::vector<std::string>& names,
+                        const std::vector<AtenTensorHandle>& sources, int64_t length,
+                        StreamHandle stream) {
+  OpLock lock(*this);
+  state_->CheckOpen();
+  if (!parts_->pool) {
+    Throw(ErrorKind::kInvalidArgument, "this engine has no pooled state; use WriteBuffers");
+  }
+  StatePool& pool = *parts_->pool;
+  const PoolLayout& layout = pool.layout();
+  if (names.size() != sources.size()) {
+    Throw(ErrorKind::kInvalidArgument, "state: " + std::to_string(names.size()) +
+                                           " names for " + std::to_string(sources.size()) +
+                                           " tensors");
+  }
+  if (length < 0 || length > layout.max_positions()) {
+    Throw(ErrorKind::kInvalidArgument, "state length " + std::to_string(length) +
+                                           " is outside [0, " +
+                                           std::to_string(layout.max_positions()) + "]");
+  }
+  const size_t pages = layout.PagesFor(length);
+  Device& device = parts_->model->device();
+  std::vector<const void*> parts(layout.tensors.size(), nullptr);
+  std::vector<std::string> unexpected, missing;
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto it = std::find_if(layout.tensors.begin(), layout.tensors.end(),
+                           [&](const PooledTensor& t) { return t.name == names[i]; });
+    const size_t index = static_cast<size_t>(it - layout.tensors.begin());
+    if (it == layout.tensors.end() || parts[index] != nullptr) {
+      unexpected.push_back(names[i]);
+      continue;
+    }
+    const PooledTensor& t = *it;
+    const std::string which = "state for pooled tensor '" + t.name + "'";
+    TensorLayout got = ReadLayout(sources[i], which);
+    TensorLayout want;
+    want.dtype = t.unit.dtype;
+    want.sizes = {t.kind == PoolKind::kPages ? static_cast<int64_t>(pages) : 1};
+    want.sizes.insert(want.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
+    want.strides = {t.unit.numel()};
+    want.strides.insert(want.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
+    if (got.dtype != want.dtype) {
+      Throw(ErrorKind::kTypeMismatch, which + " has dtype " + DtypeName(got.dtype) +
+                                          ", expected " + DtypeName(want.dtype));
+    }
+    if (got.sizes != want.sizes || (got.numel() > 0 && got.strides != want.strides)) {
+      Throw(ErrorKind::kInvalidArgument, which + " is " + got.ToString() + "; a session of " +
+                                             std::to_string(length) + " positions takes " +
+                                             want.ToString());
+    }
+    const int32_t type = DeviceType(sources[i]);
+    const bool on_engine = type == device.torch_device_type() &&
+                           (device.spec().kind == DeviceKind::kCpu ||
+                            DeviceIndex(sources[i]) == device.spec().index);
+    if (!on_engine && type != Shim().device_type_cpu) {
+      Throw(ErrorKind::kInvalidArgument, which + " is on " +
+                                             DeviceName(type, DeviceIndex(sources[i])) +
+                                             "; it must be on the engine's device " +
+                                             device.spec().ToString() + " or the host");
+    }
+    parts[index] = DataPtr(sources[i]);
+  }
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    if (parts[i] == nullptr) missing.push_back(layout.tensors[i].name);
+  }
+  if (!missing.empty() || !unexpected.empty()) {
+    Throw(ErrorKind::kInvalidArgument, "state does not match the engine's pooled tensors: missing " +
+                                           JoinNames(missing) + ", unexpected " +
+                                           JoinNames(unexpected));
+  }
+  // Every check passed: the session's units are replaced by new ones.
+  parts_->residency->Restore(*state_, stream);
+  state_->Touch();
+  state_->Use(device, stream);
+  PoolShare& share = state_->share();
+  const int64_t bytes = pool.SessionBytes(pages);
+  const int64_t extra = bytes - state_->bytes();
+  parts_->residency->Reserve({state_.get()}, extra, stream);
+  std::vector<int32_t> fresh;
+  try {
+    fresh = pool.TakePages(pages, /*zero=*/false, stream);
+  } catch (...) {
+    parts_->residency->Shrink(extra);
+    throw;
+  }
+  pool.ReleasePages(share.pages, stream);
+  share.pages = std::move(fresh);
+  share.length = length;
+  state_->set_bytes(bytes);
+  if (extra < 0) parts_->residency->Shrink(-extra);
+  pool.UnpackTensors(parts, share, stream);
+  device.Synchronize(stream);  // the sources may be freed once this returns
+}
+
+}  // namespace aoti_sessions
