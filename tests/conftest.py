@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 import aoti_sessions as ais  # noqa: E402
 import modeldefs  # noqa: E402
+import pooled_models  # noqa: E402
 from aoti_sessions._compile import compile_cached  # noqa: E402
 from aoti_sessions.demo import compiled_decoder  # noqa: E402
 from aoti_sessions.models import SMALL, TinyDecoder  # noqa: E402
@@ -135,6 +136,17 @@ def decoder_methods_pkg(device: str) -> Path:
 @pytest.fixture(scope="session")
 def heads_pkg(device: str) -> Path:
     return compiled_heads(device)
+
+
+def paged_package(device: str) -> Path:
+    """A decoder over pooled state: paged KV and a recurrent slot (tests/pooled_models.py)."""
+    return compile_cached(lambda: pooled_models.build(device), (inspect.getsource(pooled_models), device),
+                          name=f"paged-{device}", inductor_configs=FAST)
+
+
+@pytest.fixture(scope="session")
+def paged_pkg(device: str) -> Path:
+    return paged_package(device)
 
 
 @pytest.fixture(scope="session")

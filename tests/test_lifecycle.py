@@ -476,8 +476,8 @@ CORRUPTIONS = {
     "first payload byte flipped": (lambda b: _flip(b, _payload_start(b)), ais.SessionFileError,
                                    "fails its checksum"),
     "last buffer byte flipped": (lambda b: _flip(b, len(b) - 1), ais.SessionFileError, "fails its checksum"),
-    "other format version": (lambda b: b[:8] + (2).to_bytes(4, "little") + b[12:], ais.SessionFileError,
-                             "format version 2"),
+    "other format version": (lambda b: b[:8] + (3).to_bytes(4, "little") + b[12:], ais.SessionFileError,
+                             "format version 3"),
     "not a session file": (lambda b: os.urandom(len(b)), ais.SessionFileError, "not an aoti_sessions"),
     "empty": (lambda b: b"", ais.SessionFileError, "not an aoti_sessions"),
 }

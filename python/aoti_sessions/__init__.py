@@ -24,7 +24,7 @@ import torch  # loads libtorch, whose C shim the core resolves at run time
 os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
 
 from . import errors
-from ._compile import Method, compile
+from ._compile import Method, Pool, compile
 from ._engine import Engine
 from ._session import Session
 from .errors import (
@@ -43,7 +43,7 @@ from .errors import (
     VerifyError,
 )
 
-__all__ = ["Engine", "Method", "Session", "compile", "errors", *errors.__all__]
+__all__ = ["Engine", "Method", "Pool", "Session", "compile", "errors", *errors.__all__]
 
 # The one place the version is written (pyproject.toml and CMakeLists.txt read it).
 __version__ = "0.1.0"

@@ -39,11 +39,12 @@ import torch
 
 from ._package import (METADATA_KEY, METADATA_VERSION, WEIGHTS_ALIGN, WEIGHTS_BLOB, WEIGHTS_INDEX,
                        WEIGHTS_VERSION, cache_dir, top_folder)
+from ._pool import Pool, pool_document
 from ._program import (Exported, Method, export, input_specs, mutated_buffers, output_specs, symbol_ranges,
                        warn_folded_counters)
 from ._verify import verify_package
 
-__all__ = ["Method", "compile", "compile_cached", "mutated_buffers", "input_specs"]
+__all__ = ["Method", "Pool", "compile", "compile_cached", "mutated_buffers", "input_specs"]
 
 VERIFY_STEPS = 3  # steps of verify=True
 # What compile writes into a package, for compile_cached's key: raise it when
@@ -64,10 +65,14 @@ def _as_method(name: str, spec: Any) -> Method:
     return Method(*spec)
 
 
-def _metadata(exported: Exported, configs: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+def _metadata(name: str, method: Method, exported: Exported, configs: Mapping[str, Any],
+              **extra: Any) -> dict[str, Any]:
     ep = exported.program
-    doc = {"version": METADATA_VERSION, "mutable_buffers": exported.mutated, "inputs": input_specs(ep),
-           "outputs": output_specs(ep), "ranges": symbol_ranges(ep), **extra}
+    inputs, ranges = input_specs(ep), symbol_ranges(ep)
+    doc = {"version": METADATA_VERSION, "mutable_buffers": exported.mutated, "inputs": inputs,
+           "outputs": output_specs(ep), "ranges": ranges, **extra}
+    if method.pool is not None:
+        doc["pool"] = pool_document(name, method.pool, ep, exported.decomposed, inputs, ranges, exported.mutated)
     out = dict(configs)
     metadata = dict(out.get("aot_inductor.metadata") or {})
     metadata[METADATA_KEY] = json.dumps(doc)
@@ -152,6 +157,9 @@ def compile(
         methods = [("forward", Method(args, kwargs, dynamic_shapes))]
     else:
         raise TypeError(f"args must be a tuple or a mapping of method names, got {type(args).__name__}")
+    if steps and any(m.pool is not None for _, m in methods):
+        raise ValueError("verify= does not check pooled methods (their state lives in the engine's pool, "
+                         "not in the module); check them against the module with Engine.run_batch")
     # The eager reference starts from the state the package starts from.
     reference = copy.deepcopy(module) if steps else None
     with warnings.catch_warnings():
@@ -177,13 +185,14 @@ def _named_methods(methods: Mapping[str, Method | tuple[Any, ...]]) -> list[tupl
 
 def _compile_one(module: torch.nn.Module, method: Method, path: str | os.PathLike[str],
                  configs: dict[str, Any], strict: bool | None, progress: TextIO | None) -> str:
-    with method.attention_backends():
+    with method.attention_backends(), method.size_reasoning():
         with _phase(progress, f"exporting {method.entry}"):
             exported = export(module, method.entry, method, strict)
         warn_folded_counters(exported, method.entry, configs)
         with _phase(progress, f"compiling {method.entry} with AOTInductor"):
             out = torch._inductor.aoti_compile_and_package(exported.program, package_path=os.fspath(path),
-                                                           inductor_configs=_metadata(exported, configs))
+                                                           inductor_configs=_metadata("forward", method, exported,
+                                                                                      configs))
     return str(out)
 
 
@@ -196,7 +205,8 @@ def _compile_methods(module: torch.nn.Module, methods: list[tuple[str, Method]],
     with tempfile.TemporaryDirectory() as work:
         for i, (name, method) in enumerate(methods, 1):
             label = f"method '{name}' ({i}/{len(methods)})"
-            with method.attention_backends():  # both export and compile choose attention
+            # Both export and compile choose attention and reason about sizes.
+            with method.attention_backends(), method.size_reasoning():
                 with _phase(progress, f"exporting {label}"):
                     exported = export(module, name, method, strict)
                 warn_folded_counters(exported, name, configs)
@@ -210,7 +220,7 @@ def _compile_methods(module: torch.nn.Module, methods: list[tuple[str, Method]],
                         variants.append((value.detach(), [name]))
                     else:
                         same[1].append(name)
-                method_configs = _metadata(exported, configs, weights=WEIGHTS_INDEX)
+                method_configs = _metadata(name, method, exported, configs, weights=WEIGHTS_INDEX)
                 method_configs.update({
                     "aot_inductor.package": True,
                     "aot_inductor.package_constants_in_so": False,

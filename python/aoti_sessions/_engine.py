@@ -12,12 +12,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from . import _core
 from ._graphs import TorchGraphHost
-from ._package import MethodFiles, open_model
-from ._session import Closable, MethodCall, Session, to_handles
+from ._methods import ModelSource, describe, method_source, resolve_methods
+from ._session import Closable, MethodCall, Session, from_handles, to_handles
 from ._signature import signature
 from ._words import first_names
 from .errors import PackageError
@@ -34,7 +33,6 @@ def _names(names: list[str]) -> str:
         return ", ".join(names)
     return f"{len(names)} buffers: {first_names(names, _NAMES_LOGGED)} (Engine.mutable_fqns lists all)"
 
-ModelSource = str | os.PathLike[str]
 
 _INT64 = (-(2**63), 2**63 - 1)
 _IDLE_ACTIONS = {"offload": _core.IdleAction.OFFLOAD, "close": _core.IdleAction.CLOSE}
@@ -104,90 +102,17 @@ def _options(device: str, mutable: Sequence[str] | None, max_sessions: object, m
     return options
 
 
-def _dtype_code(method: str, what: str, dtype: str) -> int:
-    code = _core.dtype_code(dtype)
-    if code < 0:
-        raise PackageError(f"method '{method}': {what} has unknown dtype {dtype}")
-    return code
-
-
-def _source(f: MethodFiles) -> _core.MethodSource:
-    """The core's description of one method to load."""
-    src = _core.MethodSource()
-    src.name = f.name
-    src.library_path = f.library
-    src.cubin_dir = f.cubin_dir
-    if f.metadata is not None and f.metadata.inputs is not None:
-        specs = []
-        for i, doc in enumerate(f.metadata.inputs):
-            spec = _core.InputSpec()
-            spec.dtype = _dtype_code(f.name, f"input {i}", doc.dtype)
-            spec.sizes = [-1 if s is None else s for s in doc.sizes]
-            spec.strides = doc.strides or []
-            specs.append(spec)
-        src.inputs = specs
-    if f.weights_file is not None:
-        weights = _core.WeightsFile()
-        weights.path = f.weights_file
-        weights.entries = [_core.WeightEntry(e.fqn, _dtype_code(f.name, f"weight {e.fqn}", e.dtype), e.sizes,
-                                             e.strides, e.offset, e.nbytes) for e in f.weights]
-        src.weights = weights
-    return src
-
-
-def _resolve_methods(model: ModelSource | Mapping[str, ModelSource]) -> list[MethodFiles]:
-    if isinstance(model, Mapping):
-        if not model:
-            raise ValueError("model mapping is empty: give at least one method")
-        methods = []
-        for name, path in model.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"method names must be non-empty strings, got {name!r}")
-            found = open_model(path)
-            if len(found) != 1:
-                raise PackageError(
-                    f"method '{name}': {path} holds {len(found)} models "
-                    f"({', '.join(m.name for m in found)}); give a package with one"
-                )
-            methods.append(found[0].renamed(name))
-        return methods
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path or a mapping of method names to paths, got {type(model).__name__}")
-    return open_model(model)
-
-
-def _describe(core: _core.Engine, f: MethodFiles, source: _core.MethodSource) -> MethodCall:
-    index = core.method_index(f.name)
-    in_raw, out_raw = core.call_spec(index)
-    in_spec = pytree.treespec_loads(in_raw) if in_raw else None
-    out_spec = pytree.treespec_loads(out_raw) if out_raw else None
-    n = core.num_inputs(index)
-    flat_call = in_spec is not None and in_spec == pytree.tree_structure((tuple(range(n)), {}))
-    contiguous = None if source.inputs is None else tuple(len(s.strides) == 0 for s in source.inputs)
-    single = out_spec is not None and out_spec.is_leaf()
-    positional = -1
-    keywords: tuple[str, ...] = ()
-    names: tuple[str, ...] = ()
-    if in_spec is not None and in_spec.type is tuple and in_spec.num_children == 2:
-        args_spec, kwargs_spec = in_spec.children()
-        if args_spec.type is tuple and kwargs_spec.type is dict:
-            positional, keywords = args_spec.num_children, tuple(kwargs_spec.context)
-            docs = f.metadata.inputs if f.metadata is not None else None
-            if docs and args_spec.num_leaves == positional <= len(docs) and all(d.name for d in docs):
-                names = tuple(str(d.name) for d in docs[:positional])
-    return MethodCall(f.name, index, in_spec, out_spec, flat_call, contiguous, single, positional, keywords, names)
-
-
 def _as_dict(obj: Any, fields: Sequence[str]) -> dict[str, Any]:
     return {f: getattr(obj, f) for f in fields}
 
 
 _LAYOUT = ("fqn", "dtype", "sizes", "strides", "bytes")
-_MEMORY = ("weights", "templates", "sessions", "containers", "offloaded", "host_spare")
+_MEMORY = ("weights", "templates", "sessions", "containers", "offloaded", "host_spare", "pool")
 _STATS = ("live_sessions", "live_bytes", "resident_sessions", "offloaded_sessions", "device_bytes",
           "host_bytes", "host_spare_bytes", "sessions_created", "offloads", "evictions", "idle_offloads",
           "idle_closes", "restores", "saves", "loads", "runs", "binds", "bind_seconds", "reclaim_seconds",
-          "lanes", "graph_replays", "graph_captures", "graphs", "graph_pools")
+          "lanes", "graph_replays", "graph_captures", "graphs", "graph_pools", "pool_pages", "pool_pages_used",
+          "pool_slots", "pool_slots_used", "pool_grows", "pages_copied", "batch_runs", "batch_rows")
 
 
 class Engine(Closable):
@@ -259,7 +184,7 @@ class Engine(Closable):
             self._device = torch.device("cuda", torch.cuda.current_device())
         options = _options(str(self._device), mutable, max_sessions, memory_budget, host_budget, idle_timeout,
                            idle_action, strict_weights, lanes, cuda_graphs, graph_output_views)
-        files = _resolve_methods(model)
+        files = resolve_methods(model)
         for f in files:
             if f.device_key is not None and f.device_key != self._device.type:
                 raise PackageError(
@@ -275,7 +200,7 @@ class Engine(Closable):
             source = "package metadata"
         else:
             source = "every buffer (no declaration in the package; pass mutable= to choose)"
-        sources = [_source(f) for f in files]
+        sources = [method_source(f) for f in files]
         # The raw handle of torch's current stream (0 on the CPU), without
         # building a Stream object: what every call into the core passes.
         if self._device.type == "cuda":
@@ -288,11 +213,16 @@ class Engine(Closable):
         for note in self._core.load_notes:
             log.warning("%s", note)
         self._buffers = self._core.mutable_buffers
-        self._methods = {f.name: _describe(self._core, f, src) for f, src in zip(files, sources)}
+        self._methods = {f.name: describe(self._core, f, src) for f, src in zip(files, sources)}
         self._files = {f.name: f for f in files}
         # What `session(...)` calls: the only method (None with several).
         self._only: MethodCall | None = next(iter(self._methods.values())) if len(self._methods) == 1 else None
         fqns = [b.fqn for b in self._buffers]
+        pool = self._core.pool
+        if pool is not None:
+            log.info("pooled state: %s", ", ".join(f"{t.name} ({'pages' if t.kind == _core.PoolKind.PAGES else 'slots'})"
+                                                   for t in pool.tensors))
+            return
         level = logging.WARNING if options.mutable_patterns is None or not fqns else logging.INFO
         log.log(level, "mutable state from %s: %s", source, _names(fqns) or "none (stateless model)")
 
@@ -308,8 +238,23 @@ class Engine(Closable):
 
     @property
     def mutable_fqns(self) -> tuple[str, ...]:
-        """FQNs of the per-session state."""
+        """FQNs of the per-session state (none with pooled state: see :attr:`pool`)."""
         return tuple(b.fqn for b in self._buffers)
+
+    @property
+    def pool(self) -> dict[str, Any] | None:
+        """The pooled state (docs/batching.md), if the package keeps one:
+        ``page_size``, ``max_pages``, ``max_positions`` (positions a session
+        holds at most), ``max_rows`` (sessions one batched call takes at
+        most), ``page_bytes``, ``slot_bytes`` and ``tensors`` (name, kind,
+        dtype, unit_sizes, unit_bytes each)."""
+        layout = self._core.pool
+        if layout is None:
+            return None
+        out = _as_dict(layout, ("page_size", "max_pages", "max_positions", "max_rows", "page_bytes", "slot_bytes"))
+        out["tensors"] = [{**_as_dict(t, ("name", "dtype", "unit_sizes", "unit_bytes")),
+                           "kind": "pages" if t.kind == _core.PoolKind.PAGES else "slots"} for t in layout.tensors]
+        return out
 
     @property
     def bytes_per_session(self) -> int:
@@ -417,6 +362,28 @@ class Engine(Closable):
     def new_session(self) -> Session:
         """A new session in the initial state. Raises CapacityError when full."""
         return Session(self, self._core.new_session(self._stream()))
+
+    def run_batch(self, method: str, sessions: Sequence[Session], /, *args: Any, **kwargs: Any) -> Any:
+        """Run pooled ``method`` once over ``sessions``, one row each, in order:
+        the weights are read once for all of them, each row reads and writes
+        only its own session's state. The inputs have the rows first (say
+        ``input_ids[len(sessions), 1]``); so do the outputs. Each session is
+        restored first if offloaded and holds the positions fed afterwards."""
+        call = self._methods.get(method)
+        if call is None:
+            raise ValueError(f"unknown method {method!r}; this engine has: {', '.join(self._methods)}")
+        if not call.pooled:
+            raise ValueError(f"method {method!r} takes no pooled state; run it on one session")
+        if isinstance(sessions, Session) or not isinstance(sessions, Sequence):
+            raise TypeError("sessions must be a sequence of Session")
+        cores = []
+        for s in sessions:
+            if not isinstance(s, Session) or s.engine is not self:
+                raise ValueError(f"{s!r} is not a session of this engine")
+            cores.append(s._core)
+        flat = call.flatten(args, kwargs)
+        outputs = from_handles(self._core.run_batch(cores, call.index, to_handles(flat), self._stream()))
+        return outputs[0] if call.single_output else call.outputs(outputs)
 
     def load_session(self, path: str | os.PathLike[str], *, strict: bool = True) -> Session:
         """A new session holding the state saved by :meth:`Session.save`.

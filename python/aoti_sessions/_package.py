@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from ._json import Field, read_json
 from .errors import PackageError
 
-__all__ = ["MethodFiles", "SessionsMetadata", "InputDoc", "OutputDoc", "WeightDoc", "cache_dir", "open_model",
+__all__ = ["MethodFiles", "SessionsMetadata", "PoolDoc", "InputDoc", "OutputDoc", "WeightDoc", "cache_dir", "open_model",
            "top_folder", "METADATA_KEY", "METADATA_VERSION", "WEIGHTS_INDEX", "WEIGHTS_BLOB", "WEIGHTS_VERSION",
            "WEIGHTS_ALIGN"]
 
@@ -61,6 +61,25 @@ class OutputDoc:
 
 
 @dataclass(frozen=True)
+class PoolDoc:
+    """How a pooled method addresses the engine's pooled state (input positions)."""
+
+    page_size: int
+    tensors: list[tuple[int, str, str]]  # (input, name, "pages" | "slots")
+    tokens: int
+    max_rows: int
+    page_table: int | None = None
+    positions: int | None = None
+    slot_ids: int | None = None
+
+    @property
+    def engine_filled(self) -> set[int]:
+        """Inputs the engine fills (the caller gives the others)."""
+        filled = {i for i, _, _ in self.tensors}
+        return filled | {i for i in (self.page_table, self.positions, self.slot_ids) if i is not None}
+
+
+@dataclass(frozen=True)
 class SessionsMetadata:
     """What ais.compile recorded for one method."""
 
@@ -69,6 +88,7 @@ class SessionsMetadata:
     outputs: list[OutputDoc] | None = None
     # Each dynamic dimension's symbol: its (min, max), None where unbounded.
     ranges: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    pool: PoolDoc | None = None
 
 
 @dataclass(frozen=True)
@@ -206,7 +226,24 @@ def _sessions_metadata(raw: Field) -> SessionsMetadata:
         ranges={} if ranges is None else {
             r["symbol"].string(): (_optional_int(r.get("min")), _optional_int(r.get("max"))) for r in ranges.items()
         },
+        pool=None if doc.get("pool") is None else _pool_doc(doc["pool"]),
     )
+
+
+_POOL_KINDS = ("pages", "slots")
+
+
+def _pool_doc(raw: Field) -> PoolDoc:
+    tensors = []
+    for t in raw["tensors"].items():
+        kind = t["kind"].string()
+        if kind not in _POOL_KINDS:
+            raise PackageError(f"{t.where('kind')} must be one of {', '.join(_POOL_KINDS)}, got {kind!r}")
+        tensors.append((t["input"].integer(minimum=0), t["name"].string(), kind))
+    return PoolDoc(page_size=raw["page_size"].integer(minimum=0), tensors=tensors,
+                   tokens=raw["tokens"].integer(minimum=0), max_rows=raw["max_rows"].integer(minimum=1),
+                   page_table=_optional_int(raw.get("page_table")), positions=_optional_int(raw.get("positions")),
+                   slot_ids=_optional_int(raw.get("slot_ids")))
 
 
 def _sizes(entry: Field) -> list[int | None]:

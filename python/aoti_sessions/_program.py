@@ -9,13 +9,15 @@ import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ._pool import Pool
 from ._words import first_names
 from .errors import CompileError, CompileWarning
 
@@ -44,8 +46,12 @@ class Method:
     # (``torch.nn.backends.SDPBackend``, as ``torch.nn.attention.sdpa_kernel``
     # takes them); None: torch's choice for the device.
     attention: tuple[SDPBackend, ...] | None = None
+    # How the method addresses the engine's pooled state (docs/batching.md).
+    pool: Pool | None = None
 
     def __post_init__(self) -> None:
+        if self.pool is not None and not isinstance(self.pool, Pool):
+            raise TypeError(f"pool must be an ais.Pool, got {type(self.pool).__name__}")
         if self.attention is None:
             return
         backends = tuple(self.attention)
@@ -57,6 +63,16 @@ class Method:
     def attention_backends(self) -> AbstractContextManager[None]:
         """What the method's export and compile run under: its attention backends."""
         return nullcontext() if self.attention is None else sdpa_kernel(list(self.attention))
+
+    def size_reasoning(self) -> AbstractContextManager[None]:
+        """What the method's export and compile reason about sizes under. A
+        pooled method's rows may be one session: torch otherwise assumes every
+        dynamic size is at least 2, and the compiled model refuses a batch of
+        one."""
+        if self.pool is None:
+            return nullcontext()
+        patch: AbstractContextManager[None] = cast(Any, fx_config).patch(backed_size_oblivious=True)
+        return patch
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,7 @@ def _export_once(module: torch.nn.Module, method: Method, strict: bool) -> Expor
         raise TypeError(f"module {type(module).__name__} has no method '{method.entry}'")
     # The package serves inference: no autograd in the trace (dynamo's strict
     # trace otherwise warns about .grad of tensors the module computed at init).
-    with torch.no_grad():
+    with torch.no_grad(), method.size_reasoning():
         return _trace(module, entry, method, strict)
 
 
@@ -208,7 +224,13 @@ def output_specs(ep: ExportedProgram) -> list[dict[str, Any]] | None:
 def symbol_ranges(ep: ExportedProgram) -> list[dict[str, Any]]:
     """Each dynamic dimension's symbol and its bounds (None: unbounded)."""
     def bound(x: Any) -> int | None:
-        return int(x) if getattr(x, "is_finite", False) and getattr(x, "is_integer", False) else None
+        # An unbounded dimension's bound is one of sympy's or torch's infinities.
+        if getattr(x, "is_finite", False) is not True or getattr(x, "is_integer", False) is not True:
+            return None
+        try:
+            return int(x)
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            return None
 
     return [{"symbol": str(sym), "min": bound(r.lower), "max": bound(r.upper)}
             for sym, r in ep.range_constraints.items()]

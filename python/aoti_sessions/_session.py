@@ -19,7 +19,7 @@ from . import _core
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["Session", "MethodCall", "to_handles", "from_handles", "Closable"]
+__all__ = ["Session", "PooledState", "MethodCall", "to_handles", "from_handles", "Closable"]
 
 # Tensors <-> owning AtenTensorHandle capsules, the only way tensors cross into
 # the core (which links no torch C++ API).
@@ -68,9 +68,14 @@ class MethodCall:
     positional: int = -1
     keywords: tuple[str, ...] = ()
     positional_names: tuple[str, ...] = ()
+    # Over pooled state: the inputs are the caller's only (the engine fills
+    # the rest), by position or by name.
+    pooled: bool = False
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensor inputs of a call, in the container's order."""
+        if self.pooled and kwargs:
+            args, kwargs = self._pooled_by_name(args, kwargs), {}
         if self.flat_call and not kwargs:
             # The common case: contiguous tensors, nothing to convert.
             try:
@@ -103,6 +108,22 @@ class MethodCall:
                     and not x.is_contiguous():
                 flat[i] = x.contiguous()
         return flat
+
+    def _pooled_by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        names = self.positional_names
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise TypeError(f"method '{self.name}' got unexpected keyword input {unknown[0]!r}; it takes "
+                            f"{', '.join(names)}")
+        given = dict(zip(names, args))
+        twice = [k for k in kwargs if k in given]
+        if twice:
+            raise TypeError(f"method '{self.name}': input '{twice[0]}' given by position and by keyword")
+        given.update(kwargs)
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise TypeError(f"method '{self.name}' is missing input {missing[0]!r}; it takes {', '.join(names)}")
+        return tuple(given[n] for n in names)
 
     def _name_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Positions beyond the positional inputs given to the keywords in
@@ -139,6 +160,15 @@ class MethodCall:
         if self.single_output:
             return flat[0]
         return flat if self.out_spec is None else pytree.tree_unflatten(flat, self.out_spec)
+
+
+class PooledState(dict[str, torch.Tensor]):
+    """A session's pooled state (``Session.state()`` of a pooled engine): each
+    pooled tensor's units by name, and the positions the session holds."""
+
+    def __init__(self, items: Any = (), *, length: int) -> None:
+        super().__init__(items)
+        self.length = length
 
 
 class Session(Closable):
@@ -228,9 +258,28 @@ class Session(Closable):
         """A new session whose state is a copy of this one's (counts against capacity)."""
         return Session(self._engine, self._core.fork(self._engine._stream()))
 
+    @property
+    def length(self) -> int:
+        """Positions the session holds (pooled state; 0 without)."""
+        return int(self._core.length)
+
+    def truncate(self, length: int) -> None:
+        """Pooled state: forget the positions from ``length`` on (a rewind:
+        nothing is copied; pages wholly past it are released)."""
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"length must be an int, got {type(length).__name__}")
+        self._core.truncate(length, self._engine._stream())
+
     def state(self) -> dict[str, torch.Tensor]:
         """A copy of every mutable buffer, by FQN, on the engine's device: one
-        consistent snapshot, even while other threads run this session."""
+        consistent snapshot, even while other threads run this session. With
+        pooled state: the session's part of each pooled tensor by name
+        (``[units, ...]``), as a :class:`PooledState` that also says the
+        session's ``length``."""
+        if self._engine._core.pool is not None:
+            handles, length = self._core.read_pool(self._engine._stream())
+            names = [t.name for t in self._engine._core.pool.tensors]
+            return PooledState(zip(names, from_handles(handles)), length=int(length))
         buffers = self._engine._buffers
         out = {b.fqn: torch.empty_strided(b.sizes, b.strides, dtype=getattr(torch, b.dtype),
                                           device=self._engine.device) for b in buffers}
@@ -246,6 +295,8 @@ class Session(Closable):
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping of FQN to Tensor, got {type(state).__name__}")
+        if self._engine._core.pool is not None:
+            return self._load_pooled(state)
         layouts = {b.fqn: b for b in self._engine._buffers}
         device = self._engine.device
         names, sources = [], []
@@ -262,6 +313,19 @@ class Session(Closable):
             names.append(str(fqn))
             sources.append(t)
         self._core.write_buffers(names, to_handles(sources), self._engine._stream())
+
+    def _load_pooled(self, state: Mapping[str, torch.Tensor]) -> None:
+        length = getattr(state, "length", None)
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError("the state of a pooled engine is a PooledState (as state() returns it), which says "
+                            "the session's length")
+        names, sources = [], []
+        for name, t in state.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state['{name}'] is a {type(t).__name__}, expected a Tensor")
+            names.append(str(name))
+            sources.append(t.contiguous() if _dense(t) else t)
+        self._core.write_pool(names, to_handles(sources), length, self._engine._stream())
 
     def close(self) -> None:
         """Release the state. Waits for a run of this session in flight; idempotent."""
