@@ -26,9 +26,9 @@ os.environ.setdefault("AOTI_SESSIONS_CACHE", str(ROOT / "build" / "test-cache"))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from aoti_sessions import _compile  # noqa: E402
+from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import _export, _spec  # noqa: E402
+from aoti_sessions.llm import _export, _paged, _paged_attention, _spec  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3")  # the families the tests export
 KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window, for the window's limits
@@ -143,7 +143,8 @@ def hf_model_dir(arch: str) -> Path:
 def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object]) -> Path:
     """The package ``build(path)`` writes, built once: cached under the models
     folder by ``key``, this file, the exporter's and the compiler's sources."""
-    sources = [inspect.getsource(module) for module in (_export, _spec, _compile)]
+    sources = [inspect.getsource(module) for module in (_export, _paged, _paged_attention, _spec, _compile, _pool,
+                                                        _program)]
     target = cache_dir() / "models" / f"{name}-{_source_key(*sources, *key)}.pt2"
     if target.is_file():
         return target

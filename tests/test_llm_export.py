@@ -26,7 +26,7 @@ from aoti_sessions.llm._spec import LLM_DIR, SPEC_FILE, read_llm_package
 from conftest import requires_cuda
 from llm_models import ARCHS, FAST, cached_package, hf_model_dir, llm_package
 
-STEPS = 12  # greedy tokens compared per prompt
+STEPS = 32  # greedy tokens compared per prompt
 PROMPTS = ["Tell me a story about the sea.", "How are you today?"]
 
 
@@ -56,93 +56,111 @@ def _chat(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-def _reference(model: Any, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """The eager model's greedy tokens and the logits each was chosen from."""
+def _reference(model: Any, prompt: list[int], steps: int = STEPS) -> tuple[list[int], list[torch.Tensor]]:
+    """The eager model's greedy tokens (argmax every step, end-of-sequence
+    tokens included: generate's min_new_tokens would mask them) and the
+    logits each was chosen from."""
+    tokens: list[int] = []
+    logits: list[torch.Tensor] = []
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=STEPS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), list(out.logits)
+        ids = torch.tensor([prompt], device=model.device)
+        out = model(ids, use_cache=True)
+        for _ in range(steps):
+            last = out.logits[:, -1].float()
+            logits.append(last)
+            tokens.append(int(last.argmax(-1)))
+            out = model(torch.tensor([[tokens[-1]]], device=model.device), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return tokens, logits
 
 
 def _feed(session: ais.Session, ids: list[int], chunk: int, device: str) -> torch.Tensor:
-    """``ids`` into the cache from position 0, ``chunk`` tokens per prefill call
-    (a lone last token goes through decode); the last position's logits."""
+    """``ids`` into the cache after what it holds, ``chunk`` tokens per prefill
+    call (a lone last token goes through decode); the last position's logits."""
     logits = torch.empty(0)
     pos = 0
     while pos < len(ids):
         piece = torch.tensor([ids[pos:pos + chunk]], device=device)
-        method = "decode" if piece.shape[1] == 1 else "prefill"
-        logits = session.run(method, piece, torch.arange(pos, pos + piece.shape[1], device=device))
+        logits = session.run("decode" if piece.shape[1] == 1 else "prefill", piece)
         pos += piece.shape[1]
     return logits
 
 
 class _Greedy:
-    """Greedy decoding of one session of a package, one step per call."""
+    """Greedy decoding of several sessions of a package at once: each step
+    is one batched decode over every session still going."""
 
-    def __init__(self, session: ais.Session, prompt: list[int], chunk: int, eos: list[int],
-                 device: str = "cpu") -> None:
-        self.session, self.pos, self.eos, self.device = session, len(prompt), eos, device
-        self.logits = [_feed(session, prompt, chunk, device)]
-        self.tokens: list[int] = []
+    def __init__(self, engine: ais.Engine, sessions: list[ais.Session], prompts: list[list[int]], chunk: int,
+                 device: str = "cpu", steps: int = STEPS) -> None:
+        self.engine, self.sessions, self.device, self.steps = engine, sessions, device, steps
+        self.logits = [[_feed(s, p, chunk, device)[0]] for s, p in zip(sessions, prompts)]
+        self.tokens: list[list[int]] = [[] for _ in sessions]
 
     def step(self) -> bool:
-        token = int(self.logits[-1].argmax(-1))
-        self.tokens.append(token)
-        if token in self.eos or len(self.tokens) == STEPS:
+        """Picks every row's next token and, unless done, feeds it in one
+        batched decode; whether there are more steps."""
+        for row, logits in zip(self.tokens, self.logits):
+            row.append(int(logits[-1].argmax(-1)))
+        if len(self.tokens[0]) == self.steps:
             return False
-        self.logits.append(self.session.run("decode", torch.tensor([[token]], device=self.device),
-                                            torch.tensor([self.pos], device=self.device)))
-        self.pos += 1
+        ids = torch.tensor([[row[-1]] for row in self.tokens], device=self.device)
+        out = self.engine.run_batch("decode", self.sessions, ids)
+        for logits, row in zip(self.logits, out):
+            logits.append(row)
         return True
+
+    def run(self) -> None:
+        while self.step():
+            pass
 
 
 @pytest.mark.parametrize("chunk", [64, 5])
 def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.Engine, chunk: int) -> None:
-    """The whole prompt in one prefill, or in chunks of 5 at growing offsets (the
-    last token alone through decode), then decode: the same greedy tokens as
-    transformers' generate, from logits within float rounding."""
+    """Two prompts, each whole in one prefill or in chunks of 5 (the last
+    token alone through decode), then batched decode steps over both
+    sessions: each row's greedy tokens are transformers' generate's for that
+    prompt alone, over 32 steps, from logits within float rounding."""
     model, tokenizer = _eager(arch, device), _tokenizer(arch)
-    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    prompt = _chat(tokenizer, PROMPTS[0])
-    expected, logits = _reference(model, prompt)
-    with engine.new_session() as s:
-        greedy = _Greedy(s, prompt, chunk, eos, device)
-        while greedy.step():
-            pass
-    assert greedy.tokens == expected
-    assert len(expected) >= 8  # a long enough comparison, not an early eos
-    for mine, theirs in zip(greedy.logits, logits):
-        assert mine.shape == (1, len(tokenizer))
-        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    prompts = [_chat(tokenizer, text) for text in PROMPTS]
+    references = [_reference(model, p) for p in prompts]
+    sessions = [engine.new_session() for _ in prompts]
+    greedy = _Greedy(engine, sessions, prompts, chunk, device)
+    greedy.run()
+    for s in sessions:
+        s.close()
+    for tokens, logits, (expected, theirs) in zip(greedy.tokens, greedy.logits, references):
+        assert tokens == expected
+        for mine, ref in zip(logits, theirs):
+            assert mine.shape == (len(tokenizer),)
+            torch.testing.assert_close(mine, ref[0], atol=1e-4, rtol=1e-4)
 
 
 def test_interleaved_sessions_stay_isolated() -> None:
-    """Two sessions stepped in turn, each with its own prompt, each get the tokens
-    of their prompt alone: the KV cache is per session (one family shows it)."""
+    """Two sessions stepped in turn, one at a time, each with its own prompt,
+    each get the tokens of their prompt alone: the KV cache is per session
+    (one family shows it)."""
     model, tokenizer = _eager("qwen3"), _tokenizer("qwen3")
     prompts = [_chat(tokenizer, text) for text in PROMPTS]
-    expected = [_reference(model, p)[0] for p in prompts]
+    expected = [_reference(model, p, 12)[0] for p in prompts]
     assert expected[0] != expected[1]
     with ais.Engine(llm_package("qwen3")) as engine, engine.new_session() as a, engine.new_session() as b:
-        runs = [_Greedy(s, p, 64, eos=[]) for s, p in zip((a, b), prompts)]
-        live = list(runs)
-        while live:
-            live = [g for g in live if g.step()]
-    assert [g.tokens[:len(e)] for g, e in zip(runs, expected)] == expected
+        runs = [_Greedy(engine, [s], [p], 64, steps=12) for s, p in zip((a, b), prompts)]
+        for _ in range(12):
+            for g in runs:  # one step of each in turn
+                g.step()
+    assert [g.tokens[0][:12] for g in runs] == expected
 
 
-def test_kv_cache_is_per_session_state(engine: ais.Engine, arch: str) -> None:
+def test_kv_cache_is_pooled_state(engine: ais.Engine, arch: str) -> None:
+    """The KV cache of every layer is one pooled page tensor the engine owns
+    (docs/batching.md); no buffer is per-session state."""
     config = transformers.AutoConfig.from_pretrained(hf_model_dir(arch), local_files_only=True)
-    layers = range(config.num_hidden_layers)
-    kv = {f"lm.{kind}_cache_{i}" for kind in ("key", "value") for i in layers}
-    positions = {f"lm.cumulative_length_{i}" for i in layers}
-    assert set(engine.mutable_fqns) == kv | positions
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    buffers = {b["fqn"]: b for b in engine.buffers()}
-    for fqn in kv:
-        assert buffers[fqn]["sizes"] == [1, config.num_key_value_heads, 128, head_dim]
-        assert sorted(buffers[fqn]["methods"]) == ["decode", "prefill"]
+    pool = engine.pool
+    assert pool is not None and engine.mutable_fqns == ()
+    assert [(t["name"], t["kind"], t["unit_sizes"]) for t in pool["tensors"]] == [
+        ("kv", "pages", [config.num_hidden_layers, 2, pool["page_size"], config.num_key_value_heads, head_dim])]
+    assert pool["max_positions"] >= 128 and pool["max_rows"] == 64
     assert sorted(engine.methods) == ["decode", "prefill"]
 
 
@@ -167,12 +185,13 @@ def test_cuda_decode_graph_is_captured_on_a_thread_other_than_the_warm_ups() -> 
     with ais.Engine(llm_package("qwen3", "cuda"), device="cuda") as engine, engine.new_session() as session:
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         outputs: list[torch.Tensor] = []
+        session.run("prefill", torch.tensor([[1, 2, 3, 4, 5]], device="cuda"))
 
         def decode() -> None:
             with torch.cuda.stream(stream):
                 for _ in range(3):
-                    outputs.append(session.run("decode", torch.tensor([[3]], device="cuda"),
-                                               torch.tensor([5], device="cuda")))
+                    session.truncate(5)  # every run feeds position 5 again
+                    outputs.append(session.run("decode", torch.tensor([[3]], device="cuda")))
             stream.synchronize()
         for _ in range(2):
             worker = threading.Thread(target=decode)
@@ -244,13 +263,12 @@ def test_cli_exports_a_saved_folder(capsys: pytest.CaptureFixture[str]) -> None:
     spec = read_llm_package(out).spec
     assert (spec.max_cache_len, spec.max_prefill, spec.model_type) == (64, 16, "qwen3")
     prompt = _chat(_tokenizer("qwen3"), PROMPTS[1])
-    expected, logits = _reference(_eager("qwen3"), prompt)
+    expected, logits = _reference(_eager("qwen3"), prompt, 12)
     with ais.Engine(out) as eng, eng.new_session() as s:
-        greedy = _Greedy(s, prompt, 16, eos=[])
-        while greedy.step():
-            pass
-    assert greedy.tokens[:len(expected)] == expected
-    torch.testing.assert_close(greedy.logits[0], logits[0], atol=1e-4, rtol=1e-4)
+        greedy = _Greedy(eng, [s], [prompt], 16, steps=12)
+        greedy.run()
+    assert greedy.tokens[0] == expected
+    torch.testing.assert_close(greedy.logits[0][0], logits[0][0], atol=1e-4, rtol=1e-4)
 
 
 def test_cli_refuses_bad_input_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -292,9 +310,9 @@ def test_export_takes_a_model_object_and_leaves_it_as_it_was(tmp_path: Path) -> 
     package = read_llm_package(path)
     assert (package.spec.dtype, package.spec.max_cache_len, package.spec.max_prefill) == ("bfloat16", 32, 8)
     with ais.Engine(path) as eng, eng.new_session() as s:
-        assert {b["dtype"] for b in eng.buffers() if "_cache_" in b["fqn"]} == {"bfloat16"}
+        assert eng.pool is not None and {t["dtype"] for t in eng.pool["tensors"]} == {"bfloat16"}
         prompt = _chat(tokenizer, PROMPTS[0])[:8]
-        logits = s.run("prefill", torch.tensor([prompt]), torch.arange(8))
+        logits = s.run("prefill", torch.tensor([prompt]))
     with torch.no_grad():
         eager = model.to(torch.bfloat16)(torch.tensor([prompt])).logits[:, -1].float()
     assert logits.dtype == torch.bfloat16

@@ -1,23 +1,18 @@
 """``aoti_sessions.llm.export``: a transformers causal LM as one package with a
-``prefill`` and a ``decode`` method.
+``prefill`` and a batched ``decode`` method over pooled state.
 
 Both methods share the weights (stored once by the multi-method
-``ais.compile``) and a static KV cache: module buffers the methods mutate, so
-the Engine gives every session its own copy. The cache is transformers' own
-export recipe (``TorchExportableModuleWithStaticCache``); its per-layer
-``cumulative_length`` scalars are overwritten from ``cache_position`` before
-anything reads them, so no step depends on a scalar buffer's stored value
-(which AOTInductor may fold to its initial value).
+``ais.compile``) and the pooled, paged KV cache the engine owns
+(docs/batching.md; the module is ``_paged.PagedLM``): ``prefill`` feeds a
+chunk of one session's prompt, ``decode`` one token to each of up to
+``max_batch`` sessions at once, reading the weights once for all of them.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
-import json
 import os
 import tempfile
-import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -27,61 +22,24 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.nn.attention import SDPBackend
 
-from .._compile import Method, compile
-from .._package import METADATA_KEY, top_folder
+from .._compile import Method, Pool, compile
+from .._package import top_folder
+from ._paged import PagedLM, paged_attention_on
 from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec, require_transformers
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-__all__ = ["export", "DEFAULT_MAX_CACHE_LEN", "DEFAULT_MAX_PREFILL"]
+__all__ = ["export", "DEFAULT_MAX_CACHE_LEN", "DEFAULT_MAX_PREFILL", "DEFAULT_MAX_BATCH", "DEFAULT_PAGE_SIZE"]
 
 DEFAULT_MAX_CACHE_LEN = 4096  # capped by the model's max_position_embeddings
 DEFAULT_MAX_PREFILL = 512  # capped by max_cache_len
+DEFAULT_MAX_BATCH = 64  # sessions one decode step takes at most
+DEFAULT_PAGE_SIZE = 16  # positions per page of the pooled KV cache
 _EXAMPLE_PREFILL = 8  # tokens of the example prefill call (any size in [2, max_prefill] serves)
+_EXAMPLE_ROWS = 2  # sessions of the example decode call (any count in [1, max_batch] serves)
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # save_pretrained writes both
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class _PrefillDecode(torch.nn.Module):
-    """The two entry points over transformers' static-cache wrapper (``lm``)."""
-
-    lm: TorchExportableModuleWithStaticCache
-
-    def __init__(self, lm: TorchExportableModuleWithStaticCache) -> None:
-        from transformers.cache_utils import StaticLayer
-
-        super().__init__()
-        self.lm = lm
-        parameters = inspect.signature(lm.model.forward).parameters
-        # transformers 5.2x calls the argument ``cache``, earlier releases ``past_key_values``.
-        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
-        self.logits_to_keep = "logits_to_keep" in parameters
-        self.layers: list[StaticLayer] = []
-        for layer in lm.static_cache.layers:
-            if not isinstance(layer, StaticLayer):
-                raise ValueError(f"the model's cache has a {type(layer).__name__} layer; export supports models "
-                                 "whose every layer has a static KV cache")
-            self.layers.append(layer)
-
-    def _last_logits(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        # As the wrapper's forward does: the cache's write position comes from the input.
-        for layer in self.layers:
-            layer.cumulative_length.copy_(cache_position[0])
-        # The last position only: the lm head of a prompt's every token is wasted work.
-        extra: dict[str, Any] = {self.cache_argument: self.lm.static_cache}
-        if self.logits_to_keep:
-            extra["logits_to_keep"] = 1
-        out = self.lm.model(input_ids=input_ids, use_cache=True, **extra)
-        logits: torch.Tensor = out.logits
-        return logits[:, -1, :]
-
-    def prefill(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        return self._last_logits(input_ids, cache_position)
-
-    def decode(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        return self._last_logits(input_ids, cache_position)
 
 
 def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -222,63 +180,60 @@ PREFILL_ATTENTION: tuple[SDPBackend, ...] | None = (SDPBackend.FLASH_ATTENTION, 
 DECODE_ATTENTION: tuple[SDPBackend, ...] | None = None
 
 
-def _methods(max_prefill: int, device: torch.device) -> dict[str, Method]:
-    """Example inputs: prefill's length is dynamic in [2, max_prefill], decode's static."""
+def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtype,
+             device: torch.device) -> dict[str, Method]:
+    """Example inputs: prefill's length is dynamic in [2, max_prefill],
+    decode's rows in [1, max_batch]; the pool's pages are dynamic (the engine
+    sizes it)."""
     example = min(_EXAMPLE_PREFILL, max_prefill)
     # A hint, not a named Dim: on CUDA, attention pads the mask to a multiple of
     # 8 and dynamo cannot prove the guard that adds for every length in range
     # ("Constraints violated (tokens)"); a hint lets export keep it as a check.
     tokens = torch.export.Dim.DYNAMIC(min=2, max=max_prefill)
+    rows = torch.export.Dim("rows", min=1, max=max_batch)
+    pages = torch.export.Dim.DYNAMIC
+    pool = Pool(tokens="input_ids", pages=("kv",), page_size=module.page_size, page_table="page_table",
+                positions="positions")
+
+    def table(n: int) -> torch.Tensor:
+        t = torch.zeros(n, module.max_pages, dtype=torch.int32, device=device)
+        t[:, 0] = torch.arange(2, 2 + n)
+        return t
+
+    kv = module.pool_example(2 + _EXAMPLE_ROWS, dtype, device)
     return {
-        "prefill": Method((torch.zeros(1, example, dtype=torch.long, device=device),
-                           torch.arange(example, device=device)),
-                          dynamic_shapes=({1: tokens}, {0: tokens}), entry="prefill", attention=PREFILL_ATTENTION),
-        "decode": Method((torch.zeros(1, 1, dtype=torch.long, device=device),
-                          torch.tensor([example], device=device)), entry="decode", attention=DECODE_ATTENTION),
+        "prefill": Method((torch.zeros(1, example, dtype=torch.long, device=device), kv, table(1),
+                           torch.zeros(1, dtype=torch.long, device=device)),
+                          dynamic_shapes=({1: tokens}, {0: pages}, None, None), entry="prefill",
+                          attention=PREFILL_ATTENTION, pool=pool),
+        "decode": Method((torch.zeros(_EXAMPLE_ROWS, 1, dtype=torch.long, device=device), kv, table(_EXAMPLE_ROWS),
+                          torch.full((_EXAMPLE_ROWS,), example, dtype=torch.long, device=device)),
+                         dynamic_shapes=({0: rows}, {0: pages}, {0: rows}, {0: rows}), entry="decode",
+                         attention=DECODE_ATTENTION, pool=pool),
     }
 
 
 @contextmanager
 def _exportable(model: PreTrainedModel, device: torch.device, dtype: torch.dtype | None,
                 restore: bool) -> Iterator[None]:
-    """``model`` on ``device`` in ``dtype``, in eval mode and no_grad, with the
-    generation settings transformers' static-cache wrapper asks for; the
-    caller's model is put back as it was when ``restore``."""
+    """``model`` on ``device`` in ``dtype``, in eval mode and no_grad, running
+    the paged attention; the caller's model is put back as it was when
+    ``restore``."""
     import transformers
 
     if model.generation_config is None:
         model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
-    generation, use_cache = model.generation_config, model.config.use_cache
+    use_cache = model.config.use_cache
     training, old_device, old_dtype = model.training, model.device, model.dtype
-    static = copy.deepcopy(generation)
-    static.use_cache, static.cache_implementation = True, "static"
-    model.generation_config, model.config.use_cache = static, True
+    model.config.use_cache = True
     try:
         cast(torch.nn.Module, model).to(device=device, dtype=dtype).eval()
-        with torch.no_grad():
+        with torch.no_grad(), paged_attention_on(model):
             yield
     finally:
-        model.generation_config, model.config.use_cache = generation, use_cache
+        model.config.use_cache = use_cache
         if restore:
             cast(torch.nn.Module, model).to(device=old_device, dtype=old_dtype).train(training)
-
-
-def _check_kv_state(package: str, module: _PrefillDecode) -> None:
-    """Every method must mutate every KV cache buffer: else the model did not
-    write into the cache export gave it, and sessions would share no context."""
-    caches = {name for name, _ in module.named_buffers() if "key_cache" in name or "value_cache" in name}
-    mutated: dict[str, set[str]] = {}
-    with zipfile.ZipFile(package) as zf:  # read in place: extracting a large package costs its size
-        for name in zf.namelist():
-            parts = name.split("/")
-            if len(parts) == 5 and parts[1:3] == ["data", "aotinductor"] and name.endswith("metadata.json"):
-                doc = json.loads(json.loads(zf.read(name)).get(METADATA_KEY, "{}"))
-                mutated.setdefault(parts[3], set()).update(doc.get("mutable_buffers") or [])
-    for method in ("prefill", "decode"):
-        if not caches or not caches <= mutated.get(method, set()):
-            raise RuntimeError(f"export: method '{method}' does not write the static KV cache (it mutates "
-                               f"{sorted(mutated.get(method, set()))}); this model or transformers version does "
-                               "not take the cache export passes it")
 
 
 def _model_name(model: PreTrainedModel, source: Path | None) -> str:
@@ -314,29 +269,36 @@ def export(
     dtype: str | torch.dtype | None = None,
     tokenizer: PreTrainedTokenizerBase | str | os.PathLike[str] | None = None,
     inductor_configs: Mapping[str, Any] | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    page_size: int = DEFAULT_PAGE_SIZE,
 ) -> str:
     """Compile a transformers causal LM into one LLM package at ``path`` (.pt2).
 
     ``model_or_dir`` is a ``PreTrainedModel`` or a local folder that
     ``save_pretrained`` wrote for the model and its tokenizer (never fetched
-    from the hub). The package has the methods ``prefill(input_ids[1, T],
-    cache_position[T]) -> logits[1, V]`` (the last position's logits, 2 <= T
-    <= ``max_prefill``) and ``decode(input_ids[1, 1], cache_position[1]) ->
-    logits[1, V]``, a static KV cache of ``max_cache_len`` positions per
-    session, and the tokenizer, generation config and an ``llm.json`` spec
-    (read back with :func:`aoti_sessions.llm._spec.read_llm_package`).
+    from the hub). The package has two methods over a pooled KV cache the
+    engine owns (docs/batching.md), of which each session holds the pages
+    (``page_size`` positions each) its positions fall in, up to
+    ``max_cache_len`` positions: ``prefill(input_ids[1, T])`` feeds T new
+    tokens of one session (2 <= T <= ``max_prefill``) and ``decode(input_ids[B,
+    1])`` one token to each of B sessions (1 <= B <= ``max_batch``), each
+    returning the logits of every row's last position; the engine fills in
+    the cache and each row's pages and positions. The tokenizer, generation
+    config and an ``llm.json`` spec travel in the package (read back with
+    :func:`aoti_sessions.llm._spec.read_llm_package`).
 
     ``max_cache_len`` defaults to the model's context (at most 4096),
     ``max_prefill`` to ``min(512, max_cache_len)``, ``dtype`` to the model's.
     Returns the package path.
     """
     require_transformers()
-    import transformers
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
     target = os.fspath(path)
     if not target.endswith(".pt2"):
         raise ValueError(f"package path must end in .pt2, got {target}")
+    for name, value, low in (("max_batch", max_batch, 1), ("page_size", page_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     torch_dtype = None if dtype is None else _as_dtype(dtype)
     source: Path | None = None
     if isinstance(model_or_dir, (str, os.PathLike)):
@@ -358,18 +320,17 @@ def export(
     generation = model.generation_config  # what the package records: the model's own defaults
     with _exportable(model, dev, torch_dtype, restore=model is model_or_dir), \
             tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(target))) as staging:
-        module = _PrefillDecode(TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=cache_len,
-                                                                     device=dev))
+        # Decode reads the pages with the Triton kernel on CUDA, by gathering them elsewhere.
+        module = PagedLM(model, page_size, max_pages=-(-cache_len // page_size), kernel=dev.type == "cuda")
         # Export under the final name: the package's top folder is named after the file.
         tmp = os.path.join(staging, os.path.basename(target))
-        with warnings.catch_warnings():
-            # Dynamo notes transformers' output-capture global as a side effect; it is harmless here.
-            warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
-            # transformers' static cache exports only through dynamo (strict): the
-            # non-strict trace fails in run_decompositions ("expected compiled_fn
-            # to be GraphModule").
-            compile(module, _methods(prefill_len, dev), path=tmp, inductor_configs=inductor_configs, strict=True)
-        _check_kv_state(tmp, module)
+        methods = _methods(module, prefill_len, max_batch, model.dtype, dev)
+        compile(module, methods, path=tmp, inductor_configs=inductor_configs, strict=False)
+        missing = sorted(set(range(module.layers)) - module.layers_written)
+        if missing:
+            raise RuntimeError(f"export: the model did not write the cache of layers {missing} (it writes "
+                               f"{sorted(module.layers_written)}); this model or transformers version does not "
+                               "take the cache export passes it")
         spec = LLMSpec(
             model_type=str(config.model_type), architecture=type(model).__name__,
             max_cache_len=cache_len, max_prefill=prefill_len, vocab_size=int(config.vocab_size),

@@ -1,0 +1,221 @@
+"""A transformers causal LM over a pooled, paged KV cache (docs/batching.md):
+the module ``aoti_sessions.llm.export`` compiles.
+
+Every layer's keys and values live in one pooled tensor the engine owns,
+``kv[pages, layers, 2, page_size, kv_heads, head_dim]``: a session owns the
+pages its positions fall in, listed in its row of ``page_table``. The model's
+own code runs unchanged; only its cache and its attention are ours:
+
+- the cache writes each new position's keys and values into the row's page
+  (``kv`` is an input the compiled model mutates in place);
+- attention reads the rows' pages: on CUDA a decode step (one new position
+  per row) calls the Triton paged-attention kernel, which reads only the
+  positions each row holds; otherwise (prefill, and every step on the CPU)
+  the row's pages are gathered and attended with a causal mask.
+
+Rows of one call are independent sessions. Nothing here reads or writes a
+position outside the rows' own pages: padding rows of a batch write the
+engine's scratch page, and page-table entries past a row's pages point at the
+engine's zero page.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._paged_attention import paged_decode_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["PagedLM", "ATTENTION", "kv_layout"]
+
+ATTENTION = "aoti_sessions_paged"  # the name our attention is registered under
+
+
+@dataclass
+class _Step:
+    """What one call's cache writes and attention reads, for every layer."""
+
+    kv: torch.Tensor           # the pool
+    page_table: torch.Tensor   # int32 [B, MP]
+    page: torch.Tensor         # int64 [B*T]: each new position's page
+    offset: torch.Tensor       # int64 [B*T]: and its place in the page
+    lengths: torch.Tensor      # int64 [B]: positions each row holds after the call
+    kernel: bool               # the paged kernel (one new position per row, CUDA), else gather
+
+
+_current: list[_Step] = []  # the call being traced (one at a time)
+
+
+def kv_layout(config: Any, page_size: int) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a model's KV cache; a ValueError for
+    layers whose caches differ (the pool has one page layout)."""
+    layers = int(config.num_hidden_layers)
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    return layers, heads, int(head_dim)
+
+
+def _rows(states: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] -> [B * T, H, D], always as a copy: reshaping a strided
+    view (a model that slices keys and values out of one projection, as Phi-3
+    does) makes the trace guard the row count against 1, which would refuse a
+    batch of one session."""
+    rows, heads, count, dim = states.shape
+    moved = torch.clone(states.transpose(1, 2), memory_format=torch.contiguous_format)
+    return moved.view(rows * count, heads, dim)
+
+
+def _cache_class() -> type:
+    from transformers.cache_utils import Cache
+
+    class PagedCache(Cache):
+        """The model's cache: writes into the pool, hands attention what it reads."""
+
+        is_compileable = True
+
+        def __init__(self, step: _Step, layers: int, page_size: int, written: set[int]) -> None:
+            super().__init__(layers=[])
+            self.step = step
+            self.written = written  # the layers whose cache the model wrote
+            self.layer_count = layers
+            self.page_size = page_size
+
+        def __len__(self) -> int:
+            return self.layer_count
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            step = self.step
+            self.written.add(layer_idx)
+            # index_put_ on the pool itself, with one index tensor per
+            # dimension: AOTInductor writes that in place. (A write through a
+            # view of the pool, or index_copy_, becomes a copy of the whole
+            # pool written back after the step: slow, and it would undo the
+            # writes of a concurrent step of other sessions.)
+            layer = torch.full_like(step.page, layer_idx)
+            step.kv.index_put_((step.page, layer, torch.zeros_like(step.page), step.offset), _rows(key_states))
+            step.kv.index_put_((step.page, layer, torch.ones_like(step.page), step.offset), _rows(value_states))
+            if step.kernel:
+                return step.kv[:, layer_idx, 0], step.kv[:, layer_idx, 1]
+            # [B, MP, page, Hkv, D] -> [B, Hkv, MP * page, D]: the row's positions in order.
+            pages = step.kv[step.page_table.long(), layer_idx]
+            keys = pages[:, :, 0].flatten(1, 2).transpose(1, 2)
+            values = pages[:, :, 1].flatten(1, 2).transpose(1, 2)
+            return keys, values
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0  # positions come from the engine, never from here
+
+    return PagedCache
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention every layer runs while a PagedLM call is traced; returns
+    [B, T, Hq, D] as transformers' attention functions do."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    step = _current[-1]
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    if step.kernel:
+        out = paged_decode_attention(query[:, :, 0], key, value, step.page_table, step.lengths, scale,
+                                     int(sliding_window or 0), float(softcap or 0.0))
+        return out[:, None], None
+    if softcap:  # sdpa has no softcap (Gemma2): the plain computation
+        groups = query.shape[1] // key.shape[1]
+        keys, values = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scores = (query @ keys.transpose(-1, -2)).float() * scale
+        scores = float(softcap) * torch.tanh(scores / float(softcap))
+        if attention_mask is not None:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1).to(values.dtype) @ values
+        return out.transpose(1, 2).contiguous(), None
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=False, **kwargs)
+    return out, None
+
+
+class PagedLM(torch.nn.Module):
+    """``prefill`` and ``decode`` over the pooled cache (see the module's doc)."""
+
+    def __init__(self, model: PreTrainedModel, page_size: int, max_pages: int, kernel: bool) -> None:
+        super().__init__()
+        self.model = model
+        config = model.config.get_text_config()
+        self.layers, self.heads, self.head_dim = kv_layout(config, page_size)
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.kernel = kernel
+        parameters = inspect.signature(model.forward).parameters
+        # transformers 5.2x calls the argument ``cache``, earlier releases ``past_key_values``.
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self.logits_to_keep = "logits_to_keep" in parameters
+        self.cache_class = _cache_class()
+        # Layers whose cache a traced call wrote: export checks the model used
+        # the cache it was given (else sessions would keep no context).
+        self.layers_written: set[int] = set()
+
+    def pool_example(self, pages: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(pages, self.layers, 2, self.page_size, self.heads, self.head_dim, dtype=dtype,
+                           device=device)
+
+    def _run(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
+             kernel: bool) -> torch.Tensor:
+        rows, count = input_ids.shape
+        pos = positions[:, None] + torch.arange(count, device=input_ids.device)  # [B, T]
+        page = torch.gather(page_table, 1, torch.div(pos, self.page_size, rounding_mode="floor")).long()
+        offset = pos % self.page_size
+        step = _Step(kv, page_table, page.reshape(-1), offset.reshape(-1), positions + count, kernel)
+        if kernel:
+            mask = None
+        else:
+            keys = torch.arange(self.max_pages * self.page_size, device=input_ids.device)
+            mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, K]: causal, own positions only
+        extra: dict[str, Any] = {self.cache_argument: self.cache_class(step, self.layers, self.page_size,
+                                                                       self.layers_written)}
+        if self.logits_to_keep:
+            extra["logits_to_keep"] = 1
+        _current.append(step)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=pos, attention_mask=mask, use_cache=True, **extra)
+        finally:
+            _current.pop()
+        logits: torch.Tensor = out.logits
+        return logits[:, -1, :]
+
+    def prefill(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [1, T]: T new positions of one session; the last one's logits [1, V]."""
+        return self._run(input_ids, kv, page_table, positions, kernel=False)
+
+    def decode(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, 1]: one new position for each of B sessions; logits [B, V]."""
+        return self._run(input_ids, kv, page_table, positions, kernel=self.kernel)
+
+
+@contextmanager
+def paged_attention_on(model: PreTrainedModel) -> Iterator[None]:
+    """``model`` running our attention (registered once) for the block."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, paged_attention)
+    config = model.config
+    before = config._attn_implementation
+    model.set_attn_implementation(ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
