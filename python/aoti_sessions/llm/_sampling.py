@@ -1,9 +1,11 @@
 """Sampling parameters and the sampler: greedy, or temperature with top-k and
-top-p, seeded per request."""
+top-p, seeded per request; many rows, each with its own settings, sampled at
+once on the device."""
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,16 @@ MAX_STOP_LENGTH = 256
 # Temperatures below this sample as greedy: dividing by them overflows the
 # scores to inf, and the softmax of those is NaN.
 MIN_TEMPERATURE = 1e-5
+
+# The random draws are a hash of (seed, step, token id), not a generator's
+# state, so a row's draws do not depend on the batch it is in. The host turns
+# (seed, step) into a 32-bit key per row (splitmix64); the device hashes (key,
+# token id) with lowbias32 (C. Wellons' 32-bit integer hash) in int32 ops.
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+_MIX_INDEX = -1640531527  # 0x9E3779B9 as an int32: spreads consecutive token ids
+_MIX_1 = 0x7FEB352D
+_MIX_2 = -2073254261  # 0x846CA68B as an int32 (int32 products wrap)
 
 
 class ParamError(ValueError):
@@ -89,10 +101,17 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks the next token from one position's logits. Greedy is argmax;
-    sampling scales by the temperature, keeps the top-k, then the smallest set
-    whose probability reaches top-p, and draws with the request's generator
-    (seeded: the same request gives the same tokens)."""
+    """One generation's sampling settings and its random stream. Greedy is
+    argmax; sampling scales by the temperature, keeps the top-k (every token
+    tied with the k-th too), then the smallest set whose probability reaches
+    top-p, and draws from the softmax of what is left.
+
+    Draws are keyed by (seed, step, token id), never by a generator's state:
+    the token drawn at ``step`` n depends only on the seed, n, this row's
+    logits and the settings, so a generation draws the same tokens alone or in
+    any batch (see :func:`sample`). ``step`` counts the tokens drawn so far;
+    every call advances it by one (a caller that rewinds sets it back).
+    ``device`` is not used: draws need no state on the device."""
 
     def __init__(self, params: SamplingParams, generation_config: Mapping[str, Any], device: torch.device) -> None:
         config = generation_config
@@ -103,31 +122,142 @@ class Sampler:
         self.temperature = temperature
         self.top_k = params.top_k if params.top_k is not None else int(config.get("top_k") or 0)
         self.top_p = params.top_p if params.top_p is not None else float(config.get("top_p") or 1.0)
-        self.generator: torch.Generator | None = None
-        if not self.greedy:
-            self.generator = torch.Generator(device=device)
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed % (1 << 64))
-            else:
-                self.generator.seed()
+        # Unseeded: a seed of its own, drawn once, so its draws are as independent
+        # of other generations' as two seeds' are.
+        self.seed = params.seed % (1 << 64) if params.seed is not None else secrets.randbits(64)
+        self.step = 0
+        self._stream = _mix64(self.seed)
+
+    def _next_key(self) -> int:
+        """The 32-bit key of this step's draw (signed, as the device's int32
+        holds it): the step-th output of splitmix64 started at the mixed seed
+        (any step's, without the ones before); advances the step."""
+        step, self.step = self.step, self.step + 1
+        key = _mix64((self._stream + (step + 1) * _GOLDEN64) & _MASK64) >> 32
+        return key - (1 << 32) if key >= 1 << 31 else key
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token, as a one-element int64 tensor on the logits' device
-        (it is the next step's input as it is: no trip through the host)."""
-        row = logits.reshape(-1)
-        if self.greedy:
-            return row.argmax().reshape(1)
-        scores = (row.float() - row.max().float()) / self.temperature
-        if 0 < self.top_k < scores.numel():
-            kth = torch.topk(scores, self.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        if self.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True)
-            probs = torch.softmax(sorted_scores, dim=-1)
-            # Drop a token once the ones before it already reach top_p (the
-            # first token always stays).
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= self.top_p
-            sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
-            scores = torch.empty_like(scores).scatter_(0, order, sorted_scores)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator)
+        (it is the next step's input as it is: no trip through the host). The
+        same as this row's token in a batch (:func:`sample`)."""
+        return sample(logits.reshape(1, -1), [self])
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a 64-bit bijection in which every input bit
+    flips every output bit with probability about 1/2."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _log_exponentials(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log E for E ~ Exp(1), independent per (row, token id), float32: row r
+    of ``keys`` (int32 ``[B]``) and each id of ``index`` (``[V]`` or ``[B, V]``)."""
+    x = index.to(torch.int32, copy=True).mul_(_MIX_INDEX)
+    x = x ^ keys[:, None] if x.dim() == 1 else x.bitwise_xor_(keys[:, None])
+    # torch's >> on signed integers copies the sign bit in: mask it out (a
+    # logical shift), or the xor-shift would stop being a bijection.
+    shifted = torch.empty_like(x)
+    for shift, multiplier in ((16, _MIX_1), (15, _MIX_2)):
+        torch.bitwise_right_shift(x, shift, out=shifted)
+        x ^= shifted.bitwise_and_((1 << (32 - shift)) - 1)
+        x *= multiplier
+    # The top 23 bits (the best mixed after a multiply) as the mantissa of a
+    # float in [1, 2): minus (1 - 2^-24), that is u = (v + 1/2) / 2^23 exactly,
+    # in (0, 1), so both logs stay finite (and no int-to-float conversion).
+    torch.bitwise_right_shift(x, 9, out=shifted)
+    u = shifted.bitwise_and_((1 << 23) - 1).bitwise_or_(0x3F800000).view(torch.float32)
+    return u.sub_(1.0 - 2.0 ** -24).log_().neg_().log_()
+
+
+def _drop_below_top_k(scores: torch.Tensor, ranked: torch.Tensor, kth: torch.Tensor) -> None:
+    """Sets to -inf the scores below their row's k-th largest, read from
+    ``ranked`` (each row's largest scores in descending order) at ``kth`` (k - 1,
+    or -1 where the row keeps all)."""
+    threshold = ranked.gather(1, kth.clamp(min=0)[:, None])
+    threshold = torch.where(kth[:, None] >= 0, threshold, -math.inf)
+    scores.masked_fill_(scores < threshold, -math.inf)
+
+
+def _race(scores: torch.Tensor, keys: torch.Tensor, kth: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Rows without top-p: the exponential race over the whole vocabulary,
+    after a top-k at the rows' largest k (``top_k``; 0: none)."""
+    if top_k:
+        _drop_below_top_k(scores, torch.topk(scores, top_k, dim=-1).values, kth)
+    scores.sub_(_log_exponentials(keys, torch.arange(scores.shape[1], device=scores.device)))
+    return scores.argmax(dim=-1)
+
+
+def _nucleus(scores: torch.Tensor, keys: torch.Tensor, kth: torch.Tensor, top_k: int,
+             top_p: torch.Tensor) -> torch.Tensor:
+    """Rows with top-p: sorted (stably, so that tied tokens keep one order
+    whatever the batch), top-k, top-p, then the race among what is left."""
+    scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    if top_k:
+        _drop_below_top_k(scores, scores, kth)
+    probs = torch.softmax(scores, dim=-1)
+    # Drop a token once the ones before it already reach top_p (the first
+    # token always stays).
+    before = torch.cumsum(probs, dim=-1).sub_(probs)
+    scores.masked_fill_(before >= top_p[:, None], -math.inf)
+    scores.sub_(_log_exponentials(keys, order))
+    return order.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def sample(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor:
+    """Row r's next token, drawn from ``logits[r]`` (``[B, V]``, float32, bf16
+    or fp16) with ``samplers[r]``'s settings at its step, as an int64 tensor
+    ``[B]`` on the logits' device; advances every sampler's step.
+
+    It only queues device work (one copy of the rows' parameters, then
+    whole-batch kernels, as many whatever B is): nothing waits for the device.
+    Each row takes the path its own settings call for: greedy rows an argmax;
+    rows without top-p the exponential race over the vocabulary (after one
+    top-k at their largest k, if any uses top-k); rows with top-p a sort
+    first (the only full sort). A drawn row's token is argmax(score - log E)
+    over the tokens its filters keep, with E ~ Exp(1) per token (the winner
+    is distributed as the softmax of the scores) hashed from (seed, step,
+    token id): the same token whichever rows share the batch, or alone.
+    Rows of several paths are gathered path by path (one copy of the logits),
+    unless they already come greedy first, then without top-p, then with it.
+    """
+    rows, vocab = logits.shape
+    if len(samplers) != rows:
+        raise ValueError(f"{rows} rows of logits but {len(samplers)} samplers")
+    keys = [s._next_key() for s in samplers]
+    greedy = [r for r, s in enumerate(samplers) if s.greedy]
+    if len(greedy) == rows:
+        return logits.argmax(dim=-1)
+    race = [r for r, s in enumerate(samplers) if not s.greedy and s.top_p >= 1.0]
+    nucleus = [r for r, s in enumerate(samplers) if not s.greedy and s.top_p < 1.0]
+    order = greedy + race + nucleus
+    kth = [s.top_k - 1 if 0 < s.top_k < vocab else -1 for s in samplers]
+
+    # One host tensor, one copy: [key, k - 1, temperature, top-p, row] per row
+    # in path order (float64 holds the int32 keys and the integers exactly).
+    per_row = [(keys[r], kth[r], samplers[r].temperature, samplers[r].top_p, r) for r in order]
+    values = [v for field in zip(*per_row) for v in field]
+    cuda = logits.device.type == "cuda"
+    params = torch.tensor(values, dtype=torch.float64, pin_memory=cuda).to(logits.device, non_blocking=True)
+    params = params.view(5, rows)
+    permuted = order != list(range(rows))
+    rows_of = params[4].long() if permuted else None
+    x = logits.index_select(0, rows_of) if rows_of is not None else logits
+    start, end = len(greedy), len(greedy) + len(race)
+    drawn = x[start:]
+    # bf16 / fp16 logits are widened inside the division (no float32 copy first).
+    drawn = drawn if drawn.dtype in (torch.bfloat16, torch.float16) else drawn.float()
+    scores = torch.div(drawn, params[2, start:, None].float())
+    row_keys = params[0, start:].to(torch.int32)
+    kths = params[1, start:].long()
+    parts = [x[:start].argmax(dim=-1)] if greedy else []
+    if race:
+        top_k = max(kth[r] for r in race) + 1
+        parts.append(_race(scores[:end - start], row_keys[:end - start], kths[:end - start], top_k))
+    if nucleus:
+        top_k = max(kth[r] for r in nucleus) + 1
+        parts.append(_nucleus(scores[end - start:], row_keys[end - start:], kths[end - start:], top_k,
+                              params[3, end:].float()))
+    tokens = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return torch.empty_like(tokens).index_copy_(0, rows_of, tokens) if rows_of is not None else tokens
