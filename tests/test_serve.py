@@ -214,14 +214,30 @@ def test_capacity_429_until_a_session_is_deleted(package: Path, device: str) -> 
         error_of(http.post("/v1/sessions/load", json={"name": "x"}), 400)
 
 
-def test_memory_budget_moves_idle_sessions_to_host(package: Path, device: str, reference: Any) -> None:
-    with LLM(package, device) as probe:
-        per_session = probe.engine.bytes_per_session
-    with LLM(package, device, memory_budget=2 * per_session) as small, running(create_app(small)) as url, \
+def _session_bytes(package: Path, device: str, history: dict[str, list[dict[str, str]]]) -> dict[str, int]:
+    """Device bytes each conversation's session holds after its first turn
+    (the pages its tokens take), measured on an unbounded server."""
+    with LLM(package, device) as probe, running(create_app(probe)) as url, \
             openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client, \
             httpx.Client(base_url=url) as http:
-        history = {name: [{"role": "user", "content": text}]
-                   for name, text in zip(("e1", "e2", "e3"), (*CONVERSATIONS["a"], CONVERSATIONS["b"][0]))}
+        pool = probe.engine.pool
+        assert pool is not None
+        sizes = {}
+        for name, messages in history.items():
+            chat(client, probe, messages, name)
+            tokens = http.get(f"/v1/sessions/{name}").json()["tokens"]
+            sizes[name] = -(-tokens // pool["page_size"]) * pool["page_bytes"]
+        return sizes
+
+
+def test_memory_budget_moves_idle_sessions_to_host(package: Path, device: str, reference: Any) -> None:
+    history = {name: [{"role": "user", "content": text}]
+               for name, text in zip(("e1", "e2", "e3"), (*CONVERSATIONS["a"], CONVERSATIONS["b"][0]))}
+    sizes = _session_bytes(package, device, history)
+    # Room for all three but a byte: the third one's last page evicts the least recently used.
+    with LLM(package, device, memory_budget=sum(sizes.values()) - 1) as small, running(create_app(small)) as url, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client, \
+            httpx.Client(base_url=url) as http:
         for name, messages in history.items():
             messages.append({"role": "assistant", "content": chat(client, small, messages, name).choices[0]
                              .message.content})
@@ -229,7 +245,7 @@ def test_memory_budget_moves_idle_sessions_to_host(package: Path, device: str, r
         assert counts["aoti_sessions_evictions_total"] >= 1
         assert counts['aoti_sessions_sessions{state="offloaded"}'] == 1
         assert counts['aoti_sessions_sessions{state="resident"}'] == 2
-        assert counts["aoti_sessions_session_host_bytes"] == per_session
+        assert counts["aoti_sessions_session_host_bytes"] == sizes["e1"]
         assert not http.get("/v1/sessions/e1").json()["resident"]  # the least recently used
         # The offloaded conversation comes back and goes on as if it had stayed.
         messages = history["e1"] + [{"role": "user", "content": CONVERSATIONS["b"][1]}]

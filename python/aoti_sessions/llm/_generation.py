@@ -1,11 +1,14 @@
-"""One reply being generated on a chat session, a model step at a time."""
+"""One reply being generated on a chat session. The LLM's scheduler
+(_scheduler.py) runs its model steps, batched with every other generation;
+the caller reads the text as it comes, with ``step()`` or a callback."""
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Union
 
 from ._sampling import SamplingParams, Sampler
 from ._text import TextStream
@@ -14,6 +17,10 @@ if TYPE_CHECKING:
     from ._llm import ChatSession
 
 __all__ = ["Completion", "Generation"]
+
+# What a generation hands out: a piece of text, None once finished, or the
+# error that ended it.
+Event = Union[str, None, BaseException]
 
 
 @dataclass(frozen=True)
@@ -28,39 +35,11 @@ class Completion:
     completion_tokens: int
 
 
-class _TokenReader:
-    """Reads a sampled token on the host. On CUDA it waits on an event, which
-    releases the GIL (``.item()`` would hold it while the step runs, and
-    sessions on other threads could not queue theirs)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._token: torch.Tensor | None = None
-        if self._cuda:
-            self._host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-            self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-
-    def start(self, token: torch.Tensor) -> None:
-        """Queues the copy of ``token`` (a one-element device tensor) to the host."""
-        self._token = token
-        if self._cuda:
-            self._host.copy_(token.reshape(1), non_blocking=True)
-            self._done.record()
-
-    def finish(self) -> int:
-        """The token :meth:`start` queued, once it has arrived."""
-        if not self._cuda:
-            assert self._token is not None
-            return int(self._token)
-        self._done.synchronize()
-        return int(self._host[0])
-
-
 class Generation:
     """One reply being generated; made by :meth:`ChatSession.start`.
 
-    Each :meth:`step` runs the model once (a chunk of the prompt, or one new
-    token) and returns the text that became final, or ``None`` once finished.
+    Each :meth:`step` returns the next piece of text that became final (one
+    per generated token; possibly empty), or ``None`` once finished.
     """
 
     def __init__(self, session: ChatSession, prompt: list[int], params: SamplingParams) -> None:
@@ -69,24 +48,30 @@ class Generation:
         self.params = params
         self.prompt_tokens = len(prompt)
         # Keep the common prefix; the prompt's last token is always fed again,
-        # as its logits pick the first new token.
+        # as its logits pick the first new token. The cache forgets the rest.
         keep = 0
         for a, b in zip(session._tokens, prompt[:-1]):
             if a != b:
                 break
             keep += 1
-        del session._tokens[keep:]
+        if keep < len(session._tokens):
+            session._session.truncate(keep)
+            del session._tokens[keep:]
         self.cached_tokens = keep
         self.prefilled_tokens = 0
-        self._pending = prompt[keep:]
-        self._next: torch.Tensor | None = None  # the last token, on the device: the next step's input
+        self._pending = prompt[keep:]  # prompt tokens still to feed (the scheduler's)
         self._sampler = Sampler(params, llm.generation_config, llm.device)
-        self._reader = _TokenReader(llm.device)
         self._text = TextStream(llm.tokenizer, params.stop)
         self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else llm.eos_token_ids)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self._ending: str | None = None  # the finish reason once the last token's text is out
         self._closed = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._events: deque[Event] = deque()
+        self._sink: Callable[[Event], None] | None = None
+        self._released = threading.Event()  # set once the scheduler no longer holds it
 
     @property
     def text(self) -> str:
@@ -99,75 +84,88 @@ class Generation:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None or self._closed
+        return self.finish_reason is not None or self._closed or self._error is not None
 
+    # -- reading ---------------------------------------------------------------
     def step(self) -> str | None:
-        session = self._session
-        with session._lock:
-            if self.finished:
-                return None
-            with torch.no_grad():
-                if self._pending:
-                    with session._on_stream():
-                        logits = self._feed_prompt()
-                        if logits is None:
-                            return ""  # more of the prompt to go
-                        self._sample(logits)
-                # The token sampled last (by the previous step, or from the
-                # prompt just now) is read; unless it ends the reply, the step
-                # that feeds it is queued before its text is returned, so the
-                # device computes the next token while the caller sends this one.
-                # Waiting and decoding text need no stream: other sessions on it
-                # queue their work meanwhile.
-                piece = self._accept(self._reader.finish())
-                if not self.finished:
-                    with session._on_stream():
-                        self._sample(self._feed_last())
-                return piece
+        """The next piece of text (waiting for it), or ``None`` once finished;
+        raises the error that ended the generation, if one did."""
+        with self._cond:
+            while not self._events:
+                if self._closed or (self.finished and self._sink is None):
+                    return None
+                self._cond.wait()
+            event = self._events.popleft()
+            if event is None:
+                self._events.appendleft(None)  # finished: every later step says so too
+        if isinstance(event, BaseException):
+            raise event
+        return event
 
-    def _sample(self, logits: torch.Tensor) -> None:
-        self._next = self._sampler(logits)
-        self._reader.start(self._next)
+    def on_event(self, sink: Callable[[Event], None]) -> None:
+        """Hands every later piece (and ``None`` at the end, or the error) to
+        ``sink``, called on the scheduler's thread (it must not block); what
+        came before is handed over first, here."""
+        with self._cond:
+            while self._events:
+                sink(self._events.popleft())
+            self._sink = sink
 
-    def _feed_last(self) -> torch.Tensor:
-        assert self._next is not None
-        logits = self._run(self._next.view(1, 1), 1)
-        self._session._tokens.append(self.token_ids[-1])
-        return logits
+    def _emit(self, event: Event) -> None:
+        with self._cond:
+            if self._sink is not None:
+                self._sink(event)
+            else:
+                self._events.append(event)
+                self._cond.notify_all()
 
-    def _feed_prompt(self) -> torch.Tensor | None:
-        chunk = self._pending[:self._session.llm.spec.max_prefill]
-        logits = self._run(torch.tensor([chunk], dtype=torch.int64, device=self._session.llm.device), len(chunk))
-        self._session._tokens.extend(chunk)
-        self.prefilled_tokens += len(chunk)
-        del self._pending[:len(chunk)]
-        return None if self._pending else logits
+    # -- the scheduler's side ----------------------------------------------------
+    def _fed(self, count: int) -> None:
+        """``count`` prompt tokens were fed (the sampled token needs no record)."""
+        if count:
+            del self._pending[:count]
+            self.prefilled_tokens += count
 
-    def _run(self, ids: torch.Tensor, count: int) -> torch.Tensor:
-        """Feeds ``count`` tokens at the next positions; the last one's logits."""
-        session = self._session
-        start = len(session._tokens)
-        positions = torch.arange(start, start + count, dtype=torch.int64, device=ids.device)
-        return session._session.run("prefill" if count > 1 else "decode", ids, positions)  # type: ignore[no-any-return]
-
-    def _accept(self, token: int) -> str:
+    def _accept_token(self, token: int) -> bool:
+        """Records a sampled token before its text is made; whether it is fed
+        next (the reply goes on)."""
         if token in self._stop_ids:
-            return self._finish("stop", "")
+            self._finish("stop", "")
+            return False
         self.token_ids.append(token)
-        piece = self._text.push(token)
-        if self._text.stopped:
-            return self._finish("stop", piece)
         max_tokens = self.params.max_tokens
         if (max_tokens is not None and len(self.token_ids) >= max_tokens) \
                 or len(self._session._tokens) >= self._session.llm.max_context:
-            return self._finish("length", piece)
-        return piece
+            self._ending = "length"
+            return False
+        return True
 
-    def _finish(self, reason: str, piece: str) -> str:
+    def _deliver(self, token: int) -> None:
+        """The text of an accepted token (after the next step was queued)."""
+        if self.finished:
+            return
+        piece = self._text.push(token)
+        if self._text.stopped:
+            self._finish("stop", piece)
+        elif self._ending is not None:
+            self._finish(self._ending, piece)
+        else:
+            self._emit(piece)
+
+    def _finish(self, reason: str, piece: str) -> None:
         self.finish_reason = reason
         self._session._release(self)
-        return piece + self._text.flush()
+        text = piece + self._text.flush()
+        if text:
+            self._emit(text)
+        self._emit(None)
 
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._session._release(self)
+        self._emit(error)
+
+    # -- the caller's side -------------------------------------------------------
     def completion(self) -> Completion:
         """What was generated (``finish_reason`` is ``"stop"`` if closed early)."""
         return Completion(text=self.text, token_ids=list(self.token_ids), finish_reason=self.finish_reason or "stop",
@@ -177,10 +175,13 @@ class Generation:
     def close(self) -> None:
         """Stops generating (after the step in flight); the session keeps
         what was fed and is free for the next request. Idempotent."""
-        session = self._session
-        with session._lock:
-            self._closed = True
-            session._release(self)
+        if self._closed:
+            return
+        self._closed = True
+        self._session.llm._scheduler.cancel(self)
+        self._session._release(self)
+        with self._cond:
+            self._cond.notify_all()
 
     def __enter__(self) -> Generation:
         return self

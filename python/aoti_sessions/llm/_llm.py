@@ -10,12 +10,10 @@ diverged (a position change, nothing copied).
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Union
 
@@ -26,6 +24,7 @@ from .._session import Closable, Session
 from ..errors import PackageError, SessionBusyError, SessionClosedError, SessionFileError
 from ._generation import Completion, Generation
 from ._sampling import SamplingParams
+from ._scheduler import Scheduler
 from ._spec import read_llm_package
 
 __all__ = ["LLM", "ChatSession", "Prompt", "ContextLengthError"]
@@ -46,33 +45,31 @@ class LLM(Closable):
 
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``, ...).
-    On CUDA, sessions are spread over ``streams`` CUDA streams (default: the
-    engine's lanes), each session always on the same one, so sessions on
-    different streams run at the same time and each keeps its CUDA graphs.
+    Every chat session's generation runs on one step loop (a thread of the
+    LLM's, _scheduler.py): each step decodes one token for every session that
+    is generating, in one batched call, plus chunks of new prompts.
     """
 
-    def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu", *,
-                 streams: int | None = None, **engine_options: Any) -> None:
-        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
-            raise ValueError(f"streams must be a positive int, got {streams!r}")
+    def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
+                 **engine_options: Any) -> None:
         read = read_llm_package(package)
         self.spec = read.spec
         self.generation_config: dict[str, Any] = dict(read.generation_config)
         self.tokenizer = read.load_tokenizer()
         self.engine = Engine(package, device=device, **engine_options)
         missing = [m for m in ("prefill", "decode") if m not in self.engine.methods]
-        if missing:
+        if missing or self.engine.pool is None:
             self.engine.close()
-            raise PackageError(f"{package}: an LLM package needs methods prefill and decode; "
-                               f"missing {', '.join(missing)} (has {', '.join(self.engine.methods)})")
+            if missing:
+                raise PackageError(f"{package}: an LLM package needs methods prefill and decode; "
+                                   f"missing {', '.join(missing)} (has {', '.join(self.engine.methods)})")
+            raise PackageError(f"{package} was exported before chat sessions shared a batched decode step (its KV "
+                               "cache is per session, not pooled); export the model again with this version of "
+                               "aoti_sessions.llm.export")
         eos = self.generation_config.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset(int(t) for t in (*self.spec.eos_token_ids, *eos_ids))
-        self._streams: list[_SharedStream] = []
-        if self.engine.device.type == "cuda":
-            count = streams if streams is not None else int(self.engine.stats()["lanes"])
-            self._streams = [_SharedStream(self.engine.device) for _ in range(count)]
-        self._next_stream = itertools.count()
+        self._scheduler = Scheduler(self)
 
     @property
     def name(self) -> str:
@@ -150,43 +147,21 @@ class LLM(Closable):
         if not isinstance(tokens, list) or len(tokens) > self.max_context or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.spec.vocab_size for t in tokens):
             raise SessionFileError(f"{history}: not a token history of this model")
-        return ChatSession(self, self.engine.load_session(path), tokens)
-
-    def _pick_stream(self) -> _SharedStream | None:
-        if not self._streams:
-            return None
-        return self._streams[next(self._next_stream) % len(self._streams)]
+        session = self.engine.load_session(path)
+        if len(tokens) != session.length:
+            session.close()
+            raise SessionFileError(f"{history}: holds {len(tokens)} tokens, but the state beside it holds "
+                                   f"{session.length} positions: the two files come from different saves")
+        return ChatSession(self, session, tokens)
 
     def close(self) -> None:
+        """Stops the step loop (generations still running end with
+        SessionClosedError) and closes the engine and every session."""
+        self._scheduler.close()
         self.engine.close()
 
     def __repr__(self) -> str:
         return f"LLM({self.name!r}, {self.spec.architecture}, context {self.max_context}, {self.engine.device})"
-
-
-class _SharedStream:
-    """A CUDA stream and the lock that keeps one session's work on it at a
-    time: the stream orders the device work anyway, and a session capturing a
-    CUDA graph on a stream must be the only one queueing work there (another
-    session's kernels would land in its graph). Taken after a session's lock."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        self._lock = threading.Lock()
-        self._context: AbstractContextManager[Any] | None = None
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        self._context = torch.cuda.stream(self.stream)
-        self._context.__enter__()  # type: ignore[no-untyped-call]
-
-    def __exit__(self, *exc: object) -> None:
-        context, self._context = self._context, None
-        try:
-            assert context is not None
-            context.__exit__(None, None, None)
-        finally:
-            self._lock.release()
 
 
 class ChatSession(Closable):
@@ -197,7 +172,6 @@ class ChatSession(Closable):
         self._llm = llm
         self._session = session
         self._tokens = tokens
-        self._stream = llm._pick_stream()
         # Held while the model runs for this session and while its token list
         # changes: a fork or save sees state and tokens that agree.
         self._lock = threading.Lock()
@@ -249,6 +223,11 @@ class ChatSession(Closable):
                 raise SessionClosedError(f"session {self.id} is closed")
             generation = Generation(self, ids, params)
             self._active = generation
+        try:
+            self._llm._scheduler.submit(generation)
+        except BaseException:
+            self._release(generation)
+            raise
         return generation
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
@@ -273,13 +252,12 @@ class ChatSession(Closable):
         """Empties the cache."""
         with self._lock:
             self._idle("reset")
-            with self._on_stream():
-                self._session.reset()
+            self._session.reset()
             self._tokens = []
 
     def fork(self) -> ChatSession:
         """A new session holding a copy of this one's cache and tokens."""
-        with self._lock, self._on_stream():
+        with self._lock:
             return ChatSession(self._llm, self._session.fork(), list(self._tokens))
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -287,8 +265,7 @@ class ChatSession(Closable):
         (``path`` + ``.tokens.json``), for :meth:`LLM.load_session`."""
         history = Path(os.fspath(path) + HISTORY_SUFFIX)
         with self._lock:
-            with self._on_stream():
-                self._session.save(path)
+            self._session.save(path)
             tmp = history.with_name(history.name + ".tmp")
             tmp.write_text(json.dumps(self._tokens))
             os.replace(tmp, history)
@@ -298,11 +275,8 @@ class ChatSession(Closable):
         active = self._active
         if active is not None:
             active.close()
-        with self._lock, self._on_stream():
+        with self._lock:
             self._session.close()
-
-    def _on_stream(self) -> AbstractContextManager[Any]:
-        return self._stream if self._stream is not None else nullcontext()
 
     def _release(self, generation: Generation) -> None:
         if self._active is generation:

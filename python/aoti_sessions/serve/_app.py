@@ -9,7 +9,6 @@ import os
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("aoti_sessions.serve")
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 OPEN_PATHS = ("/health",)  # answered without the API key
-MAX_RUNNING = 4096  # generations running at once (each holds a session: the engine's max_sessions bounds it first)
 
 
 def create_app(llm: LLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
@@ -58,15 +56,10 @@ def create_app(llm: LLM, *, api_key: str | None = None, session_dir: str | os.Pa
     metrics = ServerMetrics(llm.engine.stats, lambda: len(registry), lambda: registry.throwaway)
     model = model_name or llm.name
 
-    # Generation step loops, one per running request, on threads kept from
-    # request to request (Job.pieces); as many as requests run at once.
-    steps = ThreadPoolExecutor(max_workers=MAX_RUNNING, thread_name_prefix="aoti-sessions-steps")
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await registry.close()
-        steps.shutdown(wait=False)
 
     # strict_content_type=False: a JSON body sent without a Content-Type is read as JSON.
     app = FastAPI(title="aoti-sessions", lifespan=lifespan, strict_content_type=False)
@@ -101,7 +94,7 @@ def create_app(llm: LLM, *, api_key: str | None = None, session_dir: str | os.Pa
         session_id = _session_id(body.session_id, header_id)
         if body.model is not None:
             _check_model(body.model, model)
-        job = Job(llm, body, model, metrics, steps)
+        job = Job(llm, body, model, metrics)
         await job.tokenize()
         entry = await registry.acquire(session_id, create=True)
         headers = {"X-Session-ID": session_id} if session_id else {}

@@ -1,17 +1,16 @@
-"""One generation request from start to end: its sampling parameters, the
-step loop (a worker thread per request runs the model steps and hands each piece to
-the event loop, which sends it while the next step runs and notices a client
-that left within one step), and the OpenAI response bodies and stream chunks."""
+"""One generation request from start to end: its sampling parameters, its
+pieces (handed to the event loop by the LLM's step loop, which batches every
+request's steps; the loop sends each piece while the next step runs and
+notices a client that left within one step), and the OpenAI response bodies
+and stream chunks."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Executor, wait
 from typing import TYPE_CHECKING, Any
 
 from ._errors import APIError
@@ -29,9 +28,8 @@ class Job:
     """A generation request: its session, its generation, and what it reports."""
 
     def __init__(self, llm: LLM, request: ChatRequest | CompletionRequest, model: str,
-                 metrics: ServerMetrics, steps: Executor) -> None:
+                 metrics: ServerMetrics) -> None:
         self.llm, self.request, self.model, self.metrics = llm, request, model, metrics
-        self._steps = steps  # runs the step loop (see pieces)
         self.entry: Entry | None = None
         self.chat = isinstance(request, ChatRequest)
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -91,58 +89,39 @@ class Job:
         """The generated text, piece by piece, until the generation ends or
         ``disconnected()`` says the client left (then ``cancelled``).
 
-        A worker thread runs the steps back to back and hands each piece to
-        the event loop, so sending a piece overlaps the next step (the server
-        adds no time per token while the loop keeps up), and requests
-        interleave token by token without waiting on each other. Once the
-        client is gone the thread stops before its next step. The threads
-        are the server's, reused from request to request: what torch and its
-        libraries cache per thread (cuDNN's attention plans, cuBLAS
-        workspaces) is made once per thread, not once per request."""
+        The LLM's step loop runs every request's generation in one batched
+        step; it hands each piece straight to the event loop (no thread per
+        request), which sends it while the next step runs."""
         g, entry = self.generation, self.entry
         assert g is not None and entry is not None and entry.session is not None
         session = entry.session
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str | None, int, float, int] | BaseException] = asyncio.Queue()
-        stop = threading.Event()
+        queue: asyncio.Queue[tuple[Any, int, float, int]] = asyncio.Queue()
 
-        def produce() -> None:
-            try:
-                while not stop.is_set():
-                    piece = g.step()
-                    # The token count for listings is read here: no waiting on the loop.
-                    item = (piece, g.completion_tokens, time.perf_counter(), session.token_count)
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-                    if piece is None:
-                        return
-            except BaseException as e:  # noqa: BLE001 - raised in the request's task
-                loop.call_soon_threadsafe(queue.put_nowait, e)
+        def sink(event: Any) -> None:
+            # On the step loop's thread: the counts are read here, not waited for.
+            item = (event, g.completion_tokens, time.perf_counter(), session.token_count)
+            loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        producer = self._steps.submit(produce)
+        g.on_event(sink)
         tokens, last = 0, self.arrived
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                piece, count, now, entry.tokens = item
-                if count > tokens:
-                    if tokens == 0:
-                        self.metrics.ttft.observe(now - self.arrived)
-                    else:
-                        self.metrics.itl.observe((now - last) / (count - tokens))
-                    tokens, last = count, now
-                if piece is None:
-                    return
-                if await disconnected():
-                    self.cancelled = True
-                    return
-                if piece:
-                    yield piece
-        finally:
-            stop.set()
-            # The step in flight ends before the generation is closed (finish).
-            await in_thread(lambda: wait([producer]))
+        while True:
+            event, count, now, entry.tokens = await queue.get()
+            if isinstance(event, BaseException):
+                raise event
+            if count > tokens:
+                if tokens == 0:
+                    self.metrics.ttft.observe(now - self.arrived)
+                else:
+                    self.metrics.itl.observe((now - last) / (count - tokens))
+                tokens, last = count, now
+            if event is None:
+                return
+            if await disconnected():
+                self.cancelled = True
+                return
+            if event:
+                yield event
 
     async def finish(self) -> None:
         """Cancels the generation if still running and counts its tokens;

@@ -1,0 +1,299 @@
+"""Continuous batching (docs/batching.md): one step loop per LLM that runs
+every chat's generation together.
+
+Each step runs one batched ``decode`` over every generation that has a token
+to feed (the one it sampled last, or the last token of its prompt), then
+prefill chunks of generations still reading their prompt, FCFS, up to a
+token budget (a long prompt is fed over several steps and never stalls the
+others; a new chat's first token waits for one step, not for the others to
+finish), samples every row at once on the device, each with its own
+parameters, and reads the sampled tokens with one copy. Generations join and
+leave between steps.
+
+The step after is queued before the text of this one is decoded, so the
+device computes while the host detokenizes, checks stop strings and hands
+out text: only a stop string can end a generation after its token was fed,
+and then the fed token is one the reply keeps (its cache holds it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import SessionClosedError
+from ._sampling import sample
+
+if TYPE_CHECKING:
+    from ._generation import Generation
+    from ._llm import LLM
+
+__all__ = ["Scheduler"]
+
+
+@dataclass
+class _Row:
+    """One generation's part of a step."""
+
+    generation: Generation
+    fed: list[int]              # the tokens fed (known on the host), or [] for the device token
+    samples: bool               # the step's logits pick its next token
+    from_device: int = -1       # its input: row of the previous step's sampled tokens (-1: `fed`)
+
+
+@dataclass
+class _Step:
+    """What one step queued: the rows whose tokens it samples, in order, and
+    where those tokens arrive on the host."""
+
+    sampled: list[Generation] = field(default_factory=list)
+    tokens: torch.Tensor | None = None   # [len(sampled)] on the device: the next step's inputs
+    host: torch.Tensor | None = None     # pinned (CUDA) copy of them
+    done: Any = None                     # CUDA event once they are there
+
+
+class Scheduler:
+    """The step loop of one LLM (a thread, started with the first generation)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._llm = llm
+        self._engine = llm.engine
+        pool = self._engine.pool
+        assert pool is not None
+        self.max_rows = int(pool["max_rows"])
+        # Prompt tokens fed per step at most: what one prefill call takes.
+        self.prefill_budget = llm.spec.max_prefill
+        self._cuda = self._engine.device.type == "cuda"
+        self._cond = threading.Condition()
+        self._waiting: deque[Generation] = deque()  # submitted, not yet stepped
+        self._active: list[Generation] = []         # stepped: reading their prompt or decoding
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._stream = torch.cuda.Stream(self._engine.device) if self._cuda else None  # type: ignore[no-untyped-call]
+        self.steps = 0  # steps run (for tests and metrics)
+
+    # -- from other threads ----------------------------------------------------
+    def submit(self, generation: Generation) -> None:
+        with self._cond:
+            if self._closed:
+                raise SessionClosedError("the LLM is closed")
+            self._waiting.append(generation)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="aoti-sessions-steps", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def cancel(self, generation: Generation) -> None:
+        """Takes ``generation`` out before the next step (waiting for the step in flight)."""
+        with self._cond:
+            if generation in self._waiting:
+                self._waiting.remove(generation)
+                generation._released.set()
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            generation._released.wait()
+
+    def close(self) -> None:
+        """Stops the loop; generations still running end with SessionClosedError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    # -- the loop --------------------------------------------------------------
+    def _loop(self) -> None:
+        stream: AbstractContextManager[Any] = torch.cuda.stream(self._stream) if self._stream is not None \
+            else nullcontext()
+        with torch.no_grad(), stream:
+            previous: _Step | None = None
+            while True:
+                with self._cond:
+                    while not self._closed and not self._waiting and not self._active and previous is None:
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                    self._active.extend(self._waiting)
+                    self._waiting.clear()
+                # The tokens the last step sampled: who goes on is known before
+                # this step is queued; their text is made while it runs.
+                tokens = self._read(previous)
+                going_on = self._accept_tokens(previous, tokens)
+                self._drop_finished()
+                step = self._run_step(previous, going_on)
+                if previous is not None:
+                    self._deliver_text(previous, tokens)
+                previous = step if step.sampled else None
+                self.steps += 1
+        self._end_all(SessionClosedError("the LLM was closed while generating"))
+
+    def _read(self, step: _Step | None) -> list[int]:
+        if step is None or step.tokens is None:
+            return []
+        if step.done is not None:
+            step.done.synchronize()  # releases the GIL while the device finishes
+            assert step.host is not None
+            return [int(t) for t in step.host[: len(step.sampled)].tolist()]
+        return [int(t) for t in step.tokens.tolist()]
+
+    def _accept_tokens(self, step: _Step | None, tokens: list[int]) -> set[Generation]:
+        """Records each sampled token; the generations that feed theirs next."""
+        going_on: set[Generation] = set()
+        if step is None:
+            return going_on
+        for g, token in zip(step.sampled, tokens):
+            if g.finished:
+                continue  # ended by a stop string after its last token was queued
+            if g._accept_token(token):
+                going_on.add(g)
+        return going_on
+
+    def _drop_finished(self) -> None:
+        with self._cond:
+            kept = []
+            for g in self._active:
+                if g.finished:
+                    g._released.set()
+                else:
+                    kept.append(g)
+            self._active = kept
+
+    def _run_step(self, previous: _Step | None, going_on: set[Generation]) -> _Step:
+        """Queues one step: the batched decode, then prefill chunks."""
+        decode: list[_Row] = []
+        prefill: list[_Row] = []
+        index = {g: i for i, g in enumerate(previous.sampled)} if previous is not None else {}
+        budget = self.prefill_budget
+        for g in self._active:
+            if g in going_on:
+                decode.append(_Row(g, [], True, index[g]))
+            elif g._pending and budget > 0 and len(decode) + len(prefill) < self.max_rows * 4:
+                chunk = g._pending[: min(budget, self._llm.spec.max_prefill)]
+                budget -= len(chunk)
+                row = _Row(g, chunk, len(chunk) == len(g._pending))
+                # A one-token chunk (say the prompt's last token after a cached
+                # prefix) is a decode row: prefill takes two or more.
+                (decode if len(chunk) == 1 else prefill).append(row)
+        step = _Step()
+        logits: list[torch.Tensor] = []
+        for start in range(0, len(decode), self.max_rows):
+            rows = decode[start:start + self.max_rows]
+            out = self._decode(rows, previous)
+            if out is not None:
+                logits.append(out)
+                step.sampled.extend(r.generation for r in rows)
+        for row in prefill:
+            out = self._prefill(row)
+            if out is not None and row.samples:
+                logits.append(out)
+                step.sampled.append(row.generation)
+        if logits:
+            all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+            step.tokens = sample(all_logits, [g._sampler for g in step.sampled])
+            if self._cuda:
+                step.host = torch.empty(len(step.sampled), dtype=torch.int64, pin_memory=True)
+                step.host.copy_(step.tokens, non_blocking=True)
+                step.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                step.done.record()
+        return step
+
+    def _decode(self, rows: list[_Row], previous: _Step | None) -> torch.Tensor | None:
+        device = self._engine.device
+        ids = self._inputs(rows, previous, device)
+        sessions = [r.generation._session for r in rows]
+        try:
+            with _Locked(sessions):
+                out: torch.Tensor = self._engine.run_batch("decode", [s._session for s in sessions], ids)
+                for r, s in zip(rows, sessions):
+                    s._tokens.append(r.fed[0] if r.fed else r.generation.token_ids[-1])
+                    r.generation._fed(len(r.fed))
+            return out
+        except Exception as e:  # noqa: BLE001 - one row's failure must not end the others
+            if len(rows) == 1:
+                rows[0].generation._fail(e)
+                return None
+        # Which row failed: each alone (the others' results are then fine to use).
+        outs = []
+        kept = []
+        for r in rows:
+            out1 = self._decode([r], previous)
+            if out1 is not None:
+                outs.append(out1)
+                kept.append(r)
+        rows[:] = kept
+        return torch.cat(outs) if outs else None
+
+    def _inputs(self, rows: list[_Row], previous: _Step | None, device: torch.device) -> torch.Tensor:
+        """[B, 1] token ids: the previous step's sampled tokens where the row
+        continues (no trip through the host), the fed tokens otherwise."""
+        if previous is not None and previous.tokens is not None and all(r.from_device >= 0 for r in rows):
+            picks = [r.from_device for r in rows]
+            if picks == list(range(len(picks))):
+                return previous.tokens[: len(picks)].view(-1, 1)
+            return previous.tokens[_host_to(picks, device)].view(-1, 1)
+        parts = []
+        for r in rows:
+            if r.from_device >= 0:
+                assert previous is not None and previous.tokens is not None
+                parts.append(previous.tokens[r.from_device: r.from_device + 1])
+            else:
+                parts.append(_host_to(r.fed, device))
+        return torch.cat(parts).view(-1, 1)
+
+    def _prefill(self, row: _Row) -> torch.Tensor | None:
+        g = row.generation
+        session = g._session
+        try:
+            with _Locked([session]):
+                ids = _host_to(row.fed, self._engine.device).view(1, -1)
+                out: torch.Tensor = session._session.run("prefill", ids)
+                session._tokens.extend(row.fed)
+                g._fed(len(row.fed))
+            return out
+        except Exception as e:  # noqa: BLE001 - the generation ends with it
+            g._fail(e)
+            return None
+
+    def _deliver_text(self, step: _Step, tokens: list[int]) -> None:
+        for g, token in zip(step.sampled, tokens):
+            g._deliver(token)
+
+    def _end_all(self, error: BaseException) -> None:
+        with self._cond:
+            everyone = [*self._active, *self._waiting]
+            self._active, self._waiting = [], deque()
+        for g in everyone:
+            if not g.finished:
+                g._fail(error)
+            g._released.set()
+
+
+def _host_to(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device``, copied without a host
+    synchronisation (from pinned memory on CUDA)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class _Locked:
+    """The chat sessions' locks, in id order, for a step that feeds them."""
+
+    def __init__(self, sessions: Sequence[Any]) -> None:
+        self._sessions = sorted(sessions, key=lambda s: s.id)
+        self._stack = ExitStack()
+
+    def __enter__(self) -> None:
+        for s in self._sessions:
+            self._stack.enter_context(s._lock)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()

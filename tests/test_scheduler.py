@@ -1,0 +1,149 @@
+"""Continuous batching (aoti_sessions.llm._scheduler) on an exported tiny
+Qwen3: chats running at once share decode steps, join and leave between
+steps, get cancelled, forked, saved, loaded and offloaded, and every chat's
+greedy tokens equal the same conversation run alone."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from aoti_sessions.llm import LLM
+from conftest import on_threads, requires_cuda
+from llm_models import llm_package
+
+CONTEXT = 128
+PROMPTS = ["The quick brown fox", "Once upon a time", "Hello there, friend", "A B C D E F G",
+           "the river and the mill", "Tell me a story about the sea"]
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=requires_cuda)])
+def llm(request: pytest.FixtureRequest):
+    with LLM(llm_package("qwen3", device=request.param, max_cache_len=CONTEXT), device=request.param) as m:
+        yield m
+
+
+def solo(llm: LLM, history: list[int], n: int) -> list[int]:
+    """The greedy reply to ``history`` on a fresh session, alone."""
+    with llm.new_session() as s:
+        return s.generate(history, max_tokens=n, temperature=0, ignore_eos=True).token_ids
+
+
+def test_chats_at_once_share_decode_steps(llm: LLM) -> None:
+    want = [solo(llm, llm.encode(p), 16) for p in PROMPTS]
+    before = llm.engine.stats()
+    got = on_threads(len(PROMPTS), "cpu", lambda i: solo(llm, llm.encode(PROMPTS[i]), 16))
+    after = llm.engine.stats()
+    assert got == want
+    runs = after["batch_runs"] - before["batch_runs"]
+    rows = after["batch_rows"] - before["batch_rows"]
+    assert rows > 1.5 * runs, (rows, runs)  # rows of several chats in one step
+
+
+def test_a_cancelled_generation_leaves_the_others_and_its_session_consistent(llm: LLM) -> None:
+    want = solo(llm, llm.encode(PROMPTS[1]), 20)
+    a, b = llm.new_session(), llm.new_session()
+    ga = a.start(PROMPTS[0], max_tokens=100, temperature=0, ignore_eos=True)
+    gb = b.start(PROMPTS[1], max_tokens=20, temperature=0, ignore_eos=True)
+    for _ in range(3):
+        ga.step()
+    ga.close()
+    assert not a.busy and ga.finished
+    assert a.token_count == a._session.length  # what the cache holds is what the session lists
+    while gb.step() is not None:
+        pass
+    assert gb.token_ids == want
+    # The cancelled session serves the next request, reusing what it fed.
+    held = list(a.tokens)
+    history = held + llm.encode(" and then")
+    again = a.generate(history, max_tokens=6, temperature=0, ignore_eos=True)
+    assert again.cached_tokens == len(held)
+    assert again.token_ids == solo(llm, history, 6)
+    a.close()
+    b.close()
+
+
+def test_a_failing_row_ends_only_its_generation(llm: LLM) -> None:
+    """A session closed under a running generation fails that generation;
+    the chats batched with it go on."""
+    want = solo(llm, llm.encode(PROMPTS[2]), 24)
+    a, b = llm.new_session(), llm.new_session()
+    ga = a.start(PROMPTS[3], max_tokens=100, temperature=0, ignore_eos=True)
+    gb = b.start(PROMPTS[2], max_tokens=24, temperature=0, ignore_eos=True)
+    ga.step()
+    a._session.close()  # under the chat session's feet
+    with pytest.raises(Exception, match="closed"):
+        while ga.step() is not None:
+            pass
+    while gb.step() is not None:
+        pass
+    assert gb.token_ids == want
+    b.close()
+
+
+def test_closing_the_llm_ends_running_generations(tmp_path: Path) -> None:
+    with LLM(llm_package("qwen3", device="cpu", max_cache_len=CONTEXT)) as llm:
+        s = llm.new_session()
+        g = s.start(PROMPTS[0], max_tokens=100, temperature=0, ignore_eos=True)
+        g.step()
+        llm.close()
+        with pytest.raises(Exception, match="closed"):
+            while g.step() is not None:
+                pass
+        with pytest.raises(Exception, match="closed"):
+            s.generate("more", max_tokens=2)
+
+
+def test_randomized_chats_equal_solo_runs(llm: LLM, tmp_path: Path) -> None:
+    """Chats start, go on, fork, save, load, offload and get cancelled at
+    random moments while others generate; every completed reply equals the
+    same history generated alone."""
+    lock = threading.Lock()
+    problems: list[str] = []
+    saved = [0]
+
+    def chat(worker: int) -> None:
+        local = random.Random(worker)
+        s = llm.new_session()
+        history = llm.encode(PROMPTS[worker % len(PROMPTS)])
+        for turn in range(6):
+            n = local.randint(2, 10)
+            action = local.random()
+            if action < 0.15:  # cancelled part-way: the next turn rewinds to what is held
+                g = s.start(history, max_tokens=n + 20, temperature=0, ignore_eos=True)
+                for _ in range(local.randint(1, 3)):
+                    g.step()
+                g.close()
+                history = list(s.tokens)
+                if len(history) < 1:
+                    history = llm.encode(PROMPTS[0])
+                continue
+            out = s.generate(history, max_tokens=n, temperature=0, ignore_eos=True)
+            want = solo(llm, history, n)
+            if out.token_ids != want:
+                with lock:
+                    problems.append(f"worker {worker} turn {turn}: {out.token_ids} != {want}")
+            history = history + out.token_ids + llm.encode(" ok")
+            if len(history) > CONTEXT - 24:
+                history = history[:8]
+            if action < 0.3:
+                child = s.fork()
+                s.close()
+                s = child
+            elif action < 0.45:
+                with lock:
+                    path = tmp_path / f"w{worker}-{saved[0]}.ais"
+                    saved[0] += 1
+                s.save(path)
+                s.close()
+                s = llm.load_session(path)
+            elif action < 0.55:
+                s._session.offload()
+        s.close()
+
+    on_threads(8, "cpu", chat)
+    assert not problems, problems[:3]
