@@ -10,6 +10,8 @@ import asyncio
 import json
 import time
 import uuid
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -86,42 +88,49 @@ class Job:
 
     # -- steps -----------------------------------------------------------
     async def pieces(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
-        """The generated text, piece by piece, until the generation ends or
-        ``disconnected()`` says the client left (then ``cancelled``).
+        """The generated text until the generation ends or ``disconnected()``
+        says the client left (then ``cancelled``).
 
         The LLM's step loop runs every request's generation in one batched
-        step; it hands each piece straight to the event loop (no thread per
-        request), which sends it while the next step runs."""
+        step and hands each piece to the event loop (one wake-up a step for
+        every request, _Relay), which sends it while the next step runs. A
+        request that fell behind sends what piled up as one piece."""
         g, entry = self.generation, self.entry
         assert g is not None and entry is not None and entry.session is not None
         session = entry.session
-        loop = asyncio.get_running_loop()
+        relay = _Relay.of(asyncio.get_running_loop())
         queue: asyncio.Queue[tuple[Any, int, float, int]] = asyncio.Queue()
 
         def sink(event: Any) -> None:
             # On the step loop's thread: the counts are read here, not waited for.
-            item = (event, g.completion_tokens, time.perf_counter(), session.token_count)
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            relay.put(queue, (event, g.completion_tokens, time.perf_counter(), session.token_count))
 
         g.on_event(sink)
         tokens, last = 0, self.arrived
         while True:
-            event, count, now, entry.tokens = await queue.get()
-            if isinstance(event, BaseException):
-                raise event
-            if count > tokens:
-                if tokens == 0:
-                    self.metrics.ttft.observe(now - self.arrived)
-                else:
-                    self.metrics.itl.observe((now - last) / (count - tokens))
-                tokens, last = count, now
-            if event is None:
-                return
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            text: list[str] = []
+            for event, count, now, entry.tokens in items:
+                if isinstance(event, BaseException):
+                    raise event
+                if count > tokens:
+                    if tokens == 0:
+                        self.metrics.ttft.observe(now - self.arrived)
+                    else:
+                        self.metrics.itl.observe((now - last) / (count - tokens))
+                    tokens, last = count, now
+                if event is None:
+                    if text:
+                        yield "".join(text)
+                    return
+                text.append(event)
             if await disconnected():
                 self.cancelled = True
                 return
-            if event:
-                yield event
+            if any(text):
+                yield "".join(text)
 
     async def finish(self) -> None:
         """Cancels the generation if still running and counts its tokens;
@@ -192,6 +201,40 @@ class Job:
     def _chunk_kind(self) -> str:
         """The ``object`` of a stream chunk (OpenAI streams completions as ``text_completion``)."""
         return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+class _Relay:
+    """Hands items from the LLM's step loop (another thread) to the event
+    loop's queues: one wake-up of the loop for all that one step produced,
+    not one per request."""
+
+    _relays: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Relay] = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[tuple[asyncio.Queue[Any], Any]] = deque()
+        self._armed = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Relay:
+        relay = cls._relays.get(loop)
+        if relay is None:
+            relay = cls._relays[loop] = cls(loop)
+        return relay
+
+    def put(self, queue: asyncio.Queue[Any], item: Any) -> None:
+        """From any thread."""
+        self._items.append((queue, item))
+        if not self._armed:
+            self._armed = True
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        # Disarmed before draining: an item put after the drain arms it again.
+        self._armed = False
+        while self._items:
+            queue, item = self._items.popleft()
+            queue.put_nowait(item)
 
 
 def _event(body: dict[str, Any]) -> bytes:
