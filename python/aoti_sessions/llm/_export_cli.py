@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+
+# The defaults only: the exporter (and transformers) load when the command runs.
+DEFAULT_MAX_BATCH = 64
+DEFAULT_PAGE_SIZE = 16
 
 __all__ = ["add_arguments", "run"]
 
 
-def _at_least_two(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
-    return value
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+_at_least_two = _at_least(2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most tokens per prefill call (default: min(512, max cache len))")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                         help="weights and KV cache dtype (default: the model's)")
+    parser.add_argument("--max-batch", type=_at_least(1), default=DEFAULT_MAX_BATCH,
+                        help=f"sessions one decode step takes at most (default {DEFAULT_MAX_BATCH})")
+    parser.add_argument("--page-size", type=_at_least(1), default=DEFAULT_PAGE_SIZE,
+                        help=f"positions per page of the pooled KV cache (default {DEFAULT_PAGE_SIZE})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         path = export(args.model_dir, args.output, device=args.device, max_cache_len=args.max_cache_len,
-                      max_prefill=args.max_prefill, dtype=args.dtype)
+                      max_prefill=args.max_prefill, dtype=args.dtype, max_batch=args.max_batch,
+                      page_size=args.page_size)
     except (Error, ValueError, TypeError, OSError) as e:
         sys.stderr.write(f"aoti-sessions: error: {e}\n")
         return 2
