@@ -32,6 +32,17 @@ std::vector<size_t> PoolLayout::PackedOffsets(size_t pages) const {
   return offsets;
 }
 
+TensorLayout PoolLayout::SessionLayout(size_t tensor, size_t pages) const {
+  const PooledTensor& t = tensors[tensor];
+  TensorLayout layout;
+  layout.dtype = t.unit.dtype;
+  layout.sizes = {t.kind == PoolKind::kPages ? static_cast<int64_t>(pages) : 1};
+  layout.sizes.insert(layout.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
+  layout.strides = {t.unit.numel()};
+  layout.strides.insert(layout.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
+  return layout;
+}
+
 LoadedModel Model::Load(const std::vector<MethodSource>& sources, const EngineOptions& options) {
   std::shared_ptr<Model> model(new Model());
   std::vector<std::unique_ptr<Container>> containers = model->OpenMethods(sources, options);
@@ -172,7 +183,8 @@ void Model::LayOutPool() {
                                      "' disagree on the pooled state: " + what);
     };
     if (source.page_table) {
-      const int64_t width = inputs[*source.page_table].sizes[1];
+      const int64_t static_width = inputs[*source.page_table].sizes[1];
+      const int64_t width = static_width > 0 ? static_width : source.max_pages;
       if (pool.max_pages != 0 && pool.max_pages != width) {
         disagree("page tables of " + std::to_string(width) + " and " +
                  std::to_string(pool.max_pages) + " pages");

@@ -47,6 +47,9 @@ struct PoolLayout {
   // Its bytes for `pages` pages, and where each tensor's part starts.
   size_t PackedBytes(size_t pages) const { return pages * page_bytes + slot_bytes; }
   std::vector<size_t> PackedOffsets(size_t pages) const;
+  // The layout of pooled tensor `tensor`'s units of a session holding `pages`
+  // pages: [pages or 1 slot, ...unit], contiguous (state(), session files).
+  TensorLayout SessionLayout(size_t tensor, size_t pages) const;
 };
 
 // One method as loaded.

@@ -70,9 +70,9 @@ void ValidatePool(const MethodSource& source, const std::string& method) {
   if (pool.page_table) {
     const InputSpec& table = input(*pool.page_table, "page_table");
     require(table, "page_table", "int32", 2);
-    if (table.sizes[1] < 1) {
-      Throw(ErrorKind::kPackage, method + ": pool page_table's width must be static, got " +
-                                     FormatDims(table.sizes));
+    if (table.sizes[1] < 1 && pool.max_pages < 1) {
+      Throw(ErrorKind::kPackage, method + ": pool page_table's width is dynamic (" +
+                                     FormatDims(table.sizes) + ") but its bound, max_pages, is not given");
     }
   }
   if (pool.positions) require(input(*pool.positions, "positions"), "positions", "int64", 1);

@@ -53,7 +53,11 @@ struct PooledInput {
 struct PoolSource {
   int64_t page_size = 0;  // positions per page (with page tensors)
   std::vector<PooledInput> tensors;
-  std::optional<size_t> page_table;  // int32 [rows, max_pages] (with page tensors)
+  std::optional<size_t> page_table;  // int32 [rows, width] (with page tensors)
+  // Pages a session holds at most: the page table's width when it is static;
+  // with a dynamic width (a method without graphs) its bound, and each run
+  // passes the width its rows need.
+  int64_t max_pages = 0;
   std::optional<size_t> positions;   // int64 [rows]: positions each row held before the call
   std::optional<size_t> slot_ids;    // int32 [rows] (with slot tensors)
   size_t tokens = 0;                 // the caller's [rows, T, ...]: T new positions per row

@@ -31,7 +31,8 @@ namespace aoti_sessions {
 // per row its page-table row, its position (length before the run) and slot.
 struct PoolRows {
   int64_t rows = 0;
-  std::vector<int32_t> page_table;  // rows x max_pages
+  int64_t width = 0;                // of the page table
+  std::vector<int32_t> page_table;  // rows x width
   std::vector<int64_t> positions;
   std::vector<int32_t> slot_ids;
 };

@@ -64,10 +64,9 @@ std::vector<OwnedTensor> Runner::PooledInputs(const Method& method, const StateP
   for (size_t t = 0; t < source.tensors.size(); ++t) {
     full[source.tensors[t].input] = OwnedTensor::Alias(pooled[method.pool_tensors[t]].get());
   }
-  const PoolLayout& layout = *model_->pool();
   if (source.page_table) {
     full[*source.page_table] =
-        Filled(device_, Contiguous(DtypeFromName("int32"), {padded, layout.max_pages}),
+        Filled(device_, Contiguous(DtypeFromName("int32"), {padded, rows.width}),
                rows.page_table.data(), rows.page_table.size() * sizeof(int32_t), stream);
   }
   if (source.positions) {
@@ -92,7 +91,6 @@ std::vector<OwnedTensor> Runner::RunPooled(size_t method, StatePool& pool, const
     Throw(ErrorKind::kInvalidArgument, "method '" + called.name + "' takes no pooled state");
   }
   const PoolSource& source = *called.pool;
-  const PoolLayout& layout = *model_->pool();
   if (inputs.size() != called.caller_inputs.size()) {
     Throw(ErrorKind::kInvalidArgument,
           "method '" + called.name + "' takes " + std::to_string(called.caller_inputs.size()) +
@@ -120,11 +118,11 @@ std::vector<OwnedTensor> Runner::RunPooled(size_t method, StatePool& pool, const
   // and slot, and read nothing of a session's.
   PoolRows full_rows = rows;
   if (padded > rows.rows) {
-    const size_t width = static_cast<size_t>(layout.max_pages);
+    const size_t width = static_cast<size_t>(rows.width);
     if (source.page_table) {
       full_rows.page_table.resize(static_cast<size_t>(padded) * width);
       for (int64_t r = rows.rows; r < padded; ++r) {
-        pool.FillPaddingRow(full_rows.page_table.data() + static_cast<size_t>(r) * width);
+        pool.FillPaddingRow(full_rows.page_table.data() + static_cast<size_t>(r) * width, width);
       }
     }
     full_rows.positions.resize(source.positions ? static_cast<size_t>(padded) : 0, 0);
@@ -152,7 +150,7 @@ std::vector<OwnedTensor> Runner::RunPooled(size_t method, StatePool& pool, const
     for (size_t t = 0; t < source.tensors.size(); ++t) {
       shapes[source.tensors[t].input] = ReadLayout(pooled[called.pool_tensors[t]].get()).sizes;
     }
-    if (source.page_table) shapes[*source.page_table] = {padded, layout.max_pages};
+    if (source.page_table) shapes[*source.page_table] = {padded, rows.width};
     if (source.positions) shapes[*source.positions] = {padded};
     if (source.slot_ids) shapes[*source.slot_ids] = {padded};
     for (const auto& s : shapes) AppendShapeKey(key->shapes, s);

@@ -116,16 +116,13 @@ void SessionFiles::SavePooled(const std::string& path, const void* packed, size_
   const std::vector<size_t> offsets = model_->pool()->PackedOffsets(pages);
   const auto& tensors = model_->pool()->tensors;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const PooledTensor& t = tensors[i];
-    const int64_t units = t.kind == PoolKind::kPages ? static_cast<int64_t>(pages) : 1;
+    const TensorLayout layout = model_->pool()->SessionLayout(i, pages);
     StateFileBuffer entry;
-    entry.fqn = t.name;
-    entry.dtype = DtypeName(t.unit.dtype);
-    entry.sizes = {units};
-    entry.sizes.insert(entry.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
-    entry.strides = {t.unit.numel()};
-    entry.strides.insert(entry.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
-    entry.bytes = static_cast<uint64_t>(units) * t.unit_bytes;
+    entry.fqn = tensors[i].name;
+    entry.dtype = DtypeName(layout.dtype);
+    entry.sizes = layout.sizes;
+    entry.strides = layout.strides;
+    entry.bytes = layout.span_bytes();
     header.buffers.push_back(std::move(entry));
     data.push_back(static_cast<const char*>(packed) + offsets[i]);
   }
@@ -176,12 +173,7 @@ std::vector<size_t> SessionFiles::MatchPool(const StateFileHeader& header,
   for (size_t i = 0; i < pool.tensors.size(); ++i) {
     const PooledTensor& t = pool.tensors[i];
     const StateFileBuffer& got = header.buffers[source[i]];
-    TensorLayout want;
-    want.dtype = t.unit.dtype;
-    want.sizes = {t.kind == PoolKind::kPages ? pages : 1};
-    want.sizes.insert(want.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
-    want.strides = {t.unit.numel()};
-    want.strides.insert(want.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
+    const TensorLayout want = pool.SessionLayout(i, static_cast<size_t>(pages));
     TensorLayout layout;
     layout.dtype = DtypeFromName(got.dtype);
     layout.sizes = got.sizes;

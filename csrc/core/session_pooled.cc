@@ -43,6 +43,26 @@ class Session::BatchLock {
 
 namespace {
 
+// Pages between two widths a run's page table may take (a method with a
+// dynamic width reads only the pages its rows hold: fewer shapes, less
+// waste). Also the narrowest table passed (up to max_pages): an export's
+// dynamic width is at least 2.
+constexpr int64_t kWidthStep = 4;
+
+// The page-table width of a run: the method's, or (dynamic) the pages its
+// longest row holds after the run, rounded up to kWidthStep.
+int64_t PageTableWidth(const Method& method, const PoolLayout& layout,
+                       const std::vector<SessionState*>& rows) NO_THREAD_SAFETY_ANALYSIS {
+  if (!method.pool->page_table) return 0;
+  const int64_t fixed = (*method.inputs)[*method.pool->page_table].sizes[1];
+  if (fixed > 0) return fixed;
+  int64_t most = 1;
+  for (const SessionState* state : rows) {
+    most = std::max(most, static_cast<int64_t>(state->share().pages.size()));
+  }
+  return std::min(layout.max_pages, (most + kWidthStep - 1) / kWidthStep * kWidthStep);
+}
+
 // The sessions of a batch as the residency's "held" list.
 std::vector<const SessionState*> Held(const std::vector<SessionState*>& rows) {
   return {rows.begin(), rows.end()};
@@ -136,11 +156,12 @@ std::vector<OwnedTensor> Session::RunRowsLocked(const EngineParts& parts,
   }
   PoolRows addressing;
   addressing.rows = static_cast<int64_t>(rows.size());
-  const size_t width = static_cast<size_t>(layout.max_pages);
+  addressing.width = PageTableWidth(called, layout, rows);
+  const size_t width = static_cast<size_t>(addressing.width);
   addressing.page_table.resize(rows.size() * width);
   for (size_t r = 0; r < rows.size(); ++r) {
     const PoolShare& share = rows[r]->share();
-    if (layout.has_pages()) pool.FillPageRow(share, addressing.page_table.data() + r * width);
+    if (layout.has_pages()) pool.FillPageRow(share, addressing.page_table.data() + r * width, width);
     addressing.positions.push_back(share.length);
     addressing.slot_ids.push_back(share.slot);
   }
@@ -310,14 +331,9 @@ std::vector<OwnedTensor> Session::ReadPool(int64_t* length, StreamHandle stream)
   std::vector<OwnedTensor> out;
   std::vector<void*> parts;
   TorchStreamScope scope(stream, device.spec().index);
-  for (const PooledTensor& t : layout.tensors) {
-    TensorLayout whole;
-    whole.dtype = t.unit.dtype;
-    whole.sizes = {t.kind == PoolKind::kPages ? static_cast<int64_t>(pages) : 1};
-    whole.sizes.insert(whole.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
-    whole.strides = {t.unit.numel()};
-    whole.strides.insert(whole.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
-    out.push_back(OwnedTensor::Empty(whole, device.torch_device_type(), device.spec().index));
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    out.push_back(OwnedTensor::Empty(layout.SessionLayout(i, pages), device.torch_device_type(),
+                                     device.spec().index));
     parts.push_back(DataPtr(out.back().get()));
   }
   if (state_->resident()) {
@@ -368,12 +384,7 @@ void Session::WritePool(const std::vector<std::string>& names,
     const PooledTensor& t = *it;
     const std::string which = "state for pooled tensor '" + t.name + "'";
     TensorLayout got = ReadLayout(sources[i], which);
-    TensorLayout want;
-    want.dtype = t.unit.dtype;
-    want.sizes = {t.kind == PoolKind::kPages ? static_cast<int64_t>(pages) : 1};
-    want.sizes.insert(want.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
-    want.strides = {t.unit.numel()};
-    want.strides.insert(want.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
+    const TensorLayout want = layout.SessionLayout(index, pages);
     if (got.dtype != want.dtype) {
       Throw(ErrorKind::kTypeMismatch, which + " has dtype " + DtypeName(got.dtype) +
                                           ", expected " + DtypeName(want.dtype));

@@ -360,13 +360,11 @@ void StatePool::CopySlot(int32_t dst, int32_t src, StreamHandle stream) {
   }
 }
 
-void StatePool::FillPageRow(const PoolShare& share, int32_t* table) const {
-  const size_t width = static_cast<size_t>(layout_.max_pages);
+void StatePool::FillPageRow(const PoolShare& share, int32_t* table, size_t width) const {
   for (size_t i = 0; i < width; ++i) table[i] = i < share.pages.size() ? share.pages[i] : kZeroPage;
 }
 
-void StatePool::FillPaddingRow(int32_t* table) const {
-  const size_t width = static_cast<size_t>(layout_.max_pages);
+void StatePool::FillPaddingRow(int32_t* table, size_t width) const {
   for (size_t i = 0; i < width; ++i) table[i] = i == 0 ? kScratchPage : kZeroPage;
 }
 

@@ -91,11 +91,11 @@ class StatePool {
                      StreamHandle stream) EXCLUDES(memory_mutex_);
   // Copies slot `src` into slot `dst` (a fork).
   void CopySlot(int32_t dst, int32_t src, StreamHandle stream) EXCLUDES(memory_mutex_);
-  // Fills one row of a run's addressing: `table` (max_pages entries) with the
-  // share's pages, then the zero page.
-  void FillPageRow(const PoolShare& share, int32_t* table) const;
+  // Fills one row of a run's addressing: `table` (`width` entries, at least
+  // the share's pages) with the share's pages, then the zero page.
+  void FillPageRow(const PoolShare& share, int32_t* table, size_t width) const;
   // The same for a padding row: the scratch page, then the zero page.
-  void FillPaddingRow(int32_t* table) const;
+  void FillPaddingRow(int32_t* table, size_t width) const;
 
   // Holds the pool's memory still (shared memory lock) for a run or a copy
   // on `stream`: the tensors aliasing it and the epoch they belong to.

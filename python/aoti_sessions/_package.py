@@ -71,6 +71,7 @@ class PoolDoc:
     page_table: int | None = None
     positions: int | None = None
     slot_ids: int | None = None
+    max_pages: int = 0  # pages a session holds at most (the page table's width, or its bound)
 
     @property
     def engine_filled(self) -> set[int]:
@@ -243,7 +244,8 @@ def _pool_doc(raw: Field) -> PoolDoc:
     return PoolDoc(page_size=raw["page_size"].integer(minimum=0), tensors=tensors,
                    tokens=raw["tokens"].integer(minimum=0), max_rows=raw["max_rows"].integer(minimum=1),
                    page_table=_optional_int(raw.get("page_table")), positions=_optional_int(raw.get("positions")),
-                   slot_ids=_optional_int(raw.get("slot_ids")))
+                   slot_ids=_optional_int(raw.get("slot_ids")),
+                   max_pages=0 if raw.get("max_pages") is None else raw["max_pages"].integer(minimum=0))
 
 
 def _sizes(entry: Field) -> list[int | None]:

@@ -63,6 +63,11 @@ def _dynamic(size: Any) -> bool:
     return not isinstance(size, int)
 
 
+def bounds_of(ranges: list[dict[str, Any]]) -> Mapping[str, int | None]:
+    """Each dimension symbol's upper bound (None: unbounded)."""
+    return {r["symbol"]: r["max"] for r in ranges}
+
+
 def pool_document(method: str, pool: Pool, ep: ExportedProgram, decomposed: ExportedProgram,
                   inputs: list[dict[str, Any]], ranges: list[dict[str, Any]],
                   mutated_buffers: list[str]) -> dict[str, Any]:
@@ -108,22 +113,23 @@ def pool_document(method: str, pool: Pool, ep: ExportedProgram, decomposed: Expo
     if not isinstance(token_val, torch.Tensor) or token_val.dim() < 2:
         raise CompileError(f"method '{method}': pool tokens '{pool.tokens}' must be [rows, positions, ...]")
     rows = token_val.shape[0]
-    if isinstance(rows, int):
-        max_rows: int | None = rows
-    else:
-        bounds: Mapping[str, Any] = {r["symbol"]: r["max"] for r in ranges}
-        max_rows = bounds.get(str(rows))
+    max_rows = rows if isinstance(rows, int) else bounds_of(ranges).get(str(rows))
     if max_rows is None or max_rows < 1:
         raise CompileError(f"method '{method}': the rows of pool tokens '{pool.tokens}' need an upper bound "
                            "(export them with Dim(..., max=N)): the engine captures a graph per batch size up to it")
     doc: dict[str, Any] = {"page_size": pool.page_size, "tensors": tensors, "tokens": tokens,
-                           "max_rows": int(max_rows), "page_table": None, "positions": None, "slot_ids": None}
+                           "max_rows": int(max_rows), "page_table": None, "positions": None, "slot_ids": None,
+                           "max_pages": 0}
     if pool.pages:
         assert pool.page_table is not None and pool.positions is not None
         doc["page_table"] = check("page_table", pool.page_table, torch.int32, 2)
-        if _dynamic(vals[pool.page_table].shape[1]):
-            raise CompileError(f"method '{method}': pool page_table '{pool.page_table}' needs a static width "
-                               "(the pages a session holds at most)")
+        width = vals[pool.page_table].shape[1]
+        # A dynamic width (the pages the call's rows hold) needs a bound: the
+        # pages a session holds at most.
+        doc["max_pages"] = width if isinstance(width, int) else bounds_of(ranges).get(str(width))
+        if doc["max_pages"] is None:
+            raise CompileError(f"method '{method}': pool page_table '{pool.page_table}' needs a static width or "
+                               "one with an upper bound (Dim(..., max=N)): the pages a session holds at most")
         doc["positions"] = check("positions", pool.positions, torch.int64, 1)
     if pool.slots:
         assert pool.slot_ids is not None

@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend
 
 from .._compile import Method, Pool, compile
 from .._package import top_folder
+from ._export_cli import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE
 from ._paged import PagedLM, paged_attention_on
 from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec, require_transformers
 
@@ -34,8 +35,6 @@ __all__ = ["export", "DEFAULT_MAX_CACHE_LEN", "DEFAULT_MAX_PREFILL", "DEFAULT_MA
 
 DEFAULT_MAX_CACHE_LEN = 4096  # capped by the model's max_position_embeddings
 DEFAULT_MAX_PREFILL = 512  # capped by max_cache_len
-DEFAULT_MAX_BATCH = 64  # sessions one decode step takes at most
-DEFAULT_PAGE_SIZE = 16  # positions per page of the pooled KV cache
 _EXAMPLE_PREFILL = 8  # tokens of the example prefill call (any size in [2, max_prefill] serves)
 _EXAMPLE_ROWS = 2  # sessions of the example decode call (any count in [1, max_batch] serves)
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # save_pretrained writes both
@@ -192,6 +191,15 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     tokens = torch.export.Dim.DYNAMIC(min=2, max=max_prefill)
     rows = torch.export.Dim("rows", min=1, max=max_batch)
     pages = torch.export.Dim.DYNAMIC
+    # The page table's width: the pages the call's rows hold, so attention
+    # reads only those; static (every page a session may hold) where decode
+    # runs the paged kernel, which reads only held positions anyway and is
+    # captured in CUDA graphs.
+    # (At least 2: a width of one guards the trace; the engine passes at
+    # least min(4, max_pages).)
+    width = torch.export.Dim("width", min=2, max=module.max_pages) if module.max_pages > 2 else None
+    prefill_width = None if width is None else {1: width}
+    decode_width = None if module.kernel or width is None else {1: width}
     pool = Pool(tokens="input_ids", pages=("kv",), page_size=module.page_size, page_table="page_table",
                 positions="positions")
 
@@ -204,11 +212,12 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     return {
         "prefill": Method((torch.zeros(1, example, dtype=torch.long, device=device), kv, table(1),
                            torch.zeros(1, dtype=torch.long, device=device)),
-                          dynamic_shapes=({1: tokens}, {0: pages}, None, None), entry="prefill",
+                          dynamic_shapes=({1: tokens}, {0: pages}, prefill_width, None), entry="prefill",
                           attention=PREFILL_ATTENTION, pool=pool),
         "decode": Method((torch.zeros(_EXAMPLE_ROWS, 1, dtype=torch.long, device=device), kv, table(_EXAMPLE_ROWS),
                           torch.full((_EXAMPLE_ROWS,), example, dtype=torch.long, device=device)),
-                         dynamic_shapes=({0: rows}, {0: pages}, {0: rows}, {0: rows}), entry="decode",
+                         dynamic_shapes=({0: rows}, {0: pages}, {0: rows, **(decode_width or {})}, {0: rows}),
+                         entry="decode",
                          attention=DECODE_ATTENTION, pool=pool),
     }
 

@@ -181,7 +181,8 @@ class PagedLM(torch.nn.Module):
         if kernel:
             mask = None
         else:
-            keys = torch.arange(self.max_pages * self.page_size, device=input_ids.device)
+            # The positions the page table holds (its width may be only the pages the rows hold).
+            keys = torch.arange(page_table.shape[1] * self.page_size, device=input_ids.device)
             mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, K]: causal, own positions only
         extra: dict[str, Any] = {self.cache_argument: self.cache_class(step, self.layers, self.page_size,
                                                                        self.layers_written)}
