@@ -174,7 +174,7 @@ class Scheduler:
         for g in self._active:
             if g in going_on:
                 decode.append(_Row(g, [], True, index[g]))
-            elif g._pending and budget > 0 and len(decode) + len(prefill) < self.max_rows * 4:
+            elif g._pending and budget > 0:
                 chunk = g._pending[: min(budget, self._llm.spec.max_prefill)]
                 budget -= len(chunk)
                 row = _Row(g, chunk, len(chunk) == len(g._pending))
