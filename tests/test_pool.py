@@ -217,6 +217,12 @@ def test_bad_batches_are_refused_and_change_nothing(engine: ais.Engine, device: 
                          torch.ones(9, 1, dtype=torch.long, device=device))
     with pytest.raises(ValueError, match="unknown method .nope."):
         engine.run_batch("nope", [a], torch.tensor([[1]], device=device))
+    with pytest.raises(TypeError, match="sequence of Session"):
+        engine.run_batch("decode", [a, "b"], torch.tensor([[1], [1]], device=device))
+    with ais.Engine(paged_package(device), device=device) as other, other.new_session() as stranger:
+        for rows in ([stranger, a], [a, stranger]):
+            with pytest.raises(ValueError, match="another engine"):
+                engine.run_batch("decode", rows, torch.tensor([[1], [1]], device=device))
     b.close()
     with pytest.raises(ais.SessionClosedError):
         engine.run_batch("decode", [a, b], torch.tensor([[1], [1]], device=device))

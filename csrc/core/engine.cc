@@ -73,11 +73,10 @@ std::vector<OwnedTensor> Engine::RunBatch(const std::vector<std::shared_ptr<Sess
                                           size_t method, std::vector<OwnedTensor>&& inputs,
                                           StreamHandle stream) {
   parts_->CheckProcess();
-  for (const auto& row : rows) {
-    if (row != nullptr && !row->BelongsTo(*parts_)) {
-      Throw(ErrorKind::kInvalidArgument,
-            "session " + std::to_string(row->id()) + " belongs to another engine");
-    }
+  // Session::RunBatch checks every row is of the first one's engine.
+  if (!rows.empty() && rows[0] != nullptr && !rows[0]->BelongsTo(*parts_)) {
+    Throw(ErrorKind::kInvalidArgument,
+          "session " + std::to_string(rows[0]->id()) + " belongs to another engine");
   }
   return Session::RunBatch(rows, method, std::move(inputs), stream);
 }

@@ -88,7 +88,8 @@ std::vector<OwnedTensor> Runner::RunPooled(size_t method, StatePool& pool, const
                                            StreamHandle stream) {
   const Method& called = model_->method(method);
   if (!called.pool) {
-    Throw(ErrorKind::kInvalidArgument, "method '" + called.name + "' takes no pooled state");
+    // Session::RunBatch refuses such a method before it gets here.
+    Throw(ErrorKind::kInternal, "method '" + called.name + "' takes no pooled state");
   }
   const PoolSource& source = *called.pool;
   if (inputs.size() != called.caller_inputs.size()) {

@@ -218,10 +218,9 @@ class Engine(Closable):
         # What `session(...)` calls: the only method (None with several).
         self._only: MethodCall | None = next(iter(self._methods.values())) if len(self._methods) == 1 else None
         fqns = [b.fqn for b in self._buffers]
-        pool = self._core.pool
+        pool = self.pool
         if pool is not None:
-            log.info("pooled state: %s", ", ".join(f"{t.name} ({'pages' if t.kind == _core.PoolKind.PAGES else 'slots'})"
-                                                   for t in pool.tensors))
+            log.info("pooled state: %s", ", ".join(f"{t['name']} ({t['kind']})" for t in pool["tensors"]))
             return
         level = logging.WARNING if options.mutable_patterns is None or not fqns else logging.INFO
         log.log(level, "mutable state from %s: %s", source, _names(fqns) or "none (stateless model)")
@@ -372,15 +371,11 @@ class Engine(Closable):
         call = self._methods.get(method)
         if call is None:
             raise ValueError(f"unknown method {method!r}; this engine has: {', '.join(self._methods)}")
-        if not call.pooled:
-            raise ValueError(f"method {method!r} takes no pooled state; run it on one session")
-        if isinstance(sessions, Session) or not isinstance(sessions, Sequence):
+        if isinstance(sessions, Session) or not isinstance(sessions, Sequence) \
+                or not all(isinstance(s, Session) for s in sessions):
             raise TypeError("sessions must be a sequence of Session")
-        cores = []
-        for s in sessions:
-            if not isinstance(s, Session) or s.engine is not self:
-                raise ValueError(f"{s!r} is not a session of this engine")
-            cores.append(s._core)
+        # The core checks that the method is pooled and the sessions this engine's.
+        cores = [s._core for s in sessions]
         flat = call.flatten(args, kwargs)
         outputs = from_handles(self._core.run_batch(cores, call.index, to_handles(flat), self._stream()))
         return outputs[0] if call.single_output else call.outputs(outputs)
