@@ -18,6 +18,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
         self._tokenizer = tokenizer
+        self._backend = _backend(tokenizer)
         self._stop = tuple(stop)
         self._ids: list[int] = []
         self._text = ""       # decoded text of every id so far (complete characters)
@@ -31,6 +32,8 @@ class TextStream:
         return self._text[:self._shown]
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=True))
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True,
                                           clean_up_tokenization_spaces=False))
 
@@ -92,3 +95,17 @@ class TextStream:
         piece = text[self._shown:end]
         self._shown = end
         return piece
+
+
+def _backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer that ``tokenizer.decode`` (without clean-up) calls,
+    where calling it directly gives the same text: a tokenizer whose class
+    keeps transformers' own ``_decode`` (the wrapper costs more than the
+    decoding, once or twice a token for every chat)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._decode is TokenizersBackend._decode:
+        return tokenizer._tokenizer
+    return None

@@ -187,7 +187,7 @@ async def _events(job: Job, request: Request, retry_after: int) -> AsyncGenerato
         yield job.chunk(None, first=True)
     try:
         async for piece in job.pieces(request.is_disconnected):
-            yield job.chunk(piece)
+            yield job.piece_chunk(piece)
     except Exception as e:  # the stream has begun: the error goes in it
         error = e if isinstance(e, APIError) else runtime_error(e, retry_after)
         if error is None:
