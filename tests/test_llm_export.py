@@ -22,6 +22,7 @@ import aoti_sessions.__main__
 from aoti_sessions.__main__ import main
 from aoti_sessions._package import cache_dir
 from aoti_sessions.llm import _export_cli, export
+from aoti_sessions.llm._export import DEFAULT_MAX_BATCH
 from aoti_sessions.llm._spec import LLM_DIR, SPEC_FILE, read_llm_package
 from conftest import requires_cuda
 from llm_models import ARCHS, FAST, cached_package, hf_model_dir, llm_package
@@ -86,14 +87,33 @@ def _feed(session: ais.Session, ids: list[int], chunk: int, device: str) -> torc
     return logits
 
 
+def _feed_rows(engine: ais.Engine, sessions: list[ais.Session], prompts: list[list[int]],
+               device: str) -> list[torch.Tensor]:
+    """Every prompt in one prefill call, its rows right-padded with -1 to the
+    longest, each session then truncated to its prompt; each row's logits."""
+    width = max(map(len, prompts))
+    assert width > min(map(len, prompts)), "prompts of one length: no row is padded"
+    ids = torch.tensor([p + [-1] * (width - len(p)) for p in prompts], device=device)
+    out = engine.run_batch("prefill", sessions, ids)
+    assert [s.length for s in sessions] == [width] * len(sessions)  # the padding's positions too, until truncated
+    for s, p in zip(sessions, prompts):
+        s.truncate(len(p))
+    return list(out)
+
+
 class _Greedy:
     """Greedy decoding of several sessions of a package at once: each step
-    is one batched decode over every session still going."""
+    is one batched decode over every session still going. ``chunk``: prompt
+    tokens per prefill call of one session, or "rows": every prompt in one
+    call (_feed_rows)."""
 
-    def __init__(self, engine: ais.Engine, sessions: list[ais.Session], prompts: list[list[int]], chunk: int,
+    def __init__(self, engine: ais.Engine, sessions: list[ais.Session], prompts: list[list[int]], chunk: int | str,
                  device: str = "cpu", steps: int = STEPS) -> None:
         self.engine, self.sessions, self.device, self.steps = engine, sessions, device, steps
-        self.logits = [[_feed(s, p, chunk, device)[0]] for s, p in zip(sessions, prompts)]
+        if chunk == "rows":
+            self.logits = [[row] for row in _feed_rows(engine, sessions, prompts, device)]
+        else:
+            self.logits = [[_feed(s, p, int(chunk), device)[0]] for s, p in zip(sessions, prompts)]
         self.tokens: list[list[int]] = [[] for _ in sessions]
 
     def step(self) -> bool:
@@ -114,12 +134,13 @@ class _Greedy:
             pass
 
 
-@pytest.mark.parametrize("chunk", [64, 5])
-def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.Engine, chunk: int) -> None:
-    """Two prompts, each whole in one prefill or in chunks of 5 (the last
-    token alone through decode), then batched decode steps over both
-    sessions: each row's greedy tokens are transformers' generate's for that
-    prompt alone, over 32 steps, from logits within float rounding."""
+@pytest.mark.parametrize("chunk", [64, 5, "rows"])
+def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.Engine, chunk: int | str) -> None:
+    """Two prompts, each whole in one prefill, in chunks of 5 (the last
+    token alone through decode), or both in one prefill call (the shorter
+    row padded), then batched decode steps over both sessions: each row's
+    greedy tokens are transformers' generate's for that prompt alone, over
+    32 steps, from logits within float rounding."""
     model, tokenizer = _eager(arch, device), _tokenizer(arch)
     prompts = [_chat(tokenizer, text) for text in PROMPTS]
     references = [_reference(model, p) for p in prompts]
@@ -133,6 +154,21 @@ def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.
         for mine, ref in zip(logits, theirs):
             assert mine.shape == (len(tokenizer),)
             torch.testing.assert_close(mine, ref[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_batch_of_one_session_runs(arch: str, device: str, engine: ais.Engine) -> None:
+    """Both methods take one row as they take several (the compiled model
+    must not assume two or more: Phi-3 slices its fused qkv projection, whose
+    view Inductor would otherwise compile for two rows at least)."""
+    prompt = _chat(_tokenizer(arch), PROMPTS[0])
+    with engine.new_session() as one, engine.new_session() as a, engine.new_session() as b:
+        alone = engine.run_batch("prefill", [one], torch.tensor([prompt], device=device))
+        pair = engine.run_batch("prefill", [a, b], torch.tensor([prompt, prompt], device=device))
+        torch.testing.assert_close(alone[0], pair[1], atol=1e-4, rtol=1e-4)
+        token = torch.tensor([[int(alone[0].argmax())]], device=device)
+        alone = engine.run_batch("decode", [one], token)
+        pair = engine.run_batch("decode", [a, b], token.repeat(2, 1))
+        torch.testing.assert_close(alone[0], pair[0], atol=1e-4, rtol=1e-4)
 
 
 def test_interleaved_sessions_stay_isolated() -> None:
@@ -220,6 +256,7 @@ def test_package_carries_tokenizer_spec_and_generation_config(arch: str) -> None
     assert (spec.model_type, spec.architecture, spec.name) == (arch, model_class, f"tiny-{arch}")
     assert (spec.max_cache_len, spec.max_prefill, spec.vocab_size, spec.dtype) == (128, 128, len(original), "float32")
     assert (spec.eos_token_ids, spec.bos_token_id, spec.pad_token_id) == ([im_end], endoftext, endoftext)
+    assert spec.prefill_rows == DEFAULT_MAX_BATCH  # sessions one prefill call feeds
     assert package.generation_config["eos_token_id"] == im_end
     assert package.tokenizer_dir.is_dir() and package.tokenizer_dir.is_relative_to(cache_dir())
 
@@ -247,9 +284,13 @@ def test_reading_a_package_that_is_not_an_llm_package_fails_clearly(counter_cpu_
         (lambda d: {**d, "eos_token_ids": [2, -1]}, r"field 'eos_token_ids\[1\]' must be an integer >= 0"),
         (lambda d: {**d, "max_prefill": 129}, r"max_prefill.*exceeds max_cache_len"),
         (lambda d: {**d, "version": 2}, r"unknown version"),
+        (lambda d: {**d, "prefill_rows": 0}, r"field 'prefill_rows' must be an integer >= 1"),
     ]:
         with pytest.raises(ais.PackageError, match=message):
             read_llm_package(_with_spec(qwen3, tmp_path / "edited.pt2", edit))
+    # A package made before batched prefill says nothing: one session a call.
+    old = _with_spec(qwen3, tmp_path / "old.pt2", lambda d: {k: v for k, v in d.items() if k != "prefill_rows"})
+    assert read_llm_package(old).spec.prefill_rows == 1
 
 
 def test_cli_exports_a_saved_folder(capsys: pytest.CaptureFixture[str]) -> None:

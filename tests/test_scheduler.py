@@ -44,6 +44,29 @@ def test_chats_at_once_share_decode_steps(llm: LLM) -> None:
     assert rows > 1.5 * runs, (rows, runs)  # rows of several chats in one step
 
 
+def test_prompts_arriving_together_share_prefill_calls(llm: LLM) -> None:
+    """Prompts of different lengths submitted at once are fed in shared
+    prefill calls (shorter rows padded, then truncated): every chat's tokens
+    and cache equal its run alone."""
+    prompts = [llm.encode(p + " and more" * i) for i, p in enumerate(PROMPTS)]
+    assert len(set(map(len, prompts))) > 1
+    want = [solo(llm, p, 12) for p in prompts]
+    scheduler = llm._scheduler
+    calls, rows = scheduler.prefill_calls, scheduler.prefill_rows_fed
+    sessions = [llm.new_session() for _ in prompts]
+    generations = [s.start(p, max_tokens=12, temperature=0, ignore_eos=True) for s, p in zip(sessions, prompts)]
+    for g in generations:
+        while g.step() is not None:
+            pass
+    got = [g.token_ids for g in generations]
+    calls, rows = scheduler.prefill_calls - calls, scheduler.prefill_rows_fed - rows
+    assert got == want
+    assert rows == len(prompts) and calls < rows, (calls, rows)  # some call fed several chats
+    for s, p, w in zip(sessions, prompts, want):
+        assert s.token_count == s._session.length == len(p) + len(w) - 1  # no padding position kept
+        s.close()
+
+
 def test_a_cancelled_generation_leaves_the_others_and_its_session_consistent(llm: LLM) -> None:
     want = solo(llm, llm.encode(PROMPTS[1]), 20)
     a, b = llm.new_session(), llm.new_session()

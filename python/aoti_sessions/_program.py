@@ -106,7 +106,40 @@ def _export_once(module: torch.nn.Module, method: Method, strict: bool) -> Expor
     # The package serves inference: no autograd in the trace (dynamo's strict
     # trace otherwise warns about .grad of tensors the module computed at init).
     with torch.no_grad(), method.size_reasoning():
-        return _trace(module, entry, method, strict)
+        program = _trace(module, entry, method, strict)
+    if method.pool is not None:
+        _copy_sliced_view_sources(program)
+    return program
+
+
+def _copy_sliced_view_sources(program: ExportedProgram) -> None:
+    """A view of a slice (a fused projection split in parts, as Phi-3's qkv)
+    views a contiguous copy instead. Inductor computes such a view's strides
+    assuming every dynamic size is at least 2, and the compiled model then
+    refuses a pooled method's batch of one session; the copy is of one
+    activation, never of a graph input."""
+    graph = program.graph_module.graph
+    views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in views:
+            continue
+        source = node.args[0]
+        if not isinstance(source, torch.fx.Node) or source.target is not torch.ops.aten.slice.Tensor \
+                or not isinstance(source.args[0], torch.fx.Node) or source.args[0].op == "placeholder":
+            continue
+        with graph.inserting_before(node):
+            copy = graph.call_function(torch.ops.aten.clone.default, (source,),
+                                       {"memory_format": torch.contiguous_format})
+        value = source.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            with value.fake_mode:  # type: ignore[attr-defined]
+                copy.meta["val"] = torch.ops.aten.clone.default(value, memory_format=torch.contiguous_format)
+        copy.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_input_with(source, copy)
+        changed = True
+    if changed:
+        program.graph_module.recompile()
 
 
 def _trace(module: torch.nn.Module, entry: Any, method: Method, strict: bool) -> ExportedProgram:

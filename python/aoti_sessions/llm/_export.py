@@ -4,8 +4,8 @@
 Both methods share the weights (stored once by the multi-method
 ``ais.compile``) and the pooled, paged KV cache the engine owns
 (docs/batching.md; the module is ``_paged.PagedLM``): ``prefill`` feeds a
-chunk of one session's prompt, ``decode`` one token to each of up to
-``max_batch`` sessions at once, reading the weights once for all of them.
+chunk of the prompts of up to ``max_batch`` sessions, ``decode`` one token to
+each of up to ``max_batch`` sessions, reading the weights once for all rows.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ __all__ = ["export", "DEFAULT_MAX_CACHE_LEN", "DEFAULT_MAX_PREFILL", "DEFAULT_MA
 DEFAULT_MAX_CACHE_LEN = 4096  # capped by the model's max_position_embeddings
 DEFAULT_MAX_PREFILL = 512  # capped by max_cache_len
 _EXAMPLE_PREFILL = 8  # tokens of the example prefill call (any size in [2, max_prefill] serves)
-_EXAMPLE_ROWS = 2  # sessions of the example decode call (any count in [1, max_batch] serves)
+_EXAMPLE_ROWS = 2  # sessions of the example calls (any count in [1, max_batch] serves)
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # save_pretrained writes both
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -181,8 +181,8 @@ DECODE_ATTENTION: tuple[SDPBackend, ...] | None = None
 
 def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtype,
              device: torch.device) -> dict[str, Method]:
-    """Example inputs: prefill's length is dynamic in [2, max_prefill],
-    decode's rows in [1, max_batch]; the pool's pages are dynamic (the engine
+    """Example inputs: prefill's length is dynamic in [2, max_prefill], both
+    methods' rows in [1, max_batch]; the pool's pages are dynamic (the engine
     sizes it)."""
     example = min(_EXAMPLE_PREFILL, max_prefill)
     # A hint, not a named Dim: on CUDA, attention pads the mask to a multiple of
@@ -198,7 +198,7 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     # (At least 2: a width of one guards the trace; the engine passes at
     # least min(4, max_pages).)
     width = torch.export.Dim("width", min=2, max=module.max_pages) if module.max_pages > 2 else None
-    prefill_width = None if width is None else {1: width}
+    prefill_width = {} if width is None else {1: width}
     decode_width = None if module.kernel or width is None else {1: width}
     pool = Pool(tokens="input_ids", pages=("kv",), page_size=module.page_size, page_table="page_table",
                 positions="positions")
@@ -210,9 +210,10 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
 
     kv = module.pool_example(2 + _EXAMPLE_ROWS, dtype, device)
     return {
-        "prefill": Method((torch.zeros(1, example, dtype=torch.long, device=device), kv, table(1),
-                           torch.zeros(1, dtype=torch.long, device=device)),
-                          dynamic_shapes=({1: tokens}, {0: pages}, prefill_width, None), entry="prefill",
+        "prefill": Method((torch.zeros(_EXAMPLE_ROWS, example, dtype=torch.long, device=device), kv,
+                           table(_EXAMPLE_ROWS), torch.zeros(_EXAMPLE_ROWS, dtype=torch.long, device=device)),
+                          dynamic_shapes=({0: rows, 1: tokens}, {0: pages}, {0: rows, **prefill_width}, {0: rows}),
+                          entry="prefill",
                           attention=PREFILL_ATTENTION, pool=pool),
         "decode": Method((torch.zeros(_EXAMPLE_ROWS, 1, dtype=torch.long, device=device), kv, table(_EXAMPLE_ROWS),
                           torch.full((_EXAMPLE_ROWS,), example, dtype=torch.long, device=device)),
@@ -288,10 +289,12 @@ def export(
     from the hub). The package has two methods over a pooled KV cache the
     engine owns (docs/batching.md), of which each session holds the pages
     (``page_size`` positions each) its positions fall in, up to
-    ``max_cache_len`` positions: ``prefill(input_ids[1, T])`` feeds T new
-    tokens of one session (2 <= T <= ``max_prefill``) and ``decode(input_ids[B,
-    1])`` one token to each of B sessions (1 <= B <= ``max_batch``), each
-    returning the logits of every row's last position; the engine fills in
+    ``max_cache_len`` positions: ``prefill(input_ids[B, T])`` feeds up to T new
+    tokens to each of B sessions (2 <= T <= ``max_prefill``; a shorter row is
+    right-padded with -1 and truncated to its length after the call) and
+    ``decode(input_ids[B, 1])`` one token to each of B sessions (1 <= B <=
+    ``max_batch``), each returning the logits of every row's last (real)
+    position; the engine fills in
     the cache and each row's pages and positions. The tokenizer, generation
     config and an ``llm.json`` spec travel in the package (read back with
     :func:`aoti_sessions.llm._spec.read_llm_package`).
@@ -346,7 +349,7 @@ def export(
             eos_token_ids=_eos_ids(generation, config, tok),
             bos_token_id=_first_id(generation.bos_token_id, config.bos_token_id, tok.bos_token_id),
             pad_token_id=_first_id(generation.pad_token_id, getattr(config, "pad_token_id", None), tok.pad_token_id),
-            dtype=str(model.dtype).removeprefix("torch."), name=_model_name(model, source))
+            dtype=str(model.dtype).removeprefix("torch."), name=_model_name(model, source), prefill_rows=max_batch)
         _append_files(tmp, {SPEC_FILE: spec.to_json().encode(),
                             GENERATION_CONFIG_FILE: generation.to_json_string().encode(),
                             **_tokenizer_files(tok)})

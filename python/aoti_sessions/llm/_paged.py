@@ -13,6 +13,12 @@ own code runs unchanged; only its cache and its attention are ours:
   positions each row holds; otherwise (prefill, and every step on the CPU)
   the row's pages are gathered and attended with a causal mask.
 
+Prefill takes several sessions' chunks at once, right-padded with token id
+-1 to the longest: a row's logits are those of its last real token. Padding
+positions are written like real ones (the engine gave the row pages for all
+``T``) and come after every real position of the row, so no real query
+attends to them; the caller truncates the row to its real length afterwards.
+
 Rows of one call are independent sessions. Nothing here reads or writes a
 position outside the rows' own pages: padding rows of a batch write the
 engine's scratch page, and page-table entries past a row's pages point at the
@@ -34,9 +40,10 @@ from ._paged_attention import paged_decode_attention
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["PagedLM", "ATTENTION", "kv_layout"]
+__all__ = ["PagedLM", "ATTENTION", "PAD_ID", "kv_layout"]
 
 ATTENTION = "aoti_sessions_paged"  # the name our attention is registered under
+PAD_ID = -1  # pads a shorter row of a prefill call (after its tokens)
 
 
 @dataclass
@@ -172,7 +179,7 @@ class PagedLM(torch.nn.Module):
                            device=device)
 
     def _run(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
-             kernel: bool) -> torch.Tensor:
+             kernel: bool, picked: bool = False) -> torch.Tensor:
         rows, count = input_ids.shape
         pos = positions[:, None] + torch.arange(count, device=input_ids.device)  # [B, T]
         page = torch.gather(page_table, 1, torch.div(pos, self.page_size, rounding_mode="floor")).long()
@@ -187,7 +194,7 @@ class PagedLM(torch.nn.Module):
         extra: dict[str, Any] = {self.cache_argument: self.cache_class(step, self.layers, self.page_size,
                                                                        self.layers_written)}
         if self.logits_to_keep:
-            extra["logits_to_keep"] = 1
+            extra["logits_to_keep"] = 0 if picked else 1  # picked: _pick_rows takes each row's last real one
         _current.append(step)
         try:
             out = self.model(input_ids=input_ids, position_ids=pos, attention_mask=mask, use_cache=True, **extra)
@@ -198,13 +205,39 @@ class PagedLM(torch.nn.Module):
 
     def prefill(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [1, T]: T new positions of one session; the last one's logits [1, V]."""
-        return self._run(input_ids, kv, page_table, positions, kernel=False)
+        """input_ids [B, T]: up to T new positions of each of B sessions,
+        right-padded with PAD_ID; logits [B, V] of each row's last real token."""
+        real = input_ids != PAD_ID
+        last = real.sum(1) - 1  # a row's last real token (every row has one)
+        with _pick_rows(self.model, last):
+            return self._run(torch.where(real, input_ids, 0), kv, page_table, positions, kernel=False, picked=True)
 
     def decode(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         """input_ids [B, 1]: one new position for each of B sessions; logits [B, V]."""
         return self._run(input_ids, kv, page_table, positions, kernel=self.kernel)
+
+
+@contextmanager
+def _pick_rows(model: PreTrainedModel, last: torch.Tensor) -> Iterator[None]:
+    """The model's output head applied to row ``r``'s position ``last[r]``
+    alone (the model's own code before and after it runs unchanged: a final
+    soft-cap, a logit scale). The head's forward is swapped for the block,
+    not the module: its weights keep their names, shared with decode."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output head to pick rows' logits from")
+    original = head.forward
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return original(hidden[rows, last][:, None])  # type: ignore[no-any-return]
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
 
 
 @contextmanager

@@ -6,9 +6,10 @@ to feed (the one it sampled last, or the last token of its prompt), then
 prefill chunks of generations still reading their prompt, FCFS, up to a
 token budget (a long prompt is fed over several steps and never stalls the
 others; a new chat's first token waits for one step, not for the others to
-finish), samples every row at once on the device, each with its own
-parameters, and reads the sampled tokens with one copy. Generations join and
-leave between steps.
+finish), several sessions' chunks in one call where the package allows,
+samples every row at once on the device, each with its own parameters, and
+reads the sampled tokens with one copy. Generations join and leave between
+steps.
 
 The step after is queued before the text of this one is decoded, so the
 device computes while the host detokenizes, checks stop strings and hands
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import SessionClosedError
+from ._paged import PAD_ID
 from ._sampling import sample
 
 if TYPE_CHECKING:
@@ -67,9 +69,14 @@ class Scheduler:
         pool = self._engine.pool
         assert pool is not None
         self.max_rows = int(pool["max_rows"])
-        # Prompt tokens fed per step at most: what one prefill call takes.
-        self.prefill_budget = llm.spec.max_prefill
         self._cuda = self._engine.device.type == "cuda"
+        # Sessions one prefill call feeds (packages made before batched prefill: 1).
+        self.prefill_rows = min(llm.spec.prefill_rows, self.max_rows)
+        # Prompt tokens fed per step at most. On CUDA a prefill call costs
+        # about the same for a few hundred tokens as for a few (launches,
+        # weight reads): up to four calls' worth, so a burst of new turns is
+        # read in one step; on the CPU its cost grows with the tokens: one.
+        self.prefill_budget = llm.spec.max_prefill * (min(4, self.prefill_rows) if self._cuda else 1)
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()  # submitted, not yet stepped
         self._active: list[Generation] = []         # stepped: reading their prompt or decoding
@@ -77,6 +84,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stream = torch.cuda.Stream(self._engine.device) if self._cuda else None  # type: ignore[no-untyped-call]
         self.steps = 0  # steps run (for tests and metrics)
+        self.prefill_calls = 0  # prefill calls made, and the rows they fed
+        self.prefill_rows_fed = 0
 
     # -- from other threads ----------------------------------------------------
     def submit(self, generation: Generation) -> None:
@@ -189,11 +198,11 @@ class Scheduler:
             if out is not None:
                 logits.append(out)
                 step.sampled.extend(r.generation for r in rows)
-        for row in prefill:
-            out = self._prefill(row)
-            if out is not None and row.samples:
-                logits.append(out)
-                step.sampled.append(row.generation)
+        for group in self._prefill_groups(prefill):
+            for row, out in zip(group, self._prefill(group)):
+                if out is not None and row.samples:
+                    logits.append(out)
+                    step.sampled.append(row.generation)
         if logits:
             all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
             step.tokens = sample(all_logits, [g._sampler for g in step.sampled])
@@ -247,19 +256,48 @@ class Scheduler:
                 parts.append(_host_to(r.fed, device))
         return torch.cat(parts).view(-1, 1)
 
-    def _prefill(self, row: _Row) -> torch.Tensor | None:
-        g = row.generation
-        session = g._session
+    def _prefill_groups(self, rows: list[_Row]) -> list[list[_Row]]:
+        """The prefill calls for ``rows``: longest chunk first, a row joining
+        a call when its padding to the call's width is less than its own
+        length and those positions fit its context, at most prefill_rows a call."""
+        groups: list[list[_Row]] = []
+        limit = self._llm.max_context
+        for row in sorted(rows, key=lambda r: -len(r.fed)):
+            group = groups[-1] if groups else None
+            if group is not None and len(group) < self.prefill_rows and 2 * len(row.fed) > len(group[0].fed) \
+                    and len(row.generation._session._tokens) + len(group[0].fed) <= limit:
+                group.append(row)
+            else:
+                groups.append([row])
+        return groups
+
+    def _prefill(self, rows: list[_Row]) -> list[torch.Tensor | None]:
+        """Feeds ``rows``' chunks in one call, right-padded to the longest;
+        each row's logits [1, V], or None where the row failed (its
+        generation ends with the error; the others' are fine to use)."""
+        width = max(len(r.fed) for r in rows)
+        sessions = [r.generation._session for r in rows]
         try:
-            with _Locked([session]):
-                ids = _host_to(row.fed, self._engine.device).view(1, -1)
-                out: torch.Tensor = session._session.run("prefill", ids)
-                session._tokens.extend(row.fed)
-                g._fed(len(row.fed))
-            return out
-        except Exception as e:  # noqa: BLE001 - the generation ends with it
-            g._fail(e)
-            return None
+            with _Locked(sessions):
+                ids = [t for r in rows for t in (*r.fed, *[PAD_ID] * (width - len(r.fed)))]
+                inputs = _host_to(ids, self._engine.device).view(len(rows), width)
+                if len(rows) == 1:
+                    out: torch.Tensor = sessions[0]._session.run("prefill", inputs)
+                else:
+                    out = self._engine.run_batch("prefill", [s._session for s in sessions], inputs)
+                for r, s in zip(rows, sessions):
+                    if len(r.fed) < width:  # the padding's positions go
+                        s._session.truncate(len(s._tokens) + len(r.fed))
+                    s._tokens.extend(r.fed)
+                    r.generation._fed(len(r.fed))
+            self.prefill_calls += 1
+            self.prefill_rows_fed += len(rows)
+            return [out[i:i + 1] for i in range(len(rows))]
+        except Exception as e:  # noqa: BLE001 - one row's failure must not end the others
+            if len(rows) == 1:
+                rows[0].generation._fail(e)
+                return [None]
+        return [self._prefill([r])[0] for r in rows]  # which row failed: each alone
 
     def _deliver_text(self, step: _Step, tokens: list[int]) -> None:
         for g, token in zip(step.sampled, tokens):

@@ -6,10 +6,11 @@
     data/aoti_sessions/llm/generation_config.json   # the model's generation defaults
     data/aoti_sessions/llm/tokenizer/...            # tokenizer.save_pretrained output
 
-The package's methods are ``prefill(input_ids int64[1, T], cache_position
-int64[T]) -> logits[1, V]`` for 2 <= T <= max_prefill (the logits of the last
-position only) and ``decode(input_ids int64[1, 1], cache_position int64[1]) ->
-logits[1, V]``; the KV cache holds ``max_cache_len`` positions.
+The package's methods (``aoti_sessions.llm.export``) are ``prefill(input_ids
+int64[B, T]) -> logits[B, V]`` for 2 <= T <= max_prefill and B <=
+prefill_rows (rows right-padded with -1; each row's last real position's
+logits) and ``decode(input_ids int64[B, 1]) -> logits[B, V]``, over a pooled
+KV cache of up to ``max_cache_len`` positions a session.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class LLMSpec:
     dtype: str  # of the weights and the KV cache, e.g. "float32"
     name: str  # the model's id (its folder or hub name), for APIs that report one
     version: int = SPEC_VERSION
+    prefill_rows: int = 1  # sessions one prefill call feeds at most (packages before batched prefill: 1)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -100,7 +102,8 @@ def _spec(doc: Field) -> LLMSpec:
         model_type=doc["model_type"].string(), architecture=doc["architecture"].string(),
         max_cache_len=max_cache_len, max_prefill=max_prefill, vocab_size=vocab_size, eos_token_ids=eos,
         bos_token_id=_optional_id(doc, "bos_token_id"), pad_token_id=_optional_id(doc, "pad_token_id"),
-        dtype=doc["dtype"].string(), name=doc["name"].string(), version=version)
+        dtype=doc["dtype"].string(), name=doc["name"].string(), version=version,
+        prefill_rows=rows.integer(minimum=1) if (rows := doc.get("prefill_rows")) is not None else 1)
 
 
 def _read_entry(archive: zipfile.ZipFile, name: str, package: Path) -> Field:
