@@ -224,7 +224,7 @@ def _pick_rows(model: PreTrainedModel, last: torch.Tensor) -> Iterator[None]:
     alone (the model's own code before and after it runs unchanged: a final
     soft-cap, a logit scale). The head's forward is swapped for the block,
     not the module: its weights keep their names, shared with decode."""
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output head to pick rows' logits from")
     original = head.forward
