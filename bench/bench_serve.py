@@ -247,6 +247,17 @@ def run_mode(port: int, chats: int, turns: int, tokens: int, mode: str, tag: str
     return sum(r[0] for r in results) / wall, ttft
 
 
+def ttft_parts(port: int) -> list[float]:
+    """The server's sums and counts of the time to first token's two parts
+    (before the generation joins the step loop, and in it), from /metrics."""
+    values = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = float(value) if value and not name.startswith("#") else 0.0
+    return [values[f"aoti_sessions_{part}_seconds_{kind}"] for part in ("time_to_start", "start_to_first_token")
+            for kind in ("sum", "count")]
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -422,6 +433,7 @@ def main() -> None:
     modes = tuple(m for m in ("sessions", "no-session", "serialised") if m in args.modes.split(","))
     rates: dict[tuple[int, str], list[float]] = {}
     ttfts: dict[tuple[int, str], dict[int, list[float]]] = {}
+    parts: dict[tuple[int, str], list[tuple[float, float]]] = {}  # mean s before / in the step loop, per round
     try:
         # Warm-up: kernels, graphs; at every chat count, since a batched
         # decode captures a graph per padded batch size the first time it
@@ -431,7 +443,10 @@ def main() -> None:
         for r in range(args.rounds):
             for n in chats:
                 for mode in modes:
+                    before = ttft_parts(port)
                     rate, ttft = run_mode(port, n, args.turns, args.tokens, mode, f"r{r}{mode[0]}")
+                    d = [b - a for a, b in zip(before, ttft_parts(port))]
+                    parts.setdefault((n, mode), []).append((d[0] / max(d[1], 1), d[2] / max(d[3], 1)))
                     rates.setdefault((n, mode), []).append(rate)
                     merged = ttfts.setdefault((n, mode), {})
                     for turn, xs in ttft.items():
@@ -467,14 +482,14 @@ def main() -> None:
             print(f"round {r} anchor B {b}: {rate:.1f} tokens/s", flush=True)
         print(f"anchor B {b}: first call (compiling) {a.first_s:.1f} s, worker {a.wall_s:.1f} s in all"
               + ("; a timed call compiled or recorded a graph" if a.recompiled else ""), flush=True)
-    report(args, device, package, chats, modes, rates, ttfts, server_itl, direct_itl,
+    report(args, device, package, chats, modes, rates, ttfts, parts, server_itl, direct_itl,
            (threads, default_threads, same_itl), anchors)
     if any(a.error for a in anchors):
         sys.exit(1)
 
 
 def report(args: argparse.Namespace, device: str, package: Path, chats: list[int], modes: tuple[str, ...],
-           rates: dict, ttfts: dict, server_itl: list[float], direct_itl: list[float],
+           rates: dict, ttfts: dict, parts: dict, server_itl: list[float], direct_itl: list[float],
            same: tuple[int | None, int, list[float]], anchors: list[Anchor]) -> None:
     card = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     size = SIZES["cuda" if device.startswith("cuda") else "cpu"]
@@ -504,6 +519,17 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
             cells = [f"{pct(per[t], 0.5) * 1e3:.1f} / {pct(per[t], 0.99) * 1e3:.1f}" for t in range(args.turns)]
             ratio[(n, mode)] = pct(per[last - 1], 0.5) / pct(per[0], 0.5)
             doc.append(f"| {n} | {mode} | " + " | ".join(cells) + f" | {ratio[(n, mode)]:.2f}x |")
+    doc += ["", "Where the time to first token goes (the server's metrics; mean ms over each run: median (min / max) "
+                "over rounds): before the generation joins the step loop (parsing, chat template, tokenizing, "
+                "the session, starting), and in it (waiting for a step, prefill, sampling).", "",
+            "| chats | mode | before the step loop | in the step loop |", "|---:|---|---:|---:|"]
+    for n in chats:
+        for mode in modes:
+            cells = []
+            for i in (0, 1):
+                xs = [p[i] * 1e3 for p in parts[(n, mode)]]
+                cells.append(f"{statistics.median(xs):.1f} ({min(xs):.1f} / {max(xs):.1f})")
+            doc.append(f"| {n} | {mode} | " + " | ".join(cells) + " |")
     s_med, d_med = statistics.median(server_itl), statistics.median(direct_itl)
     overhead = s_med / d_med - 1
     doc += ["", f"Per generated token, one chat: server (streamed, inter-token) {s_med * 1e3:.3f} ms "

@@ -425,6 +425,13 @@ def test_metrics_show_sessions_and_latencies(http: httpx.Client, client: openai.
     assert counts["aoti_sessions_inter_token_latency_seconds_count"] >= 3
     assert counts['aoti_sessions_time_to_first_token_seconds_bucket{le="+Inf"}'] \
         == counts["aoti_sessions_time_to_first_token_seconds_count"]
+    # The time to first token's second part, once per first token (the first
+    # part once per started generation, some of which ended before a token).
+    ttft = counts["aoti_sessions_time_to_first_token_seconds_count"]
+    assert counts["aoti_sessions_start_to_first_token_seconds_count"] == ttft
+    assert counts["aoti_sessions_time_to_start_seconds_count"] >= ttft
+    assert 0 < counts["aoti_sessions_start_to_first_token_seconds_sum"] \
+        < counts["aoti_sessions_time_to_first_token_seconds_sum"]
     assert counts["aoti_sessions_session_device_bytes"] == stats["device_bytes"] > 0
     assert "aoti_sessions_evictions_total" in counts
 

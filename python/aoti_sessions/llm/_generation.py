@@ -72,6 +72,7 @@ class Generation:
         self._events: deque[Event] = deque()
         self._sink: Callable[[Event], None] | None = None
         self._released = threading.Event()  # set once the scheduler no longer holds it
+        self.submitted = 0.0  # time.perf_counter() when it joined the step loop
 
     @property
     def text(self) -> str:

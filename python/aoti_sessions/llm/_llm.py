@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -224,6 +225,7 @@ class ChatSession(Closable):
             generation = Generation(self, ids, params)
             self._active = generation
         try:
+            generation.submitted = time.perf_counter()
             self._llm._scheduler.submit(generation)
         except BaseException:
             self._release(generation)

@@ -42,6 +42,7 @@ class Job:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.arrived = time.perf_counter()
+        self.started = self.arrived  # when its generation joined the step loop (start())
         self.generation: Generation | None = None
         self.cancelled = False
         self._counted = False
@@ -90,6 +91,8 @@ class Job:
         self.entry, session, params, prompt = entry, entry.session, self.params, self.prompt
         assert session is not None
         self.generation = await in_thread(lambda: session.start(prompt, params))
+        self.started = self.generation.submitted
+        self.metrics.time_to_start.observe(self.started - self.arrived)
         self.metrics.active += 1
 
     # -- steps -----------------------------------------------------------
@@ -124,6 +127,7 @@ class Job:
                 if count > tokens:
                     if tokens == 0:
                         self.metrics.ttft.observe(now - self.arrived)
+                        self.metrics.start_to_first_token.observe(now - self.started)
                     else:
                         self.metrics.itl.observe((now - last) / (count - tokens))
                     tokens, last = count, now

@@ -185,6 +185,15 @@ class ServerMetrics:
         self.ttft = r.histogram(p + "time_to_first_token_seconds",
                                 "From a generation request's arrival to its first generated token.")
         self.itl = r.histogram(p + "inter_token_latency_seconds", "Between consecutive generated tokens.")
+        # Where the time to first token goes: before the generation joins the
+        # step loop, and after.
+        self.time_to_start = r.histogram(
+            p + "time_to_start_seconds",
+            "From a generation request's arrival to its generation joining the step loop (parsing, the chat "
+            "template and tokenizing, waiting for its session, starting).")
+        self.start_to_first_token = r.histogram(
+            p + "start_to_first_token_seconds",
+            "From a generation joining the step loop to its first token (waiting for a step, prefill, sampling).")
         stats: dict[str, Any] = {}
 
         def read(key: str) -> Callable[[], float]:
