@@ -375,3 +375,41 @@ def test_demo_hides_torch_noise_only() -> None:
                                    module="torch._dynamo.output_graph")
             warnings.warn_explicit("ours", ais.CompileWarning, "_program.py", 1, module="aoti_sessions._program")
     assert [str(w.message) for w in seen] == ["ours"]
+
+
+class _SlicedViewRead(torch.nn.Module):
+    """Views a slice of an activation; writes only its input in place."""
+
+    def forward(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        v = y[..., :4].view(2, 2, 2)
+        buf.index_put_((torch.tensor([0]),), v.sum().reshape(1))
+        buf[1:].add_(1)
+        return v * 3
+
+
+class _SlicedViewWritten(torch.nn.Module):
+    """Writes an activation through a view of its slice."""
+
+    def forward(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        y[..., :4].view(2, 2, 2).add_(1)
+        return y
+
+
+@pytest.mark.parametrize("module, copied", [(_SlicedViewRead, 1), (_SlicedViewWritten, 0)])
+def test_pooled_views_of_slices_read_copies_only_where_nothing_writes_through_them(module: type, copied: int) -> None:
+    """A pooled method's view of a sliced activation reads a contiguous copy
+    (Inductor would otherwise compile it for two rows at least: Phi-3), unless
+    the program writes in place to anything but its inputs; either way the
+    program computes what the module does."""
+    from aoti_sessions._program import _copy_sliced_view_sources
+
+    program = torch.export.export(module(), (torch.randn(2, 8), torch.zeros(3)))
+    _copy_sliced_view_sources(program)
+    clones = [n for n in program.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert len(clones) == copied
+    x = torch.randn(2, 8)
+    ours, theirs = torch.zeros(3), torch.zeros(3)
+    torch.testing.assert_close(program.module()(x, ours), module()(x, theirs))
+    torch.testing.assert_close(ours, theirs)

@@ -117,8 +117,13 @@ def _copy_sliced_view_sources(program: ExportedProgram) -> None:
     views a contiguous copy instead. Inductor computes such a view's strides
     assuming every dynamic size is at least 2, and the compiled model then
     refuses a pooled method's batch of one session; the copy is of one
-    activation, never of a graph input."""
+    activation, never of a graph input. Not where the program mutates
+    anything but its inputs in place: a copy would not see (or make) a write
+    through an alias."""
     graph = program.graph_module.graph
+    inputs = _input_aliases(graph)
+    if inputs is None:
+        return
     views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
     changed = False
     for node in list(graph.nodes):
@@ -126,7 +131,7 @@ def _copy_sliced_view_sources(program: ExportedProgram) -> None:
             continue
         source = node.args[0]
         if not isinstance(source, torch.fx.Node) or source.target is not torch.ops.aten.slice.Tensor \
-                or not isinstance(source.args[0], torch.fx.Node) or source.args[0].op == "placeholder":
+                or source in inputs:
             continue
         with graph.inserting_before(node):
             copy = graph.call_function(torch.ops.aten.clone.default, (source,),
@@ -153,6 +158,29 @@ def _trace(module: torch.nn.Module, entry: Any, method: Method, strict: bool) ->
     finally:
         if routed:
             del module.forward
+
+
+def _input_aliases(graph: torch.fx.Graph) -> set[torch.fx.Node] | None:
+    """The graph's inputs and what aliases them (an in-place op's result, a
+    view of an input); None where the graph writes in place to anything else."""
+    inputs: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            inputs.add(node)
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+                or target is torch.ops.aten.detach_.default:  # writes no data (a constant's trace has it)
+            continue
+        schema = target._schema
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is None:
+                continue
+            given = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            if argument.alias_info.is_write and given not in inputs:
+                return None
+            if given in inputs and any(r.alias_info is not None for r in schema.returns):
+                inputs.add(node)  # its result aliases that input
+    return inputs
 
 
 def _aliased_constants(ep: ExportedProgram) -> list[tuple[str, str]]:
