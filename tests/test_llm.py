@@ -220,6 +220,10 @@ def test_save_and_load_continue_identically(llm, tmp_path: Path):
     (tmp_path / "chat.ais.tokens.json").unlink()
     with pytest.raises(ais.SessionFileError, match="tokens.json"):
         llm.load_session(path)
+    # Nothing saved there: the error says so, as opening a missing file does.
+    with pytest.raises(FileNotFoundError, match="no saved session") as missing:
+        llm.load_session(tmp_path / "never-saved.ais")
+    assert missing.value.filename == str(tmp_path / "never-saved.ais")
 
 
 def test_sessions_on_threads_equal_serial(llm):

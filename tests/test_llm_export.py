@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
 import threading
 import zipfile
 from collections.abc import Iterator
@@ -259,6 +261,21 @@ def test_package_carries_tokenizer_spec_and_generation_config(arch: str) -> None
     assert spec.prefill_rows == DEFAULT_MAX_BATCH  # sessions one prefill call feeds
     assert package.generation_config["eos_token_id"] == im_end
     assert package.tokenizer_dir.is_dir() and package.tokenizer_dir.is_relative_to(cache_dir())
+
+
+def test_info_shows_what_an_llm_package_says(arch: str) -> None:
+    """`aoti-sessions info` adds the LLM's own figures to the methods."""
+    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "info", str(llm_package(arch))],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    spec = read_llm_package(llm_package(arch)).spec
+    lines = result.stdout.splitlines()
+    assert f"LLM: tiny-{arch} ({spec.architecture}, float32)" in lines
+    assert (f"  context: 128 positions a session; prefill: up to {spec.max_prefill} tokens of up to "
+            f"{spec.prefill_rows} sessions a call; vocabulary: {spec.vocab_size}") in lines
+    assert f"  end of sequence: {', '.join(map(str, spec.eos_token_ids))}; bos: {spec.bos_token_id}; " \
+           f"pad: {spec.pad_token_id}" in lines
+    assert "  chat template: yes" in lines  # every tested family's tokenizer has one
 
 
 def _with_spec(package: Path, target: Path, edit: Any) -> Path:

@@ -4,8 +4,10 @@ and ``aoti-sessions info MODEL``."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+import zipfile
 
 
 def _positive(text: str) -> int:
@@ -64,7 +66,37 @@ def _info(model: str, device: str) -> int:
         for b in engine.buffers():
             print(f"  {b['fqn']}: {b['dtype']}{b['sizes']} in {', '.join(b['methods'])}"
                   f"{' (zero initial)' if b['zero_initial'] else ''}")
+    for line in _llm_lines(model):
+        print(line)
     return 0
+
+
+# Where aoti_sessions.llm.export writes its spec (llm/_spec.py: LLM_DIR,
+# SPEC_FILE): looked for before importing aoti_sessions.llm, which is slow.
+_LLM_SPEC_SUFFIX = "data/aoti_sessions/llm/llm.json"
+
+
+def _llm_lines(model: str) -> list[str]:
+    """What an LLM package says of itself (context, prefill, end ids, chat
+    template); nothing for another package."""
+    if not zipfile.is_zipfile(model):
+        return []
+    with zipfile.ZipFile(model) as archive:
+        if not any(name.endswith(_LLM_SPEC_SUFFIX) for name in archive.namelist()):
+            return []
+    from .llm._spec import read_llm_package
+
+    package = read_llm_package(model)
+    spec = package.spec
+    config_file = package.tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    template = (package.tokenizer_dir / "chat_template.jinja").is_file() or bool(config.get("chat_template"))
+    return [f"LLM: {spec.name} ({spec.architecture}, {spec.dtype})",
+            f"  context: {spec.max_cache_len} positions a session; prefill: up to {spec.max_prefill} tokens of "
+            f"up to {spec.prefill_rows} sessions a call; vocabulary: {spec.vocab_size}",
+            f"  end of sequence: {', '.join(map(str, spec.eos_token_ids)) or 'none'}; "
+            f"bos: {spec.bos_token_id}; pad: {spec.pad_token_id}",
+            f"  chat template: {'yes' if template else 'none (prompts are plain text)'}"]
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ diverged (a position change, nothing copied).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -137,7 +138,10 @@ class LLM(Closable):
         return ChatSession(self, self.engine.new_session(), [])
 
     def load_session(self, path: str | os.PathLike[str]) -> ChatSession:
-        """A session saved by :meth:`ChatSession.save`: its state and the tokens it holds."""
+        """A session saved by :meth:`ChatSession.save`: its state and the tokens
+        it holds (FileNotFoundError where nothing was saved at ``path``)."""
+        if not os.path.lexists(path):
+            raise FileNotFoundError(errno.ENOENT, "no saved session", os.fspath(path))
         history = Path(os.fspath(path) + HISTORY_SUFFIX)
         try:
             tokens = json.loads(history.read_text())
