@@ -287,3 +287,29 @@ def test_text_is_held_back_only_while_it_may_begin_a_stop_string(llm):
     assert out == text and not stopped and not "".join(pieces).endswith("mill")
     pieces, out, stopped = run(["zzz"])
     assert "".join(pieces) == text == out
+
+
+def test_threads_option_and_the_warning_without_it(caplog: pytest.LogCaptureFixture) -> None:
+    """LLM(threads=N) sets the model's CPU kernel threads; without it, on a
+    CPU device where torch uses every CPU, a warning names the option."""
+    from aoti_sessions.llm._llm import usable_cpus
+
+    package = llm_package("qwen3", device="cpu", max_cache_len=CONTEXT)
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(ValueError, match="threads must be an int >= 1, got 0"):
+            LLM(package, threads=0)
+        with LLM(package, threads=1) as m:
+            assert torch.get_num_threads() == 1
+            assert m.new_session().generate("Hi", max_tokens=2, temperature=0).completion_tokens == 2
+        cpus = usable_cpus()
+        torch.set_num_threads(cpus)
+        with caplog.at_level("WARNING", logger="aoti_sessions.llm"), LLM(package):
+            pass
+        warned = [r.getMessage() for r in caplog.records if r.name == "aoti_sessions.llm"]
+        if cpus > 1:
+            assert len(warned) == 1 and f"threads={cpus - 1}" in warned[0], warned
+        else:
+            assert warned == []  # one CPU: nothing to leave free
+    finally:
+        torch.set_num_threads(before)

@@ -111,3 +111,31 @@ def test_lock_annotations_hold(tmp_path: Path) -> None:
     result = subprocess.run([env["CXX"], "-std=c++17", "-fsyntax-only", "-Wthread-safety", "-Werror",
                              f"-I{ROOT / 'csrc'}", str(probe)], capture_output=True, text=True)
     assert result.returncode != 0 and "requires holding mutex" in result.stderr, result.stderr
+
+
+def test_scripts_run_rebuilds_only_when_a_source_changed(tmp_path: Path) -> None:
+    """scripts/run installs again when what the build reads changed (the
+    digest of scripts/source-hash), and not otherwise."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("pyproject.toml", "CMakeLists.txt", "csrc", "python"):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, tree / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        else:
+            shutil.copy(source, tree / name)
+
+    def digest() -> str:
+        return subprocess.run([str(ROOT / "scripts" / "source-hash"), str(tree)], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    first = digest()
+    assert re.fullmatch(r"[0-9a-f]{64}", first)
+    (tree / "python" / "aoti_sessions" / "__pycache__").mkdir(exist_ok=True)
+    (tree / "python" / "aoti_sessions" / "__pycache__" / "x.pyc").write_bytes(b"stale")
+    assert digest() == first  # caches do not count
+    core = next((tree / "csrc" / "core").glob("*.cc"))
+    core.write_text(core.read_text() + "\n// edited\n")
+    assert digest() != first
+    script = (ROOT / "scripts" / "run").read_text()
+    assert 'source-hash' in script and '.aoti-sessions-installed' in script

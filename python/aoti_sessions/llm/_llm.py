@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import threading
 import time
@@ -38,12 +39,25 @@ Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
 HISTORY_SUFFIX = ".tokens.json"  # beside a saved session: the tokens its cache holds
 
 
+log = logging.getLogger("aoti_sessions.llm")
+
+
 class ContextLengthError(ValueError):
     """A prompt longer than the context."""
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class LLM(Closable):
     """A package written by :func:`aoti_sessions.llm.export`, loaded once.
+
+    ``threads``: the threads of the model's CPU kernels, set with
+    ``torch.set_num_threads`` (for the whole process). Left unset on a CPU
+    device where torch uses every CPU, a warning is logged: a kernel waits for
+    its slowest thread, so other work on the machine stalls every step.
 
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``, ...).
@@ -53,7 +67,15 @@ class LLM(Closable):
     """
 
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
-                 **engine_options: Any) -> None:
+                 threads: int | None = None, **engine_options: Any) -> None:
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+                raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+            torch.set_num_threads(threads)
+        elif torch.device(device).type == "cpu" and (cpus := usable_cpus()) > 1 and torch.get_num_threads() >= cpus:
+            log.warning("LLM on the CPU: torch runs the model's kernels on all %d CPUs, and a kernel waits for its "
+                        "slowest thread: other work here (another process, this program's threads) can stall every "
+                        "step many times over. LLM(..., threads=%d) leaves one CPU free.", cpus, cpus - 1)
         read = read_llm_package(package)
         self.spec = read.spec
         self.generation_config: dict[str, Any] = dict(read.generation_config)

@@ -69,8 +69,9 @@ def compute_threads(requested: int | None, device: str) -> int | None:
         return requested
     if not device.startswith("cpu"):
         return None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus - 1)
+    from ..llm._llm import usable_cpus
+
+    return max(1, usable_cpus() - 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,19 +91,15 @@ def run(args: argparse.Namespace) -> int:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     engine_options = {k: v for k, v in (("max_sessions", args.max_sessions), ("memory_budget", args.memory_budget),
                                         ("idle_timeout", args.idle_timeout)) if v is not None}
+    # The model's kernels and the server's event loop share the CPUs: a
+    # parallel kernel waits for its slowest thread, so one the loop preempts
+    # stalls every step.
     threads = compute_threads(args.threads, args.device)
-    if threads is not None:
-        import torch
-
-        # The model's kernels and the server's event loop share the CPUs: a
-        # parallel kernel waits for its slowest thread, so one the loop
-        # preempts stalls every step.
-        torch.set_num_threads(threads)
     # The step loop and the event loop share the GIL: when the device ends a
     # step, the loop that queues the next one waits for the event loop to let
     # go, up to the switch interval (5 ms by default, several steps' worth).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    llm = LLM(args.package, device=args.device, **engine_options)
+    llm = LLM(args.package, device=args.device, threads=threads, **engine_options)
     kernels = f", {threads} CPU thread{'s' if threads != 1 else ''} for its kernels" if threads is not None else ""
     print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
     try:
