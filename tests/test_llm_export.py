@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -276,6 +277,46 @@ def test_info_shows_what_an_llm_package_says(arch: str) -> None:
     assert f"  end of sequence: {', '.join(map(str, spec.eos_token_ids))}; bos: {spec.bos_token_id}; " \
            f"pad: {spec.pad_token_id}" in lines
     assert "  chat template: yes" in lines  # every tested family's tokenizer has one
+
+
+def _hub_cache(root: Path, repo_id: str, folder: Path) -> None:
+    """``folder``'s files in a hub cache at ``root``, laid out as the hub lays
+    it out: blobs by hash, a snapshot of links to them, refs/main."""
+    import hashlib
+
+    repo = root / "hub" / ("models--" + repo_id.replace("/", "--"))
+    revision = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in folder.iterdir():
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+
+
+def test_hub_ids_resolve_from_the_hub_cache_offline(tmp_path: Path) -> None:
+    """A hub id (no such folder) is read from the hub's cache, offline, as
+    transformers' from_pretrained would find it; an id in neither the cache
+    nor (offline) the hub is one clear error."""
+    _hub_cache(tmp_path, "tiny/qwen3", hf_model_dir("qwen3"))
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    probe = ("from aoti_sessions.llm._export import _hub_folder, _check_folder; "
+             "f = _hub_folder('tiny/qwen3'); print(f); print(_check_folder(f).model_type)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    folder, model_type = result.stdout.split()
+    assert Path(folder).is_relative_to(tmp_path / "hub" / "models--tiny--qwen3" / "snapshots")
+    assert model_type == "qwen3"
+    assert sorted(p.name for p in Path(folder).iterdir()) == sorted(p.name for p in hf_model_dir("qwen3").iterdir())
+    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "export", "nobody/none", "-o",
+                             str(tmp_path / "x.pt2")], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2
+    assert "nobody/none: no such folder, and no such model in the hub's cache or on the hub" in result.stderr
+    assert not (tmp_path / "x.pt2").exists()
 
 
 def _with_spec(package: Path, target: Path, edit: Any) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import tempfile
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -48,6 +49,25 @@ def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     return _DTYPES[name]
+
+
+# A hub id: "name" or "owner/name" (the hub's own rule for the characters).
+_HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+# What a hub snapshot needs for export: config, weights, tokenizer and template.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def _hub_folder(repo_id: str) -> Path:
+    """The local snapshot of a hub model, by its id: from the hub's cache, or
+    fetched where the hub is reachable (huggingface_hub, as transformers'
+    from_pretrained does; HF_HUB_OFFLINE=1 keeps to the cache)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as e:  # noqa: BLE001 - every way of not finding it is one answer
+        raise FileNotFoundError(f"{repo_id}: no such folder, and no such model in the hub's cache or on the hub "
+                                f"({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def _check_folder(source: Path) -> PretrainedConfig:
@@ -284,9 +304,10 @@ def export(
 ) -> str:
     """Compile a transformers causal LM into one LLM package at ``path`` (.pt2).
 
-    ``model_or_dir`` is a ``PreTrainedModel`` or a local folder that
-    ``save_pretrained`` wrote for the model and its tokenizer (never fetched
-    from the hub). The package has two methods over a pooled KV cache the
+    ``model_or_dir`` is a ``PreTrainedModel``, a local folder that
+    ``save_pretrained`` wrote for the model and its tokenizer, or a hub id
+    (``"Qwen/Qwen3-0.6B"``, where no such folder exists: read from the hub's
+    cache, fetched where the hub is reachable). The package has two methods over a pooled KV cache the
     engine owns (docs/batching.md), of which each session holds the pages
     (``page_size`` positions each) its positions fall in, up to
     ``max_cache_len`` positions: ``prefill(input_ids[B, T])`` feeds up to T new
@@ -313,8 +334,12 @@ def export(
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     torch_dtype = None if dtype is None else _as_dtype(dtype)
     source: Path | None = None
+    hub_id: str | None = None
     if isinstance(model_or_dir, (str, os.PathLike)):
         source = folder = Path(model_or_dir)
+        given = os.fspath(model_or_dir)
+        if not folder.exists() and isinstance(model_or_dir, str) and _HUB_ID.fullmatch(given):
+            hub_id, folder = given, _hub_folder(given)
         config = _check_folder(folder).get_text_config()
         tok = _load_tokenizer(tokenizer, folder)
         # Every check before the weights are read: bad input fails fast.
@@ -349,7 +374,7 @@ def export(
             eos_token_ids=_eos_ids(generation, config, tok),
             bos_token_id=_first_id(generation.bos_token_id, config.bos_token_id, tok.bos_token_id),
             pad_token_id=_first_id(generation.pad_token_id, getattr(config, "pad_token_id", None), tok.pad_token_id),
-            dtype=str(model.dtype).removeprefix("torch."), name=_model_name(model, source), prefill_rows=max_batch)
+            dtype=str(model.dtype).removeprefix("torch."), name=hub_id or _model_name(model, source), prefill_rows=max_batch)
         _append_files(tmp, {SPEC_FILE: spec.to_json().encode(),
                             GENERATION_CONFIG_FILE: generation.to_json_string().encode(),
                             **_tokenizer_files(tok)})

@@ -26,7 +26,8 @@ _at_least_two = _at_least(2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="folder save_pretrained wrote for a causal LM and its tokenizer")
+    parser.add_argument("model_dir", help="folder save_pretrained wrote for a causal LM and its tokenizer, or a "
+                                          "hub id (Qwen/Qwen3-0.6B: from the hub's cache, or fetched)")
     parser.add_argument("-o", "--output", required=True, help="package to write (.pt2)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--max-cache-len", type=_at_least_two, default=None,
