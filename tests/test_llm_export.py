@@ -418,3 +418,31 @@ def test_export_takes_a_model_object_and_leaves_it_as_it_was(tmp_path: Path) -> 
     # bfloat16 keeps 8 bits of mantissa: within a few of its steps at the logits' scale.
     assert float((logits.float() - eager).abs().max()) <= 0.03 * float(eager.abs().max())
     assert int(logits.argmax()) == int(eager.argmax())
+
+
+def test_picking_rows_restores_the_output_head_as_it_was() -> None:
+    """Export applies the head to each row's last real position through a
+    swapped forward, then leaves the head as it found it: the class's
+    forward, or one set on the module itself (a hook's)."""
+    from aoti_sessions.llm._paged import _pick_rows
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(4, 3)
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.head
+
+    model = Model()
+    hidden = torch.randn(2, 5, 4)
+    last = torch.tensor([4, 1])
+    with _pick_rows(model, last):  # type: ignore[arg-type]
+        picked = model.head(hidden)
+    torch.testing.assert_close(picked[:, 0], torch.stack([model.head(hidden[0, 4]), model.head(hidden[1, 1])]))
+    assert "forward" not in model.head.__dict__
+    hooked = model.head.forward
+    model.head.forward = hooked  # an instance forward, as accelerate's hooks set
+    with _pick_rows(model, last):  # type: ignore[arg-type]
+        assert model.head.forward is not hooked
+    assert model.head.__dict__["forward"] is hooked

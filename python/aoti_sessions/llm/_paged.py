@@ -228,6 +228,7 @@ def _pick_rows(model: PreTrainedModel, last: torch.Tensor) -> Iterator[None]:
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output head to pick rows' logits from")
     original = head.forward
+    own = head.__dict__.get("forward")  # a forward set on the module itself (a hook's), kept
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         rows = torch.arange(hidden.shape[0], device=hidden.device)
@@ -237,7 +238,10 @@ def _pick_rows(model: PreTrainedModel, last: torch.Tensor) -> Iterator[None]:
     try:
         yield
     finally:
-        del head.forward  # the class's forward again
+        if own is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = own
 
 
 @contextmanager

@@ -195,7 +195,8 @@ class Job:
         (the hot path: one a generated piece)."""
         if self._piece_frame is None:
             sentinel = "\x00piece\x00"
-            head, tail = self.chunk(sentinel).split(json.dumps(sentinel).encode())
+            # The text is the last field that can hold it (a session id cannot; a model name before it can).
+            head, _, tail = self.chunk(sentinel).rpartition(json.dumps(sentinel).encode())
             self._piece_frame = (head, tail)
         head, tail = self._piece_frame
         return head + json.dumps(text).encode() + tail
