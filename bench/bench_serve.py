@@ -435,11 +435,13 @@ def main() -> None:
     ttfts: dict[tuple[int, str], dict[int, list[float]]] = {}
     parts: dict[tuple[int, str], list[tuple[float, float]]] = {}  # mean s before / in the step loop, per round
     try:
-        # Warm-up: kernels, graphs; at every chat count, since a batched
-        # decode captures a graph per padded batch size the first time it
-        # runs one (as the anchor's warm-up calls compile for each B).
+        # Warm-up: kernels, graphs; at every chat count and over as many
+        # turns as a round, since a batched decode captures a graph per padded
+        # batch size and a prefill one per rows, chunk length and history
+        # width bucket, each at its second run (as the anchor's warm-up calls
+        # compile for each B).
         for n in sorted({2, *chats}):
-            run_mode(port, n, 2, 4, "sessions", f"warm{n}")
+            run_mode(port, n, args.turns, args.tokens, "sessions", f"warm{n}")
         for r in range(args.rounds):
             for n in chats:
                 for mode in modes:

@@ -217,6 +217,9 @@ def test_bad_batches_are_refused_and_change_nothing(engine: ais.Engine, device: 
                          torch.ones(9, 1, dtype=torch.long, device=device))
     with pytest.raises(ValueError, match="unknown method .nope."):
         engine.run_batch("nope", [a], torch.tensor([[1]], device=device))
+    with pytest.raises(ValueError, match="unknown method .nope."):
+        engine.captures("nope")
+    assert engine.captures("decode") == (device == "cuda")  # graphs are CUDA's
     with pytest.raises(TypeError, match="sequence of Session"):
         engine.run_batch("decode", [a, "b"], torch.tensor([[1], [1]], device=device))
     with ais.Engine(paged_package(device), device=device) as other, other.new_session() as stranger:
@@ -323,9 +326,9 @@ def test_cuda_graphs_per_bucket_serve_changing_session_sets(module: PagedDecoder
     with ais.Engine(paged_package("cuda"), device="cuda") as eng:
         sessions = [eng.new_session() for _ in range(MAX_ROWS)]
         refs = [ref_for(module, "cuda") for _ in sessions]
-        for s, r in zip(sessions, refs):
-            feed(s, [2, 3], "cuda")
-            r.feed([2, 3])
+        for s, r in zip(sessions, refs):  # one prefill shape: 3 eager warm-up runs, then its graph
+            torch.testing.assert_close(feed(s, [2, 3], "cuda"), r.feed([2, 3]), atol=ATOL, rtol=0)
+        assert eng.stats()["graph_captures"] == 1 and eng.stats()["graph_replays"] == MAX_ROWS - 3
         rng = random.Random(5)
         for step in range(60):
             chosen = rng.sample(range(MAX_ROWS), rng.choice([1, 2, 3, 5, 8]))
@@ -334,6 +337,6 @@ def test_cuda_graphs_per_bucket_serve_changing_session_sets(module: PagedDecoder
             for i, o in zip(chosen, out):
                 torch.testing.assert_close(o, refs[i].feed([step % VOCAB]), atol=ATOL, rtol=0)
         stats = eng.stats()
-        # Buckets 1, 2, 4, 8: one graph each, replayed for whichever sessions fill them.
-        assert stats["graph_captures"] == 4, stats
+        # Decode's buckets 1, 2, 4, 8: one graph each, replayed for whichever sessions fill them.
+        assert stats["graph_captures"] == 1 + 4, stats
         assert stats["graph_replays"] > 40

@@ -170,3 +170,29 @@ def test_randomized_chats_equal_solo_runs(llm: LLM, tmp_path: Path) -> None:
 
     on_threads(8, "cpu", chat)
     assert not problems, problems[:3]
+
+
+@requires_cuda
+def test_prefill_graphs_serve_every_session_and_length_of_a_bucket() -> None:
+    """On CUDA prefill chunks are padded to a power of two and each (rows,
+    length, page-table width) bucket is captured once: later prompts of other
+    lengths in the bucket, on new sessions, replay it, and every reply equals
+    an eager LLM's."""
+    package = llm_package("qwen3", device="cuda", max_cache_len=CONTEXT)
+    with LLM(package, device="cuda", cuda_graphs=False) as eager:
+        assert not eager.engine.captures("prefill")
+        prompts = [eager.encode(p) for p in PROMPTS]
+        assert len(set(map(len, prompts))) > 1 and max(map(len, prompts)) <= 16  # one bucket: 16
+        want = [solo(eager, p, 6) for p in prompts]
+    with LLM(package, device="cuda") as m:
+        assert m.engine.captures("prefill") and m.engine.captures("decode")
+        for _ in range(2):  # warm-up runs are eager; a shape is captured at its second run
+            warm = [solo(m, p, 6) for p in prompts]
+        before = m.engine.stats()
+        got = [solo(m, p, 6) for p in prompts]
+        after = m.engine.stats()
+        assert got == want and warm == want
+        assert after["graph_captures"] == before["graph_captures"]
+        runs = after["runs"] - before["runs"]
+        assert runs == len(prompts) * 6 and after["graph_replays"] - before["graph_replays"] == runs
+

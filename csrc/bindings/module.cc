@@ -444,6 +444,8 @@ void BindEngine(py::module_& m) {
       .def("method_index", &Engine::method_index, py::arg("name"))
       .def("call_spec", &Engine::call_spec, py::arg("method"))
       .def("num_inputs", &Engine::num_inputs, py::arg("method"))
+      .def("captures", &Engine::captures, py::arg("method"),
+           "Whether the method's runs are captured into CUDA graphs.")
       .def_property_readonly("mutable_buffers", &Engine::mutable_buffers)
       .def_property_readonly("bytes_per_session", &Engine::bytes_per_session)
       .def_property_readonly("weight_bytes", &Engine::weight_bytes)

@@ -57,6 +57,11 @@ const std::pair<std::string, std::string>& Engine::call_spec(size_t method) cons
 
 size_t Engine::num_inputs(size_t method) const { return parts_->model->method(method).num_inputs; }
 
+bool Engine::captures(size_t method) const {
+  parts_->model->method(method);  // checks the index
+  return parts_->runner->Captures(method);
+}
+
 const std::vector<MutableBuffer>& Engine::mutable_buffers() const {
   return parts_->model->buffers();
 }

@@ -93,6 +93,9 @@ class Engine {
   // inputs. Throw kInvalidArgument for an unknown method index.
   const std::pair<std::string, std::string>& call_spec(size_t method) const;
   size_t num_inputs(size_t method) const;
+  // Whether the method's runs are captured into CUDA graphs (so far: a
+  // failed capture under cuda_graphs="auto" turns it off).
+  bool captures(size_t method) const;
   const std::vector<MutableBuffer>& mutable_buffers() const;
   // Index of a mutable FQN; throws kInvalidArgument if it is not one.
   size_t buffer_index(const std::string& fqn) const;

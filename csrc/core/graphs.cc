@@ -10,12 +10,12 @@ namespace aoti_sessions {
 namespace {
 
 // The first input with a dynamic dimension, as "input I: [1, *]", or "".
-// A pooled method's first dimensions (rows, pool units) do not count.
+// A pooled method's batches are captured per shape: none counts.
 std::string DynamicInput(const Method& method) {
-  if (!method.inputs) return "";
+  if (!method.inputs || method.pool) return "";
   for (size_t i = 0; i < method.inputs->size(); ++i) {
     const std::vector<int64_t>& sizes = (*method.inputs)[i].sizes;
-    for (size_t d = method.pool ? 1 : 0; d < sizes.size(); ++d) {
+    for (size_t d = 0; d < sizes.size(); ++d) {
       if (sizes[d] < 0) {
         return "input " + std::to_string(i) + " is " + FormatDims((*method.inputs)[i].sizes);
       }
@@ -67,16 +67,24 @@ GraphSet::~GraphSet() { Clear(); }
 bool GraphSet::Captures(size_t method) const { return captures_method_[method].load(); }
 
 Graph* GraphSet::Find(uint64_t session, size_t method, const GraphKey& key) {
-  std::unique_ptr<Graph> stale;
+  Graphs stale;
+  Graph* found = nullptr;
   {
     MutexLock lock(mutex_);
     auto it = graphs_.find(session);
-    if (it == graphs_.end() || it->second.size() <= method || !it->second[method]) return nullptr;
-    if (it->second[method]->key == key) return it->second[method].get();
-    stale = std::move(it->second[method]);
+    if (it == graphs_.end() || it->second.size() <= method) return nullptr;
+    Graphs& graphs = it->second[method];
+    Graphs kept;
+    for (auto& graph : graphs) {
+      if (graph->key == key) found = graph.get();
+      const bool current = graph->key.bind_key == key.bind_key &&
+                           graph->key.weights_epoch == key.weights_epoch;
+      (current ? kept : stale).push_back(std::move(graph));
+    }
+    graphs.swap(kept);
   }
-  Destroy(std::move(stale));
-  return nullptr;
+  for (auto& graph : stale) Destroy(std::move(graph));
+  return found;
 }
 
 std::pair<GraphHost::Pool, std::mutex*> GraphSet::PoolFor(StreamHandle stream) {
@@ -136,15 +144,27 @@ Graph* GraphSet::Capture(uint64_t session, size_t method, GraphKey key,
   graph->key = std::move(key);
   captures_.fetch_add(1, std::memory_order_relaxed);
   Graph* result = graph.get();
-  std::unique_ptr<Graph> replaced;
+  Graphs replaced;
   {
     MutexLock lock(mutex_);
     auto& slots = graphs_[session];
     if (slots.size() <= method) slots.resize(method_names_.size());
-    replaced = std::move(slots[method]);
-    slots[method] = std::move(graph);
+    Graphs& graphs = slots[method];
+    for (auto it = graphs.begin(); it != graphs.end();) {
+      if ((*it)->key == result->key) {  // a capture of a key Find did not see
+        replaced.push_back(std::move(*it));
+        it = graphs.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    while (graphs.size() >= kGraphsPerMethod) {  // the oldest goes
+      replaced.push_back(std::move(graphs.front()));
+      graphs.erase(graphs.begin());
+    }
+    graphs.push_back(std::move(graph));
   }
-  Destroy(std::move(replaced));
+  for (auto& old : replaced) Destroy(std::move(old));
   return result;
 }
 
@@ -232,7 +252,7 @@ void GraphSet::Destroy(std::unique_ptr<Graph> graph) noexcept {
 }
 
 void GraphSet::Forget(uint64_t session) {
-  std::vector<std::unique_ptr<Graph>> gone;
+  std::vector<Graphs> gone;
   {
     MutexLock lock(mutex_);
     auto it = graphs_.find(session);
@@ -240,19 +260,23 @@ void GraphSet::Forget(uint64_t session) {
     gone = std::move(it->second);
     graphs_.erase(it);
   }
-  for (auto& graph : gone) Destroy(std::move(graph));
+  for (auto& graphs : gone) {
+    for (auto& graph : graphs) Destroy(std::move(graph));
+  }
 }
 
 void GraphSet::Clear() {
-  std::unordered_map<uint64_t, std::vector<std::unique_ptr<Graph>>> gone;
+  std::unordered_map<uint64_t, std::vector<Graphs>> gone;
   std::map<StreamHandle, PoolUse> pools;
   {
     MutexLock lock(mutex_);
     gone.swap(graphs_);
     pools.swap(pools_);
   }
-  for (auto& [session, graphs] : gone) {
-    for (auto& graph : graphs) Destroy(std::move(graph));
+  for (auto& [session, methods] : gone) {
+    for (auto& graphs : methods) {
+      for (auto& graph : graphs) Destroy(std::move(graph));
+    }
   }
   gone.clear();
   for (const auto& [stream, use] : pools) {
@@ -263,8 +287,8 @@ void GraphSet::Clear() {
 int64_t GraphSet::live_graphs() const {
   MutexLock lock(mutex_);
   int64_t n = 0;
-  for (const auto& [session, graphs] : graphs_) {
-    for (const auto& graph : graphs) n += graph ? 1 : 0;
+  for (const auto& [session, methods] : graphs_) {
+    for (const auto& graphs : methods) n += static_cast<int64_t>(graphs.size());
   }
   return n;
 }

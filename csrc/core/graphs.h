@@ -5,7 +5,9 @@
 // state block (a restore gives a new bind key), the same weight memory (a
 // double-buffered update bumps the epoch), the same stream (graphs of one
 // activation pool must not replay concurrently) and the same input shapes.
-// Anything else recaptures lazily, at the session's next run.
+// Anything else recaptures lazily, at the session's next run. An owner keeps
+// one graph per method and shape (a pooled method's batches: one per padded
+// row count and bucketed shape), up to kGraphsPerMethod.
 //
 // The model allocates its intermediates and outputs through torch's caching
 // allocator, whose routing into a graph pool has no C ABI: the caller supplies
@@ -99,12 +101,15 @@ class GraphSet {
   GraphSet& operator=(const GraphSet&) = delete;
 
   // Whether runs of `method` are captured (mode, device, host, static shapes,
-  // and no failed capture so far). A pooled method's inputs may have a
-  // dynamic first dimension (rows, or the pool's units): its batches are
-  // captured per padded row count.
+  // and no failed capture so far). A pooled method's inputs may have dynamic
+  // dimensions: its batches are captured per padded row count and per shape
+  // (the runner buckets the rows and the page table's width; a caller that
+  // varies another dimension buckets it, as the LLM scheduler pads prefill
+  // chunks to powers of two).
   bool Captures(size_t method) const;
-  // The session's graph of `method` if it was captured with `key`; a graph
-  // captured with another key is destroyed. Call under the session's lock.
+  // The session's graph of `method` if it was captured with `key`; graphs of
+  // it captured with another bind key or weights epoch (never replayed
+  // again) are destroyed. Call under the session's lock.
   Graph* Find(uint64_t session, size_t method, const GraphKey& key);
   // Captures the session's run of `method`: `run` queues the model's run on
   // the stream it is given (key.stream, or the device's capture stream for
@@ -128,6 +133,9 @@ class GraphSet {
   // `rows` rows (a padded batch).
   std::vector<OwnedTensor> Replay(Graph& graph, const std::vector<GraphInput>& inputs,
                                   int64_t rows);
+  // Graphs kept per owner and method (shapes, streams); past it the one
+  // captured first goes.
+  static constexpr size_t kGraphsPerMethod = 128;
   // Destroys the session's graphs (it closed).
   void Forget(uint64_t session);
   // Destroys every graph and releases the pools; no run may be in flight on
@@ -161,9 +169,10 @@ class GraphSet {
   // capture (the GraphHost is called under it), so never under a leaf.
   std::mutex capture_mutex_;
   mutable Mutex mutex_;  // a leaf: the tables below, never a graph's contents
-  // Per session, per method (index); a graph's contents belong to its
-  // session's lock holder.
-  std::unordered_map<uint64_t, std::vector<std::unique_ptr<Graph>>> graphs_ GUARDED_BY(mutex_);
+  // Per session, per method (index), oldest first; a graph's contents belong
+  // to its session's lock holder.
+  using Graphs = std::vector<std::unique_ptr<Graph>>;
+  std::unordered_map<uint64_t, std::vector<Graphs>> graphs_ GUARDED_BY(mutex_);
   // One pool per capture stream, kept with every BeginAllocations' hold on
   // it until Clear (a graph's memory is reused by later captures there).
   struct PoolUse {

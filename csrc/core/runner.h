@@ -40,6 +40,9 @@ struct PoolRows {
 // The padded row count a batch of `rows` runs as on a device with graphs:
 // 1, 2, 4, then multiples of 8, at most `max_rows`.
 int64_t BatchBucket(int64_t rows, int64_t max_rows);
+// The page-table width a captured batch runs with where the method's width is
+// dynamic: the next power of two, at most `max_pages`.
+int64_t WidthBucket(int64_t width, int64_t max_pages);
 
 class Runner {
  public:
@@ -73,6 +76,8 @@ class Runner {
 
   // Forgets what the runner keeps for `state` (its graphs); it is closing.
   void Forget(const SessionState& state);
+  // Whether runs of `method` are captured into CUDA graphs.
+  bool Captures(size_t method) const { return graphs_.Captures(method); }
 
   // Copies CPU tensors into the held weights. Every update is validated (known
   // weight, dtype, sizes, strides, CPU memory) before anything is written.

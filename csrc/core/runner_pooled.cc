@@ -15,6 +15,12 @@ int64_t BatchBucket(int64_t rows, int64_t max_rows) {
   return std::max(rows, std::min(bucket, max_rows));
 }
 
+int64_t WidthBucket(int64_t width, int64_t max_pages) {
+  int64_t bucket = 1;
+  while (bucket < width) bucket *= 2;
+  return std::max(width, std::min(bucket, max_pages));
+}
+
 namespace {
 
 // A new device tensor of `layout` holding `bytes` from `src` (host or
@@ -116,10 +122,23 @@ std::vector<OwnedTensor> Runner::RunPooled(size_t method, StatePool& pool, const
   const bool captures = graphs_.Captures(method);
   const int64_t padded = captures ? BatchBucket(rows.rows, source.max_rows) : rows.rows;
   // The addressing at the padded size: padding rows write the scratch page
-  // and slot, and read nothing of a session's.
+  // and slot, and read nothing of a session's. A captured method whose page
+  // table has a dynamic width gets it bucketed (entries past a session's
+  // pages are the zero page, as at any width).
   PoolRows full_rows = rows;
+  if (captures && source.page_table && (*called.inputs)[*source.page_table].sizes[1] < 0) {
+    full_rows.width = WidthBucket(rows.width, pool.layout().max_pages);
+    if (full_rows.width > rows.width) {
+      const size_t from = static_cast<size_t>(rows.width), to = static_cast<size_t>(full_rows.width);
+      full_rows.page_table.assign(static_cast<size_t>(rows.rows) * to, StatePool::kZeroPage);
+      for (size_t r = 0; r < static_cast<size_t>(rows.rows); ++r) {
+        std::copy_n(rows.page_table.begin() + static_cast<std::ptrdiff_t>(r * from), from,
+                    full_rows.page_table.begin() + static_cast<std::ptrdiff_t>(r * to));
+      }
+    }
+  }
   if (padded > rows.rows) {
-    const size_t width = static_cast<size_t>(rows.width);
+    const size_t width = static_cast<size_t>(full_rows.width);
     if (source.page_table) {
       full_rows.page_table.resize(static_cast<size_t>(padded) * width);
       for (int64_t r = rows.rows; r < padded; ++r) {
@@ -151,7 +170,7 @@ std::vector<OwnedTensor> Runner::RunPooled(size_t method, StatePool& pool, const
     for (size_t t = 0; t < source.tensors.size(); ++t) {
       shapes[source.tensors[t].input] = ReadLayout(pooled[called.pool_tensors[t]].get()).sizes;
     }
-    if (source.page_table) shapes[*source.page_table] = {padded, rows.width};
+    if (source.page_table) shapes[*source.page_table] = {padded, full_rows.width};
     if (source.positions) shapes[*source.positions] = {padded};
     if (source.slot_ids) shapes[*source.slot_ids] = {padded};
     for (const auto& s : shapes) AppendShapeKey(key->shapes, s);

@@ -365,7 +365,9 @@ void StatePool::FillPageRow(const PoolShare& share, int32_t* table, size_t width
 }
 
 void StatePool::FillPaddingRow(int32_t* table, size_t width) const {
-  for (size_t i = 0; i < width; ++i) table[i] = i == 0 ? kScratchPage : kZeroPage;
+  // Every entry: a padding row of a prefill writes several positions, and
+  // never into the zero page.
+  std::fill_n(table, width, kScratchPage);
 }
 
 StatePool::Use::Use(StatePool& pool, StreamHandle stream) : pool_(pool) {

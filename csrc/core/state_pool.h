@@ -94,7 +94,7 @@ class StatePool {
   // Fills one row of a run's addressing: `table` (`width` entries, at least
   // the share's pages) with the share's pages, then the zero page.
   void FillPageRow(const PoolShare& share, int32_t* table, size_t width) const;
-  // The same for a padding row: the scratch page, then the zero page.
+  // The same for a padding row: the scratch page in every entry.
   void FillPaddingRow(int32_t* table, size_t width) const;
 
   // Holds the pool's memory still (shared memory lock) for a run or a copy

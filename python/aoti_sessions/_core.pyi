@@ -631,6 +631,10 @@ class Engine:
         """
     def call_spec(self, method: typing.SupportsInt | typing.SupportsIndex) -> tuple[str, str]:
         ...
+    def captures(self, method: typing.SupportsInt | typing.SupportsIndex) -> bool:
+        """
+        Whether the method's runs are captured into CUDA graphs.
+        """
     def close(self) -> None:
         ...
     def load_session(self, path: str, strict: bool = True, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> Session:

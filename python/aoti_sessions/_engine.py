@@ -281,11 +281,23 @@ class Engine(Closable):
                 raise TypeError(f"this engine has {len(self._methods)} methods ({', '.join(self._methods)}); "
                                 "name one")
             method = self._only.name
+        call = self._call(method)
+        return signature(method, call.in_spec, call.out_spec, self._core.num_inputs(call.index),
+                         self._files[method].metadata)
+
+    def captures(self, method: str) -> bool:
+        """Whether runs of ``method`` are captured into CUDA graphs (replayed
+        after that); False on the CPU, with ``cuda_graphs=False``, or once a
+        capture failed under ``"auto"``. A pooled method's batches are
+        captured per padded row count and shape: a caller feeding varying
+        lengths pads them to a few sizes (the LLM scheduler: powers of two)."""
+        return bool(self._core.captures(self._call(method).index))
+
+    def _call(self, method: str) -> MethodCall:
         call = self._methods.get(method)
         if call is None:
             raise ValueError(f"unknown method {method!r}; this engine has: {', '.join(self._methods)}")
-        return signature(method, call.in_spec, call.out_spec, self._core.num_inputs(call.index),
-                         self._files[method].metadata)
+        return call
 
     def weights(self) -> list[dict[str, Any]]:
         """Descriptor of every held weight: fqn, dtype, sizes, strides, bytes, methods."""
@@ -368,9 +380,7 @@ class Engine(Closable):
         only its own session's state. The inputs have the rows first (say
         ``input_ids[len(sessions), 1]``); so do the outputs. Each session is
         restored first if offloaded and holds the positions fed afterwards."""
-        call = self._methods.get(method)
-        if call is None:
-            raise ValueError(f"unknown method {method!r}; this engine has: {', '.join(self._methods)}")
+        call = self._call(method)
         if isinstance(sessions, Session) or not isinstance(sessions, Sequence) \
                 or not all(isinstance(s, Session) for s in sessions):
             raise TypeError("sessions must be a sequence of Session")

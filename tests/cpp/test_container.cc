@@ -8,6 +8,7 @@
 
 #include "core/container.h"
 #include "core/errors.h"
+#include "core/runner.h"
 #include "test_helpers.h"
 
 namespace aoti_sessions {
@@ -104,6 +105,19 @@ TEST(TensorLayout, Density) {
   l.strides = {4, 1};  // padded rows
   EXPECT_FALSE(l.dense());
   EXPECT_EQ(l.span_bytes(), (4u + 2u + 1u) * 4u);
+}
+
+// The shapes a captured batch runs with: rows 1, 2, 4, then multiples of 8;
+// a dynamic page-table width the next power of two; neither past its bound.
+TEST(GraphBuckets, RowsAndWidths) {
+  const std::vector<std::pair<int64_t, int64_t>> rows = {{1, 1}, {2, 2}, {3, 4}, {5, 8}, {9, 16}, {17, 24}};
+  for (const auto& [given, bucket] : rows) EXPECT_EQ(BatchBucket(given, 64), bucket) << given;
+  EXPECT_EQ(BatchBucket(7, 6), 7);  // never fewer than the batch
+  EXPECT_EQ(BatchBucket(5, 6), 6);
+  const std::vector<std::pair<int64_t, int64_t>> widths = {{1, 1}, {3, 4}, {4, 4}, {5, 8}, {12, 16}, {33, 64}};
+  for (const auto& [given, bucket] : widths) EXPECT_EQ(WidthBucket(given, 64), bucket) << given;
+  EXPECT_EQ(WidthBucket(40, 48), 48);
+  EXPECT_EQ(WidthBucket(48, 48), 48);
 }
 
 }  // namespace

@@ -9,7 +9,8 @@ others; a new chat's first token waits for one step, not for the others to
 finish), several sessions' chunks in one call where the package allows,
 samples every row at once on the device, each with its own parameters, and
 reads the sampled tokens with one copy. Generations join and leave between
-steps.
+steps. Where prefill runs as CUDA graphs (captured per shape), its chunks
+are padded to powers of two, so a few graphs serve every length.
 
 The step after is queued before the text of this one is decoded, so the
 device computes while the host detokenizes, checks stop strings and hands
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
     from ._llm import LLM
 
 __all__ = ["Scheduler"]
+
+# The shortest padded prefill chunk where prefill runs as CUDA graphs (on the
+# device a call of 16 tokens costs what one of 2 does).
+MIN_PREFILL_BUCKET = 16
 
 
 @dataclass
@@ -275,7 +280,7 @@ class Scheduler:
         """Feeds ``rows``' chunks in one call, right-padded to the longest;
         each row's logits [1, V], or None where the row failed (its
         generation ends with the error; the others' are fine to use)."""
-        width = max(len(r.fed) for r in rows)
+        width = self._width(rows)
         sessions = [r.generation._session for r in rows]
         try:
             with _Locked(sessions):
@@ -298,6 +303,17 @@ class Scheduler:
                 rows[0].generation._fail(e)
                 return [None]
         return [self._prefill([r])[0] for r in rows]  # which row failed: each alone
+
+    def _width(self, rows: list[_Row]) -> int:
+        """The length ``rows``' chunks are padded to: the longest, or where
+        prefill runs as CUDA graphs (captured per shape) the next power of
+        two from MIN_PREFILL_BUCKET, within max_prefill and every row's context."""
+        width = max(len(r.fed) for r in rows)
+        if not self._cuda or not self._engine.captures("prefill"):
+            return width
+        bucket = max(MIN_PREFILL_BUCKET, 1 << (width - 1).bit_length())
+        room = self._llm.max_context - max(len(r.generation._session._tokens) for r in rows)
+        return max(width, min(bucket, self._llm.spec.max_prefill, room))
 
     def _deliver_text(self, step: _Step, tokens: list[int]) -> None:
         for g, token in zip(step.sampled, tokens):
