@@ -5,6 +5,7 @@ the ``openai`` client and httpx, checked against the eager transformers model.""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ import pytest
 import torch
 import transformers
 
-from aoti_sessions.llm import LLM
+from aoti_sessions.errors import EngineProcessError
+from aoti_sessions.llm import LLM, RemoteLLM
 from aoti_sessions.serve._cli import compute_threads
 from aoti_sessions.serve import create_app
 from conftest import on_threads
@@ -46,10 +48,21 @@ def llm(package: Path, device: str) -> Iterator[LLM]:
         yield model
 
 
+@pytest.fixture(scope="module", params=["one-process", "engine-process"])
+def served(request: pytest.FixtureRequest, llm: LLM, package: Path, device: str) -> Iterator[LLM | RemoteLLM]:
+    """What the server serves: ``llm``, or the same package in an engine
+    process of its own (what the CLI runs); every test of it holds for both."""
+    if request.param == "one-process":
+        yield llm
+        return
+    with RemoteLLM(package, device, threads=1, max_sessions=16) as remote:
+        yield remote
+
+
 @pytest.fixture(scope="module")
-def server(llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(served: LLM | RemoteLLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     session_dir = tmp_path_factory.mktemp("sessions")
-    with running(create_app(llm, api_key=KEY, session_dir=session_dir)) as url:
+    with running(create_app(served, api_key=KEY, session_dir=session_dir)) as url:
         yield url
 
 
@@ -413,10 +426,11 @@ def test_bad_requests_get_openai_errors_and_leave_sessions_intact(client: openai
     assert counts['aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= len(BAD_BODIES)
 
 
-def test_metrics_show_sessions_and_latencies(http: httpx.Client, client: openai.OpenAI, llm: LLM) -> None:
+def test_metrics_show_sessions_and_latencies(http: httpx.Client, client: openai.OpenAI, llm: LLM,
+                                            served: LLM | RemoteLLM) -> None:
     chat(client, llm, [{"role": "user", "content": "Hello"}], "metered", max_tokens=4)
     counts = metrics(http)
-    stats = llm.engine.stats()
+    stats = served.stats()
     assert counts['aoti_sessions_sessions{state="resident"}'] == stats["resident_sessions"]
     assert counts['aoti_sessions_sessions{state="offloaded"}'] == stats["offloaded_sessions"]
     assert counts["aoti_sessions_named_sessions"] == len(http.get("/v1/sessions").json()["data"])
@@ -489,3 +503,33 @@ def test_cli_threads_default_and_refusals() -> None:
     result = subprocess.run([sys.executable, "-m", "aoti_sessions", "serve", "x.pt2", "--threads", "0"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--threads: must be at least 1, got 0" in result.stderr, result.stderr
+
+
+def test_engine_process_failures_are_clean(package: Path, device: str, tmp_path: Path) -> None:
+    """A package the engine process cannot load raises its error here; an
+    engine process that dies ends the streams in flight with an error event,
+    answers 503 to later requests and says so on /health, and closing the
+    RemoteLLM after that is quiet."""
+    bad = tmp_path / "bad.pt2"
+    bad.write_bytes(b"not a package")
+    with pytest.raises(Exception, match="bad.pt2") as raised:
+        RemoteLLM(bad, device)
+    assert type(raised.value).__module__.startswith("aoti_sessions")
+    remote = RemoteLLM(package, device, threads=1)
+    try:
+        with running(create_app(remote)) as url, httpx.Client(base_url=url, timeout=60) as http:
+            body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": CONTEXT - 64,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "session_id": "doomed"}
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                os.kill(remote.pid or 0, signal.SIGKILL)
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert rest and "engine process ended" in rest[-1] and rest[-1] != "data: [DONE]", rest[-3:]
+            assert http.get("/health").status_code == 503 and not remote.alive
+            again = http.post("/v1/chat/completions", json={**body, "stream": False, "session_id": "after"})
+            assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable", again.text
+    finally:
+        remote.close()
+    with pytest.raises(EngineProcessError):
+        remote.new_session()

@@ -118,6 +118,11 @@ class CompileWarning(UserWarning):
     model that differs from the module (the message says which and what to do)."""
 
 
+class EngineProcessError(Error):
+    """An LLM's engine process ended (crashed, killed, or never started):
+    :class:`aoti_sessions.llm.RemoteLLM`."""
+
+
 class SessionBusyError(Error):
     """A generation is already running on this chat session (one at a time;
     close it, or wait for it to finish)."""

@@ -3,7 +3,9 @@
 ``export`` turns a transformers causal LM into one package (prefill and decode
 methods, weights once, a static KV cache per session, the tokenizer and
 generation config inside); ``LLM`` loads it, and its chat sessions generate,
-remembering the tokens in their cache between turns.
+remembering the tokens in their cache between turns. ``RemoteLLM`` runs the
+same in a process of its own (what ``aoti-sessions serve`` does), keeping the
+tokenizer and proxies here.
 
 >>> from aoti_sessions.llm import LLM, export
 >>> export("path/to/hf-model", "model.pt2")
@@ -17,6 +19,8 @@ from __future__ import annotations
 from ._export import export
 from ._generation import Completion, Generation
 from ._llm import LLM, ChatSession, ContextLengthError, Prompt
+from ._remote import EngineProcessError, RemoteGeneration, RemoteLLM, RemoteSession
 from ._sampling import SamplingParams
 
-__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "ContextLengthError"]
+__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "ContextLengthError",
+           "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError"]

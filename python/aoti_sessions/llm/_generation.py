@@ -16,7 +16,7 @@ from ._text import TextStream
 if TYPE_CHECKING:
     from ._llm import ChatSession
 
-__all__ = ["Completion", "Generation"]
+__all__ = ["Completion", "Generation", "Pieces", "Event"]
 
 # What a generation hands out: a piece of text, None once finished, or the
 # error that ended it.
@@ -35,7 +35,54 @@ class Completion:
     completion_tokens: int
 
 
-class Generation:
+class Pieces:
+    """The reading side of a generation: the pieces of text it hands out, read
+    with :meth:`step` or handed to a sink."""
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._cond = threading.Condition()
+        self._events: deque[Event] = deque()
+        self._sink: Callable[[Event], None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> str | None:
+        """The next piece of text (waiting for it), or ``None`` once finished;
+        raises the error that ended the generation, if one did."""
+        with self._cond:
+            while not self._events:
+                if self._closed or (self.finished and self._sink is None):
+                    return None
+                self._cond.wait()
+            event = self._events.popleft()
+            if event is None:
+                self._events.appendleft(None)  # finished: every later step says so too
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+    def on_event(self, sink: Callable[[Event], None]) -> None:
+        """Hands every later piece (and ``None`` at the end, or the error) to
+        ``sink``, called on the thread that makes them (the scheduler's; it
+        must not block); what came before is handed over first, here."""
+        with self._cond:
+            while self._events:
+                sink(self._events.popleft())
+            self._sink = sink
+
+    def _emit(self, event: Event) -> None:
+        with self._cond:
+            if self._sink is not None:
+                self._sink(event)
+            else:
+                self._events.append(event)
+                self._cond.notify_all()
+
+
+class Generation(Pieces):
     """One reply being generated; made by :meth:`ChatSession.start`.
 
     Each :meth:`step` returns the next piece of text that became final (one
@@ -43,6 +90,7 @@ class Generation:
     """
 
     def __init__(self, session: ChatSession, prompt: list[int], params: SamplingParams) -> None:
+        super().__init__()
         llm = session.llm
         self._session = session
         self.params = params
@@ -66,11 +114,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._ending: str | None = None  # the finish reason once the last token's text is out
-        self._closed = False
         self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._events: deque[Event] = deque()
-        self._sink: Callable[[Event], None] | None = None
         self._released = threading.Event()  # set once the scheduler no longer holds it
         self.submitted = 0.0  # time.perf_counter() when it joined the step loop
 
@@ -86,39 +130,6 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self._closed or self._error is not None
-
-    # -- reading ---------------------------------------------------------------
-    def step(self) -> str | None:
-        """The next piece of text (waiting for it), or ``None`` once finished;
-        raises the error that ended the generation, if one did."""
-        with self._cond:
-            while not self._events:
-                if self._closed or (self.finished and self._sink is None):
-                    return None
-                self._cond.wait()
-            event = self._events.popleft()
-            if event is None:
-                self._events.appendleft(None)  # finished: every later step says so too
-        if isinstance(event, BaseException):
-            raise event
-        return event
-
-    def on_event(self, sink: Callable[[Event], None]) -> None:
-        """Hands every later piece (and ``None`` at the end, or the error) to
-        ``sink``, called on the scheduler's thread (it must not block); what
-        came before is handed over first, here."""
-        with self._cond:
-            while self._events:
-                sink(self._events.popleft())
-            self._sink = sink
-
-    def _emit(self, event: Event) -> None:
-        with self._cond:
-            if self._sink is not None:
-                self._sink(event)
-            else:
-                self._events.append(event)
-                self._cond.notify_all()
 
     # -- the scheduler's side ----------------------------------------------------
     def _fed(self, count: int) -> None:

@@ -16,9 +16,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -28,13 +28,9 @@ from ..errors import PackageError, SessionBusyError, SessionClosedError, Session
 from ._generation import Completion, Generation
 from ._sampling import SamplingParams
 from ._scheduler import Scheduler
-from ._spec import read_llm_package
+from ._prompts import ContextLengthError, Prompt, Prompts
 
 __all__ = ["LLM", "ChatSession", "Prompt", "ContextLengthError"]
-
-# A prompt: text (tokenized as is), token ids, or chat messages
-# ({"role": ..., "content": ...}) put through the model's chat template.
-Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
 
 HISTORY_SUFFIX = ".tokens.json"  # beside a saved session: the tokens its cache holds
 
@@ -42,16 +38,12 @@ HISTORY_SUFFIX = ".tokens.json"  # beside a saved session: the tokens its cache 
 log = logging.getLogger("aoti_sessions.llm")
 
 
-class ContextLengthError(ValueError):
-    """A prompt longer than the context."""
-
-
 def usable_cpus() -> int:
     """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-class LLM(Closable):
+class LLM(Prompts, Closable):
     """A package written by :func:`aoti_sessions.llm.export`, loaded once.
 
     ``threads``: the threads of the model's CPU kernels, set with
@@ -76,10 +68,7 @@ class LLM(Closable):
             log.warning("LLM on the CPU: torch runs the model's kernels on all %d CPUs, and a kernel waits for its "
                         "slowest thread: other work here (another process, this program's threads) can stall every "
                         "step many times over. LLM(..., threads=%d) leaves one CPU free.", cpus, cpus - 1)
-        read = read_llm_package(package)
-        self.spec = read.spec
-        self.generation_config: dict[str, Any] = dict(read.generation_config)
-        self.tokenizer = read.load_tokenizer()
+        super().__init__(package)
         self.engine = Engine(package, device=device, **engine_options)
         missing = [m for m in ("prefill", "decode") if m not in self.engine.methods]
         if missing or self.engine.pool is None:
@@ -96,64 +85,17 @@ class LLM(Closable):
         self._scheduler = Scheduler(self)
 
     @property
-    def name(self) -> str:
-        """The model's id, as exported."""
-        return self.spec.name
-
-    @property
-    def max_context(self) -> int:
-        """Tokens a session holds: prompt and completion together."""
-        return self.spec.max_cache_len
-
-    @property
     def device(self) -> torch.device:
         return self.engine.device
 
-    def encode(self, text: str) -> list[int]:
-        """``text`` as token ids (with the tokenizer's special tokens, as HF does)."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return [int(t) for t in self.tokenizer.encode(text)]
+    @property
+    def alive(self) -> bool:
+        """Whether the LLM serves calls (not closed)."""
+        return not self.engine.closed
 
-    def chat_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """``messages`` through the chat template, ending with the prompt for
-        the assistant's reply."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
-                raise ValueError(f"messages[{i}] must have a string 'role' and a 'content'")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.name} has no chat template; send a text prompt instead")
-        try:
-            ids = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True,
-                                                     add_generation_prompt=True)
-        except Exception as e:  # the template's own refusals (jinja2's TemplateError)
-            if type(e).__module__.split(".")[0] != "jinja2":
-                raise
-            raise ValueError(f"the chat template of {self.name} refused the messages: {e}") from e
-        if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: text, token ids, or chat messages."""
-        if isinstance(prompt, str):
-            ids = self.encode(prompt)
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            ids = self.chat_tokens(prompt)  # type: ignore[arg-type]
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
-            ids = list(prompt)  # type: ignore[arg-type]
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.spec.vocab_size:
-                    raise ValueError(f"token ids must be ints in [0, {self.spec.vocab_size}), got {t!r}")
-        else:
-            raise TypeError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) > self.max_context:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
-        return ids
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters (:meth:`aoti_sessions.Engine.stats`)."""
+        return self.engine.stats()
 
     def new_session(self) -> ChatSession:
         """A chat session with an empty cache (counts against ``max_sessions``)."""

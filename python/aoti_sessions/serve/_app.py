@@ -26,14 +26,14 @@ from ._protocol import SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ForkR
 from ._sessions import Registry
 
 if TYPE_CHECKING:
-    from ..llm import LLM
+    from ..llm import LLM, RemoteLLM
 
 log = logging.getLogger("aoti_sessions.serve")
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 OPEN_PATHS = ("/health",)  # answered without the API key
 
 
-def create_app(llm: LLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
+def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
                model_name: str | None = None, retry_after: int = 1) -> FastAPI:
     """An OpenAI-compatible server of ``llm``'s sessions.
 
@@ -53,7 +53,7 @@ def create_app(llm: LLM, *, api_key: str | None = None, session_dir: str | os.Pa
     one, the request gets a throwaway session, closed when it ends.
     """
     registry = Registry(llm, session_dir)
-    metrics = ServerMetrics(llm.engine.stats, lambda: len(registry), lambda: registry.throwaway)
+    metrics = ServerMetrics(llm.stats, lambda: len(registry), lambda: registry.throwaway)
     model = model_name or llm.name
 
     @asynccontextmanager
@@ -67,8 +67,10 @@ def create_app(llm: LLM, *, api_key: str | None = None, session_dir: str | os.Pa
     _errors.install(app, retry_after)
     app.add_middleware(_Guard, api_key=api_key, metrics=metrics, routes=app.router)
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, str] | JSONResponse:
+        if not llm.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-timeout", type=_seconds, help="seconds after which an idle session goes to host memory")
     parser.add_argument("--session-dir", help="folder of session files for save and load (default: off)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the model and its step loop in a process of their own, HTTP and tokenizing in "
+                             "this one, so they share no GIL (default on; --no-engine-process: one process)")
     parser.add_argument("--threads", type=_positive,
                         help="threads for the model's CPU kernels (torch.set_num_threads); default on a CPU "
                              "device: one fewer than the CPUs this process may use (at least 1), leaving one to "
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"aoti-sessions serve needs FastAPI and uvicorn (missing: {e.name}): "
               "pip install 'aoti-sessions[serve]'", file=sys.stderr)
         return 2
-    from ..llm import LLM
+    from ..llm import LLM, RemoteLLM
     from ._app import create_app
 
     if args.session_dir is not None:
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     # step, the loop that queues the next one waits for the event loop to let
     # go, up to the switch interval (5 ms by default, several steps' worth).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    llm = LLM(args.package, device=args.device, threads=threads, **engine_options)
+    llm = (RemoteLLM if args.engine_process else LLM)(args.package, device=args.device, threads=threads,
+                                                       **engine_options)
     kernels = f", {threads} CPU thread{'s' if threads != 1 else ''} for its kernels" if threads is not None else ""
     print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
     try:

@@ -20,6 +20,8 @@ Statuses and codes:
 429  rate_limit_error                no room for a session (``capacity``), with
                                      ``Retry-After``
 500  server_error                    a bug or a failed model run
+503  server_error                    the model's engine process ended
+                                     (``engine_unavailable``; ``/health`` says so)
 ===  ==============================  ==========================================
 """
 
@@ -35,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ..errors import CapacityError, SessionBusyError, SessionFileError, SessionFileNotFoundError
+from ..errors import CapacityError, EngineProcessError, SessionBusyError, SessionFileError, SessionFileNotFoundError
 
 log = logging.getLogger("aoti_sessions.serve")
 
@@ -69,6 +71,8 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 def runtime_error(exc: BaseException, retry_after: int = 1) -> APIError | None:
     """The answer to an exception of the runtime that is the client's to
     handle (None for the rest: a 500)."""
+    if isinstance(exc, EngineProcessError):
+        return APIError(503, f"the model is unavailable: {exc}", "engine_unavailable")
     if isinstance(exc, CapacityError):
         return APIError(429, f"no room for another session now: {exc}", "capacity",
                         headers={"Retry-After": str(retry_after)})
@@ -158,7 +162,7 @@ def install(app: FastAPI, retry_after: int = 1) -> None:
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
-    for kind in (CapacityError, SessionBusyError, SessionFileError):
+    for kind in (CapacityError, SessionBusyError, SessionFileError, EngineProcessError):
         app.add_exception_handler(kind, on_runtime)
     app.add_exception_handler(Exception, on_other)
 

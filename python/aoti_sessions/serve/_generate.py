@@ -22,7 +22,7 @@ from ._protocol import ChatRequest, CompletionRequest
 from ._sessions import Entry, in_thread
 
 if TYPE_CHECKING:
-    from ..llm import LLM, Generation
+    from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # How often a request asks whether its client left (Starlette's check costs
@@ -34,7 +34,7 @@ DISCONNECT_CHECK_S = 0.05
 class Job:
     """A generation request: its session, its generation, and what it reports."""
 
-    def __init__(self, llm: LLM, request: ChatRequest | CompletionRequest, model: str,
+    def __init__(self, llm: LLM | RemoteLLM, request: ChatRequest | CompletionRequest, model: str,
                  metrics: ServerMetrics) -> None:
         self.llm, self.request, self.model, self.metrics = llm, request, model, metrics
         self.entry: Entry | None = None
@@ -43,7 +43,7 @@ class Job:
         self.created = int(time.time())
         self.arrived = time.perf_counter()
         self.started = self.arrived  # when its generation joined the step loop (start())
-        self.generation: Generation | None = None
+        self.generation: Generation | RemoteGeneration | None = None
         self.cancelled = False
         self._counted = False
         # Checked before any session is touched: a bad request changes nothing.

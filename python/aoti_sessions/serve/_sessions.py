@@ -26,7 +26,7 @@ import anyio.to_thread
 from ._errors import APIError
 
 if TYPE_CHECKING:
-    from ..llm import LLM, ChatSession
+    from ..llm import LLM, ChatSession, RemoteLLM, RemoteSession
 
 T = TypeVar("T")
 
@@ -52,7 +52,7 @@ class Entry:
     """One session of the server; ``id`` is None for a request's throwaway."""
 
     id: str | None
-    session: ChatSession | None = None  # None while being created
+    session: ChatSession | RemoteSession | None = None  # None while being created
     busy: bool = True  # a request holds it (a generation, a fork, a save)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
@@ -69,7 +69,7 @@ class Entry:
 class Registry:
     """Named sessions, plus the throwaway ones of requests that name none."""
 
-    def __init__(self, llm: LLM, session_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, llm: LLM | RemoteLLM, session_dir: str | os.PathLike[str] | None = None) -> None:
         self.llm = llm
         self.session_dir = Path(session_dir).resolve() if session_dir is not None else None
         self._entries: dict[str, Entry] = {}
@@ -111,7 +111,7 @@ class Registry:
             self.get(session_id)  # raises the 404
         return await self._add(session_id, self.llm.new_session)
 
-    async def _add(self, session_id: str, make: Callable[[], ChatSession]) -> Entry:
+    async def _add(self, session_id: str, make: Callable[[], ChatSession | RemoteSession]) -> Entry:
         """A new entry, held, under an id checked free; made in a thread (its
         placeholder makes a concurrent request for the id wait its turn: 409)."""
         if session_id in self._entries:
@@ -144,7 +144,7 @@ class Registry:
             del self._entries[session_id]
 
     @asynccontextmanager
-    async def _held(self, session_id: str) -> AsyncIterator[tuple[Entry, ChatSession]]:
+    async def _held(self, session_id: str) -> AsyncIterator[tuple[Entry, ChatSession | RemoteSession]]:
         """The named session, held for one operation (409 while a request holds it)."""
         entry = self._take(self.get(session_id))
         try:

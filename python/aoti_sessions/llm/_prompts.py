@@ -1,0 +1,87 @@
+"""The text side of an LLM package: its tokenizer, chat template and limits,
+turning a prompt into token ids. Needs no model: an LLM in another process
+(RemoteLLM) makes its prompts here."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from ._spec import read_llm_package
+
+__all__ = ["Prompts", "Prompt", "ContextLengthError"]
+
+# A prompt: text (tokenized as is), token ids, or chat messages
+# ({"role": ..., "content": ...}) put through the model's chat template.
+Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
+
+
+class ContextLengthError(ValueError):
+    """A prompt longer than the context."""
+
+
+class Prompts:
+    """A package's tokenizer, generation config and limits."""
+
+    def __init__(self, package: str | os.PathLike[str]) -> None:
+        read = read_llm_package(package)
+        self.spec = read.spec
+        self.generation_config: dict[str, Any] = dict(read.generation_config)
+        self.tokenizer = read.load_tokenizer()
+
+    @property
+    def name(self) -> str:
+        """The model's id, as exported."""
+        return self.spec.name
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a session holds: prompt and completion together."""
+        return self.spec.max_cache_len
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as token ids (with the tokenizer's special tokens, as HF does)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """``messages`` through the chat template, ending with the prompt for
+        the assistant's reply."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
+                raise ValueError(f"messages[{i}] must have a string 'role' and a 'content'")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.name} has no chat template; send a text prompt instead")
+        try:
+            ids = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True,
+                                                     add_generation_prompt=True)
+        except Exception as e:  # the template's own refusals (jinja2's TemplateError)
+            if type(e).__module__.split(".")[0] != "jinja2":
+                raise
+            raise ValueError(f"the chat template of {self.name} refused the messages: {e}") from e
+        if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages."""
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            ids = self.chat_tokens(prompt)  # type: ignore[arg-type]
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+            ids = list(prompt)  # type: ignore[arg-type]
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.spec.vocab_size:
+                    raise ValueError(f"token ids must be ints in [0, {self.spec.vocab_size}), got {t!r}")
+        else:
+            raise TypeError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > self.max_context:
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
+        return ids

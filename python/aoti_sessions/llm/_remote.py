@@ -1,0 +1,350 @@
+"""An LLM in a process of its own: :class:`RemoteLLM` (docs/batching.md,
+"What bounds the server").
+
+The child process (_remote_engine.py) loads the package as an :class:`LLM`
+and runs its step loop; this process keeps the package's tokenizer (prompts
+are made here) and proxies: :class:`RemoteSession` for a chat session,
+:class:`RemoteGeneration` for a generation. A server's HTTP, chat templates,
+tokenizing and streaming then share no GIL with the step loop. The child
+detokenizes and checks stop strings as an LLM in this process does (the same
+text), and hands over the pieces every generation got in a step in one
+message.
+
+One pipe carries both ways (pickled): calls ``(call_id, op, args)`` to the
+child; lists of ``("reply", call_id, ok, value)`` and ``("event", gen_id,
+event, completion_tokens, token_count, finals)`` back, read by one thread
+here. If the child dies, every pending and later call raises
+:class:`EngineProcessError` and every running generation ends with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from .._session import Closable
+from ..errors import EngineProcessError, Error, SessionBusyError, SessionClosedError
+from ._generation import Event, Pieces
+from ._prompts import Prompt, Prompts
+from ._remote_engine import Finals, Started
+from ._sampling import SamplingParams
+
+__all__ = ["RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError"]
+
+START_TIMEOUT_S = 600.0  # loading a package (and a first CUDA context) may take a while
+CLOSE_TIMEOUT_S = 60.0
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ok = False
+        self.value: Any = None
+
+
+class RemoteLLM(Prompts, Closable):
+    """An :class:`LLM` of ``package`` run in a child process (the same
+    arguments); sessions and generations are proxies with the API the server
+    uses: ``new_session``, ``load_session``, ``stats``; a session's ``start``,
+    ``fork``, ``reset``, ``save``, ``close``, ``token_count``, ``resident``;
+    a generation's ``step``, ``on_event``, ``close`` and counts."""
+
+    def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
+                 threads: int | None = None, **engine_options: Any) -> None:
+        super().__init__(package)
+        # A new interpreter (no fork of a process with threads or CUDA, and
+        # unlike multiprocessing's spawn, no import of the caller's script):
+        # its end of a socket pair is its pipe, read for its arguments first.
+        here, there = socket.socketpair()
+        with there:
+            self._process = subprocess.Popen([sys.executable, "-m", "aoti_sessions.llm._remote_engine",
+                                              str(there.fileno())], pass_fds=(there.fileno(),),
+                                             stdin=subprocess.DEVNULL)
+        self._conn = Connection(here.detach())
+        self._conn.send((os.fspath(package), str(device), threads, engine_options))
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # the tables below and _ended
+        self._ids = itertools.count(1)
+        self._calls: dict[int, _Call] = {}
+        self._generations: dict[int, RemoteGeneration] = {}
+        self._sessions: weakref.WeakValueDictionary[int, RemoteSession] = weakref.WeakValueDictionary()
+        self._ended: BaseException | None = None
+        self._closing = False
+        ready = self._first_message()
+        if isinstance(ready, BaseException):
+            self._process.wait(CLOSE_TIMEOUT_S)
+            raise ready
+        self._device = torch.device(ready["device"])
+        self._reader = threading.Thread(target=self._read, name="aoti-sessions-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _first_message(self) -> Any:
+        try:
+            if self._conn.poll(START_TIMEOUT_S):
+                ok, value = self._conn.recv()
+                return value if ok or isinstance(value, BaseException) else EngineProcessError(str(value))
+        except (EOFError, OSError):
+            pass
+        self._process.kill()
+        return EngineProcessError(f"the engine process did not start (exit code {self._process.wait()})")
+
+    # -- the LLM's API -----------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine process serves calls (not closed, not ended)."""
+        return self._ended is None
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._process.pid
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters (:meth:`aoti_sessions.Engine.stats`)."""
+        return dict(self._call("stats"))
+
+    def new_session(self) -> RemoteSession:
+        return self._session(self._call("new_session"), 0)
+
+    def load_session(self, path: str | os.PathLike[str]) -> RemoteSession:
+        return self._session(*self._call("load_session", os.fspath(path)))
+
+    def close(self) -> None:
+        """Closes the LLM in the child (generations still running end with
+        SessionClosedError) and waits for the child to exit; idempotent."""
+        with self._lock:
+            if self._ended is not None:
+                return
+            self._closing = True
+        try:
+            self._call("close")
+        except EngineProcessError:
+            pass
+        try:
+            self._process.wait(CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._end(SessionClosedError("the LLM is closed"))
+        self._conn.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteLLM({self.name!r}, {self._device}, engine process {self._process.pid})"
+
+    # -- the pipe ----------------------------------------------------------------
+    def _session(self, sid: int, tokens: int) -> RemoteSession:
+        session = RemoteSession(self, sid, tokens)
+        self._sessions[sid] = session
+        return session
+
+    def _call(self, op: str, *args: Any) -> Any:
+        call = _Call()
+        with self._lock:
+            if self._ended is not None:
+                raise type(self._ended)(*self._ended.args)  # a fresh one: no traceback piling up
+            cid = next(self._ids)
+            self._calls[cid] = call
+        try:
+            with self._send_lock:
+                self._conn.send((cid, op, args))
+        except (OSError, ValueError):
+            self._end(self._death())
+        call.done.wait()
+        if call.ok:
+            return call.value
+        raise call.value
+
+    def _read(self) -> None:
+        try:
+            while True:
+                for item in self._conn.recv():
+                    if item[0] == "reply":
+                        self._reply(*item[1:])
+                    else:
+                        self._event(*item[1:])
+        except (EOFError, OSError):
+            pass
+        except Exception as e:  # noqa: BLE001 - a message this end cannot read: the pipe is lost
+            self._process.kill()
+            self._end(EngineProcessError(f"unreadable message from the engine process: {type(e).__name__}: {e}"))
+            return
+        self._end(self._death())
+
+    def _reply(self, cid: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            call = self._calls.pop(cid)
+        if ok and isinstance(value, Started):  # before its events, which follow in order
+            session = self._sessions[value.session]
+            value = RemoteGeneration(session, value)
+            with self._lock:
+                self._generations[value.id] = value
+        call.ok, call.value = ok, value
+        call.done.set()
+
+    def _event(self, gid: int, event: Event, completion_tokens: int, token_count: int, finals: Finals | None) -> None:
+        with self._lock:
+            g = self._generations.get(gid) if finals is None else self._generations.pop(gid, None)
+        if g is not None:
+            g._event(event, completion_tokens, token_count, finals)
+
+    def _death(self) -> Error:
+        if self._closing:
+            return SessionClosedError("the LLM is closed")
+        try:
+            code: int | None = self._process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        return EngineProcessError(f"the engine process ended (exit code {code})")
+
+    def _end(self, error: BaseException) -> None:
+        """Fails every pending call and running generation with ``error``; later calls raise it."""
+        with self._lock:
+            if self._ended is None:
+                self._ended = error
+            calls, self._calls = self._calls, {}
+            generations, self._generations = self._generations, {}
+        for call in calls.values():
+            call.ok, call.value = False, error
+            call.done.set()
+        for g in generations.values():
+            g._event(error, g.completion_tokens, g._session.token_count, Finals(None, g.prefilled_tokens,
+                                                                                g.completion_tokens))
+
+
+class RemoteSession(Closable):
+    """A chat session of a :class:`RemoteLLM`."""
+
+    def __init__(self, llm: RemoteLLM, sid: int, tokens: int) -> None:
+        self._llm = llm
+        self.id = sid
+        self._tokens = tokens  # as of the last call or step that changed it
+        self._active: RemoteGeneration | None = None
+        self.closed = False
+
+    @property
+    def llm(self) -> RemoteLLM:
+        return self._llm
+
+    @property
+    def token_count(self) -> int:
+        """The tokens the cache holds, as of the last step (not waited for)."""
+        return self._tokens
+
+    @property
+    def busy(self) -> bool:
+        return self._active is not None and not self._active.finished
+
+    @property
+    def resident(self) -> bool:
+        return bool(self._llm._call("resident", self.id))
+
+    def start(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> RemoteGeneration:
+        """Begins generating a reply to ``prompt`` (made into token ids here)."""
+        if params is not None and kwargs:
+            raise TypeError("give either params or SamplingParams fields as keywords, not both")
+        params = params if params is not None else SamplingParams(**kwargs)
+        ids = self._llm.prompt_ids(prompt)
+        if self.busy:
+            raise SessionBusyError(f"session {self.id} is busy: a generation is running on it")
+        generation: RemoteGeneration = self._llm._call("start", self.id, ids, params)
+        self._active = generation
+        return generation
+
+    def fork(self) -> RemoteSession:
+        return self._llm._session(*self._llm._call("fork", self.id))
+
+    def reset(self) -> None:
+        self._llm._call("reset", self.id)
+        self._tokens = 0
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        self._llm._call("save", self.id, os.fspath(path))
+
+    def close(self) -> None:
+        """Stops a running generation and frees the state; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._active is not None:
+            self._active.close()
+        try:
+            self._llm._call("close_session", self.id)
+        except (EngineProcessError, SessionClosedError):
+            pass  # gone with the engine process or the LLM
+
+    def __repr__(self) -> str:
+        return f"RemoteSession(id={self.id}, {self._tokens} tokens{', busy' if self.busy else ''})"
+
+
+class RemoteGeneration(Pieces):
+    """A generation of a :class:`RemoteSession`: its pieces arrive from the
+    engine process (on this process's reader thread)."""
+
+    def __init__(self, session: RemoteSession, started: Started) -> None:
+        super().__init__()
+        self._session = session
+        self.id = started.generation
+        self.submitted = started.submitted
+        self.prompt_tokens = started.prompt_tokens
+        self.cached_tokens = started.cached_tokens
+        self.prefilled_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self._closed or self._error is not None
+
+    def _event(self, event: Event, completion_tokens: int, token_count: int, finals: Finals | None) -> None:
+        self.completion_tokens = completion_tokens
+        self._session._tokens = token_count
+        if finals is not None:
+            self._final(finals)
+            if isinstance(event, BaseException):
+                self._error = event
+        self._emit(event)
+
+    def _final(self, finals: Finals) -> None:
+        self.finish_reason = finals.finish_reason
+        self.prefilled_tokens = finals.prefilled_tokens
+        self.completion_tokens = finals.completion_tokens
+
+    def close(self) -> None:
+        """Stops generating (after the step in flight); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        llm = self._session._llm
+        with llm._lock:
+            llm._generations.pop(self.id, None)
+        if self.finish_reason is None and self._error is None:
+            try:
+                finals, tokens = llm._call("close_generation", self.id)
+            except (EngineProcessError, SessionClosedError):
+                pass
+            else:
+                if finals is not None:
+                    self._final(finals)
+                self._session._tokens = tokens
+        with self._cond:
+            self._cond.notify_all()
+
+    def __enter__(self) -> RemoteGeneration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
