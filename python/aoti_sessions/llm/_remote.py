@@ -66,7 +66,7 @@ class RemoteLLM(Prompts, Closable):
         # its end of a socket pair is its pipe, read for its arguments first.
         here, there = socket.socketpair()
         with there:
-            self._process = subprocess.Popen([sys.executable, "-m", "aoti_sessions.llm._remote_engine",
+            self._process = subprocess.Popen([sys.executable, "-m", "aoti_sessions.llm._engine_main",
                                               str(there.fileno())], pass_fds=(there.fileno(),),
                                              stdin=subprocess.DEVNULL)
         self._conn = Connection(here.detach())

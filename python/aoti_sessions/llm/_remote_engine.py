@@ -211,7 +211,7 @@ def _finals(g: Generation) -> Finals:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m aoti_sessions.llm._remote_engine FD``: the pipe is FD, its
+    """``python -m aoti_sessions.llm._engine_main FD``: the pipe is FD, its
     first message the LLM's arguments."""
     conn = Connection(int(argv[0]))
     try:
@@ -220,9 +220,3 @@ def main(argv: list[str]) -> None:
         return
     child_main(conn, package, device, threads, options)
 
-
-if __name__ == "__main__":
-    # The module's own copy, not __main__'s: what it pickles names its classes there.
-    from aoti_sessions.llm._remote_engine import main as _main
-
-    _main(sys.argv[1:])
