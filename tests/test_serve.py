@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from aoti_sessions.errors import EngineProcessError
+from aoti_sessions.errors import EngineProcessError, SessionBusyError, SessionClosedError
 from aoti_sessions.llm import LLM, RemoteLLM
 from aoti_sessions.serve._cli import compute_threads
 from aoti_sessions.serve import create_app
@@ -532,4 +532,34 @@ def test_engine_process_failures_are_clean(package: Path, device: str, tmp_path:
     finally:
         remote.close()
     with pytest.raises(EngineProcessError):
+        remote.new_session()
+
+
+def test_remote_llm_matches_llm_and_refuses_cleanly(package: Path, device: str, llm: LLM) -> None:
+    """RemoteLLM's sessions give an LLM's text and counts; a busy session and a
+    closed LLM are refused with the runtime's own errors."""
+    prompt = [{"role": "user", "content": "Tell me about the sea."}]
+    with llm.new_session() as local:
+        want = local.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    remote = RemoteLLM(package, device, threads=1)
+    with remote:
+        session = remote.new_session()
+        g = session.start(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+        with pytest.raises(SessionBusyError):
+            session.start(prompt, max_tokens=1)
+        pieces = []
+        while (piece := g.step()) is not None:
+            pieces.append(piece)
+        assert "".join(pieces) == want.text and g.finish_reason == want.finish_reason == "length"
+        assert (g.prompt_tokens, g.completion_tokens) == (want.prompt_tokens, want.completion_tokens)
+        assert session.token_count == want.prompt_tokens + want.completion_tokens - 1
+        child = session.fork()
+        assert child.token_count == session.token_count and remote.stats()["live_sessions"] == 2
+        with pytest.raises(ValueError, match="token ids must be ints"):
+            child.start([10**9])
+        running_on = child.start("More", max_tokens=CONTEXT - 64, ignore_eos=True)
+    with pytest.raises(SessionClosedError):  # ended by the close, like an LLM's
+        while running_on.step() is not None:
+            pass
+    with pytest.raises(SessionClosedError, match="closed"):
         remote.new_session()
