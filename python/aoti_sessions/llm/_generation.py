@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
+from .._session import Closable
 from ._sampling import SamplingParams, Sampler
 from ._text import TextStream
 
@@ -35,9 +36,9 @@ class Completion:
     completion_tokens: int
 
 
-class Pieces:
+class Pieces(Closable):
     """The reading side of a generation: the pieces of text it hands out, read
-    with :meth:`step` or handed to a sink."""
+    with :meth:`step` or handed to a sink (``with`` closes it)."""
 
     def __init__(self) -> None:
         self._closed = False
@@ -194,9 +195,3 @@ class Generation(Pieces):
         self._session._release(self)
         with self._cond:
             self._cond.notify_all()
-
-    def __enter__(self) -> Generation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

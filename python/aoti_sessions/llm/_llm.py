@@ -26,7 +26,7 @@ from .._engine import Engine
 from .._session import Closable, Session
 from ..errors import PackageError, SessionBusyError, SessionClosedError, SessionFileError
 from ._generation import Completion, Generation
-from ._sampling import SamplingParams
+from ._sampling import SamplingParams, sampling_params
 from ._scheduler import Scheduler
 from ._prompts import ContextLengthError, Prompt, Prompts
 
@@ -181,9 +181,7 @@ class ChatSession(Closable):
     def start(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Generation:
         """Begins generating a reply to ``prompt``; run it with :meth:`Generation.step`.
         Keyword arguments are :class:`SamplingParams` fields (instead of ``params``)."""
-        if params is not None and kwargs:
-            raise TypeError("give either params or SamplingParams fields as keywords, not both")
-        params = params if params is not None else SamplingParams(**kwargs)
+        params = sampling_params(params, kwargs)
         ids = self._llm.prompt_ids(prompt)
         with self._lock:
             if self._active is not None:

@@ -36,7 +36,7 @@ from ..errors import EngineProcessError, Error, SessionBusyError, SessionClosedE
 from ._generation import Event, Pieces
 from ._prompts import Prompt, Prompts
 from ._remote_engine import Finals, Started
-from ._sampling import SamplingParams
+from ._sampling import SamplingParams, sampling_params
 
 __all__ = ["RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError"]
 
@@ -253,9 +253,7 @@ class RemoteSession(Closable):
 
     def start(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> RemoteGeneration:
         """Begins generating a reply to ``prompt`` (made into token ids here)."""
-        if params is not None and kwargs:
-            raise TypeError("give either params or SamplingParams fields as keywords, not both")
-        params = params if params is not None else SamplingParams(**kwargs)
+        params = sampling_params(params, kwargs)
         ids = self._llm.prompt_ids(prompt)
         if self.busy:
             raise SessionBusyError(f"session {self.id} is busy: a generation is running on it")
@@ -342,9 +340,3 @@ class RemoteGeneration(Pieces):
                 self._session._tokens = tokens
         with self._cond:
             self._cond.notify_all()
-
-    def __enter__(self) -> RemoteGeneration:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

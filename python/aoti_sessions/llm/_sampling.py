@@ -42,6 +42,14 @@ class ParamError(ValueError):
         self.field = field
 
 
+def sampling_params(params: SamplingParams | None, fields: dict[str, Any]) -> SamplingParams:
+    """A start's parameters: ``params``, or :class:`SamplingParams` of the
+    keyword ``fields`` (not both)."""
+    if params is not None and fields:
+        raise TypeError("give either params or SamplingParams fields as keywords, not both")
+    return params if params is not None else SamplingParams(**fields)
+
+
 def _number(name: str, value: object, low: float, high: float, *, integer: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         kind = "an integer" if integer else "a number"
