@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,15 +248,45 @@ def run_mode(port: int, chats: int, turns: int, tokens: int, mode: str, tag: str
     return sum(r[0] for r in results) / wall, ttft
 
 
-def ttft_parts(port: int) -> list[float]:
-    """The server's sums and counts of the time to first token's two parts
-    (before the generation joins the step loop, and in it), from /metrics."""
+# The server's counters read before and after each run (/metrics).
+COUNTERS = ("time_to_start_seconds_sum", "time_to_start_seconds_count", "start_to_first_token_seconds_sum",
+            "start_to_first_token_seconds_count", "steps_total", "decode_rows_total", "prefill_calls_total",
+            'step_seconds_total{phase="wait"}', 'step_seconds_total{phase="queue"}',
+            'step_seconds_total{phase="text"}')
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far (0 if gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def server_figures(port: int, pid: int) -> dict[str, float]:
+    """The server's COUNTERS, wall time, and the CPU seconds of the server
+    process and of its engine process (its child, if it has one)."""
     values = {}
     for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
-        name, _, value = line.partition(" ")
-        values[name] = float(value) if value and not name.startswith("#") else 0.0
-    return [values[f"aoti_sessions_{part}_seconds_{kind}"] for part in ("time_to_start", "start_to_first_token")
-            for kind in ("sum", "count")]
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            values[name.removeprefix("aoti_sessions_")] = float(value)
+    figures = {name: values.get(name, 0.0) for name in COUNTERS}
+    figures["wall"] = time.perf_counter()
+    figures["cpu_server"] = cpu_seconds(pid)
+    figures["cpu_engine"] = sum(cpu_seconds(c) for c in children(pid))
+    return figures
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -433,7 +464,7 @@ def main() -> None:
     modes = tuple(m for m in ("sessions", "no-session", "serialised") if m in args.modes.split(","))
     rates: dict[tuple[int, str], list[float]] = {}
     ttfts: dict[tuple[int, str], dict[int, list[float]]] = {}
-    parts: dict[tuple[int, str], list[tuple[float, float]]] = {}  # mean s before / in the step loop, per round
+    parts: dict[tuple[int, str], list[dict[str, float]]] = {}  # server_figures' change over each run
     try:
         # Warm-up: kernels, graphs; at every chat count and over as many
         # turns as a round, since a batched decode captures a graph per padded
@@ -445,10 +476,10 @@ def main() -> None:
         for r in range(args.rounds):
             for n in chats:
                 for mode in modes:
-                    before = ttft_parts(port)
+                    before = server_figures(port, server.pid)
                     rate, ttft = run_mode(port, n, args.turns, args.tokens, mode, f"r{r}{mode[0]}")
-                    d = [b - a for a, b in zip(before, ttft_parts(port))]
-                    parts.setdefault((n, mode), []).append((d[0] / max(d[1], 1), d[2] / max(d[3], 1)))
+                    after = server_figures(port, server.pid)
+                    parts.setdefault((n, mode), []).append({k: after[k] - before[k] for k in after})
                     rates.setdefault((n, mode), []).append(rate)
                     merged = ttfts.setdefault((n, mode), {})
                     for turn, xs in ttft.items():
@@ -525,12 +556,29 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
                 "over rounds): before the generation joins the step loop (parsing, chat template, tokenizing, "
                 "the session, starting), and in it (waiting for a step, prefill, sampling).", "",
             "| chats | mode | before the step loop | in the step loop |", "|---:|---|---:|---:|"]
+    def cell(n: int, mode: str, value: Callable[[dict[str, float]], float], digits: int = 1) -> str:
+        xs = [value(p) for p in parts[(n, mode)]]
+        return f"{statistics.median(xs):.{digits}f} ({min(xs):.{digits}f} / {max(xs):.{digits}f})"
+
     for n in chats:
         for mode in modes:
-            cells = []
-            for i in (0, 1):
-                xs = [p[i] * 1e3 for p in parts[(n, mode)]]
-                cells.append(f"{statistics.median(xs):.1f} ({min(xs):.1f} / {max(xs):.1f})")
+            cells = [cell(n, mode, lambda p, part=part: p[f"{part}_sum"] / max(p[f"{part}_count"], 1) * 1e3)
+                     for part in ("time_to_start_seconds", "start_to_first_token_seconds")]
+            doc.append(f"| {n} | {mode} | " + " | ".join(cells) + " |")
+    doc += ["", "Where the server's time goes (its metrics and /proc; median (min / max) over rounds): the step "
+                "loop's steps a second, decode rows a step, and its time a step waiting for the device, queueing "
+                "the next step (host work before the device starts it), making the text of the last; the CPU "
+                "cores busy in the server's process (HTTP, templates, tokenizing, streaming) and in its engine "
+                "process (the step loop and its calls).", "",
+            "| chats | mode | steps/s | decode rows / step | wait, ms / step | queue, ms / step | text, ms / step "
+            "| server process, cores | engine process, cores |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for n in chats:
+        for mode in modes:
+            cells = [cell(n, mode, lambda p: p["steps_total"] / p["wall"], 0),
+                     cell(n, mode, lambda p: p["decode_rows_total"] / max(p["steps_total"], 1))]
+            cells += [cell(n, mode, lambda p, ph=ph: p[f'step_seconds_total{{phase="{ph}"}}']
+                           / max(p["steps_total"], 1) * 1e3, 3) for ph in ("wait", "queue", "text")]
+            cells += [cell(n, mode, lambda p, who=who: p[f"cpu_{who}"] / p["wall"], 2) for who in ("server", "engine")]
             doc.append(f"| {n} | {mode} | " + " | ".join(cells) + " |")
     s_med, d_med = statistics.median(server_itl), statistics.median(direct_itl)
     overhead = s_med / d_med - 1

@@ -53,6 +53,7 @@ def test_prompts_arriving_together_share_prefill_calls(llm: LLM) -> None:
     want = [solo(llm, p, 12) for p in prompts]
     scheduler = llm._scheduler
     calls, rows = scheduler.prefill_calls, scheduler.prefill_rows_fed
+    before = llm.stats()
     sessions = [llm.new_session() for _ in prompts]
     generations = [s.start(p, max_tokens=12, temperature=0, ignore_eos=True) for s, p in zip(sessions, prompts)]
     for g in generations:
@@ -62,6 +63,14 @@ def test_prompts_arriving_together_share_prefill_calls(llm: LLM) -> None:
     calls, rows = scheduler.prefill_calls - calls, scheduler.prefill_rows_fed - rows
     assert got == want
     assert rows == len(prompts) and calls < rows, (calls, rows)  # some call fed several chats
+    # LLM.stats() counts the same, with the decode rows: every token but
+    # each prompt's first came from a decode row (prompts of 2+ tokens).
+    after = llm.stats()
+    assert after["prefill_calls"] - before["prefill_calls"] == calls
+    assert after["prefill_rows"] - before["prefill_rows"] == rows
+    assert after["prefill_tokens"] - before["prefill_tokens"] == sum(map(len, prompts))
+    assert after["decode_rows"] - before["decode_rows"] == sum(len(w) - 1 for w in want)
+    assert after["step_queue_seconds"] > before["step_queue_seconds"]
     for s, p, w in zip(sessions, prompts, want):
         assert s.token_count == s._session.length == len(p) + len(w) - 1  # no padding position kept
         s.close()

@@ -449,6 +449,13 @@ def test_metrics_show_sessions_and_latencies(http: httpx.Client, client: openai.
         < counts["aoti_sessions_time_to_first_token_seconds_sum"]
     assert counts["aoti_sessions_session_device_bytes"] == stats["device_bytes"] > 0
     assert "aoti_sessions_evictions_total" in counts
+    # The step loop's: every generated token came from a step's decode row or
+    # a prefill's last chunk; its time split by phase.
+    assert counts["aoti_sessions_steps_total"] >= 4
+    assert counts["aoti_sessions_decode_rows_total"] >= 3
+    assert counts["aoti_sessions_prefill_rows_total"] >= counts["aoti_sessions_prefill_calls_total"] >= 1
+    phases = [counts[f'aoti_sessions_step_seconds_total{{phase="{p}"}}'] for p in ("wait", "queue", "text")]
+    assert all(x >= 0 for x in phases) and phases[1] > 0
 
 
 def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_path: Path) -> None:

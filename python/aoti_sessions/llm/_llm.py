@@ -94,8 +94,12 @@ class LLM(Prompts, Closable):
         return not self.engine.closed
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters (:meth:`aoti_sessions.Engine.stats`)."""
-        return self.engine.stats()
+        """The engine's counters (:meth:`aoti_sessions.Engine.stats`) and the
+        step loop's: ``steps``, ``decode_rows``, ``prefill_calls``,
+        ``prefill_rows``, ``prefill_tokens``, and the seconds it spent waiting
+        for the device (``step_wait_seconds``), queueing steps
+        (``step_queue_seconds``) and making their text (``step_text_seconds``)."""
+        return {**self.engine.stats(), **self._scheduler.stats()}
 
     def new_session(self) -> ChatSession:
         """A chat session with an empty cache (counts against ``max_sessions``)."""

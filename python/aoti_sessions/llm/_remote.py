@@ -113,7 +113,7 @@ class RemoteLLM(Prompts, Closable):
         return self._process.pid
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters (:meth:`aoti_sessions.Engine.stats`)."""
+        """The engine's and its step loop's counters (:meth:`LLM.stats`)."""
         return dict(self._call("stats"))
 
     def new_session(self) -> RemoteSession:
@@ -252,9 +252,10 @@ class RemoteSession(Closable):
         return bool(self._llm._call("resident", self.id))
 
     def start(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> RemoteGeneration:
-        """Begins generating a reply to ``prompt`` (made into token ids here)."""
+        """Begins generating a reply to ``prompt`` (text and messages made
+        into token ids here; the engine process checks the ids)."""
         params = sampling_params(params, kwargs)
-        ids = self._llm.prompt_ids(prompt)
+        ids = list(prompt) if _token_ids(prompt) else self._llm.prompt_ids(prompt)
         if self.busy:
             raise SessionBusyError(f"session {self.id} is busy: a generation is running on it")
         generation: RemoteGeneration = self._llm._call("start", self.id, ids, params)
@@ -340,3 +341,8 @@ class RemoteGeneration(Pieces):
                 self._session._tokens = tokens
         with self._cond:
             self._cond.notify_all()
+
+
+def _token_ids(prompt: Prompt) -> bool:
+    """Whether ``prompt`` is token ids (a list or tuple of ints, checked by the LLM's ``prompt_ids``)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(type(t) is int for t in prompt)

@@ -21,6 +21,7 @@ and then the fed token is one the reply keeps (its cache holds it).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -89,8 +90,23 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stream = torch.cuda.Stream(self._engine.device) if self._cuda else None  # type: ignore[no-untyped-call]
         self.steps = 0  # steps run (for tests and metrics)
-        self.prefill_calls = 0  # prefill calls made, and the rows they fed
+        self.decode_rows = 0  # rows of the batched decode calls
+        self.prefill_calls = 0  # prefill calls made, the rows and tokens they fed
         self.prefill_rows_fed = 0
+        self.prefill_tokens = 0
+        # Where the loop's time goes, in seconds: waiting for the device to
+        # end the step before, queueing the next (the host's work before the
+        # device can start it), making the text of the step before.
+        self.wait_seconds = 0.0
+        self.queue_seconds = 0.0
+        self.text_seconds = 0.0
+
+    def stats(self) -> dict[str, float]:
+        """The step loop's counters (LLM.stats())."""
+        return {"steps": self.steps, "decode_rows": self.decode_rows, "prefill_calls": self.prefill_calls,
+                "prefill_rows": self.prefill_rows_fed, "prefill_tokens": self.prefill_tokens,
+                "step_wait_seconds": self.wait_seconds, "step_queue_seconds": self.queue_seconds,
+                "step_text_seconds": self.text_seconds}
 
     # -- from other threads ----------------------------------------------------
     def submit(self, generation: Generation) -> None:
@@ -138,14 +154,21 @@ class Scheduler:
                     self._waiting.clear()
                 # The tokens the last step sampled: who goes on is known before
                 # this step is queued; their text is made while it runs.
+                started = time.perf_counter()
                 tokens = self._read(previous)
+                read = time.perf_counter()
                 going_on = self._accept_tokens(previous, tokens)
                 self._drop_finished()
                 step = self._run_step(previous, going_on)
+                queued = time.perf_counter()
                 if previous is not None:
                     self._deliver_text(previous, tokens)
                 previous = step if step.sampled else None
                 self.steps += 1
+                done = time.perf_counter()
+                self.wait_seconds += read - started
+                self.queue_seconds += queued - read
+                self.text_seconds += done - queued
         self._end_all(SessionClosedError("the LLM was closed while generating"))
 
     def _read(self, step: _Step | None) -> list[int]:
@@ -225,6 +248,7 @@ class Scheduler:
         try:
             with _Locked(sessions):
                 out: torch.Tensor = self._engine.run_batch("decode", [s._session for s in sessions], ids)
+                self.decode_rows += len(rows)
                 for r, s in zip(rows, sessions):
                     s._tokens.append(r.fed[0] if r.fed else r.generation.token_ids[-1])
                     r.generation._fed(len(r.fed))
@@ -297,6 +321,7 @@ class Scheduler:
                     r.generation._fed(len(r.fed))
             self.prefill_calls += 1
             self.prefill_rows_fed += len(rows)
+            self.prefill_tokens += sum(len(r.fed) for r in rows)
             return [out[i:i + 1] for i in range(len(rows))]
         except Exception as e:  # noqa: BLE001 - one row's failure must not end the others
             if len(rows) == 1:

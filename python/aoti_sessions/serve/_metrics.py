@@ -108,11 +108,12 @@ class Histogram(_Metric):
         self._counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
         self._sum = 0.0
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, times: int = 1) -> None:
+        """Counts ``value`` ``times`` times (tokens that arrived together, each at the mean gap)."""
         i = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
         with self._lock:
-            self._counts[i] += 1
-            self._sum += value
+            self._counts[i] += times
+            self._sum += value * times
 
     @property
     def count(self) -> int:
@@ -217,6 +218,18 @@ class ServerMetrics:
                           ("restores", "Offloaded sessions brought back to the device."),
                           ("sessions_created", "Sessions created by the engine.")):
             r.gauge(f"{p}{key}_total", help, read(key), kind="counter")
+        # The step loop's (docs/batching.md): with steps, the rows a step
+        # decodes; with the seconds, what bounds it (the device or the host).
+        for key, help in (("steps", "Steps of the step loop (a batched decode and prefill chunks each)."),
+                          ("decode_rows", "Rows of the step loop's batched decode calls (one token each)."),
+                          ("prefill_calls", "Prefill calls of the step loop."),
+                          ("prefill_rows", "Sessions' chunks fed by the step loop's prefill calls.")):
+            r.gauge(f"{p}{key}_total", help, read(key), kind="counter")
+        r.gauge(p + "step_seconds_total",
+                "The step loop's time by phase: waiting for the device to end a step, queueing the next (the "
+                "host's work before the device can start it), making the text of the one before.",
+                lambda: {(phase,): float(stats.get(f"step_{phase}_seconds", 0.0))
+                         for phase in ("wait", "queue", "text")}, ("phase",), kind="counter")
 
     def render(self) -> str:
         return self.registry.render()
