@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+from ._encode import PieceEncoder
 from ._spec import read_llm_package
 
 __all__ = ["Prompts", "Prompt", "ContextLengthError"]
@@ -29,6 +30,8 @@ class Prompts:
         self.spec = read.spec
         self.generation_config: dict[str, Any] = dict(read.generation_config)
         self.tokenizer = read.load_tokenizer()
+        # Encodes a turn's new messages only (_encode.py), where that gives the same ids.
+        self._pieces = PieceEncoder.of(self.tokenizer)
 
     @property
     def name(self) -> str:
@@ -57,15 +60,16 @@ class Prompts:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.name} has no chat template; send a text prompt instead")
         try:
-            ids = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True,
-                                                     add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                      add_generation_prompt=True)
         except Exception as e:  # the template's own refusals (jinja2's TemplateError)
             if type(e).__module__.split(".")[0] != "jinja2":
                 raise
             raise ValueError(f"the chat template of {self.name} refused the messages: {e}") from e
-        if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        # As apply_chat_template(tokenize=True) encodes it (the template wrote the special tokens).
+        if self._pieces is not None:
+            return self._pieces.encode(text)
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages."""
