@@ -132,8 +132,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(package: Path, device: str, port: int, log: Path, threads: int | None) -> subprocess.Popen[bytes]:
-    extra = ["--threads", str(threads)] if threads else []
+def start_server(package: Path, device: str, port: int, log: Path, threads: int | None,
+                 args: list[str] | None = None) -> subprocess.Popen[bytes]:
+    extra = (["--threads", str(threads)] if threads else []) + list(args or [])
     with log.open("wb") as out:  # the server's own log, read back if it fails
         proc = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
                                  "--device", device, "--max-sessions", "256", *extra],
@@ -435,6 +436,8 @@ def main() -> None:
     parser.add_argument("--server-log", default=str(ROOT / "build" / "bench_serve_server.log"))
     parser.add_argument("--server-threads", type=int, default=None,
                         help="the server's --threads (default: its own default)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for `aoti-sessions serve` (repeat it: --server-arg=--no-engine-process)")
     parser.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
                         help="time transformers generate (static cache, torch.compile) at B = each chat count "
                              "(default: on for CUDA, off for the CPU)")
@@ -459,7 +462,7 @@ def main() -> None:
                          f"exported: remove {package} to export again")
     port = free_port()
     log = Path(args.server_log)
-    server = start_server(package, device, port, log, args.server_threads)
+    server = start_server(package, device, port, log, args.server_threads, args.server_arg)
     MODEL[0] = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
     modes = tuple(m for m in ("sessions", "no-session", "serialised") if m in args.modes.split(","))
     rates: dict[tuple[int, str], list[float]] = {}
@@ -530,7 +533,8 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
            f"{card}; torch {torch.__version__}; transformers {transformers.__version__}; {time.strftime('%Y-%m-%d')}. "
            f"Random-weight Qwen3 ({size['num_hidden_layers']} layers, hidden {size['hidden_size']}, {size['dtype']}), "
            f"context {CONTEXT}. {args.turns} turns per chat, {args.tokens} tokens per turn (greedy, ignore_eos), "
-           f"streaming; {args.rounds} rounds, modes interleaved.", "",
+           f"streaming; {args.rounds} rounds, modes interleaved."
+           + (f" Server arguments: `{' '.join(args.server_arg)}`." if args.server_arg else ""), "",
            "| chats | mode | generated tokens/s: median (min / max) | vs serialised | vs 1 chat |",
            "|---:|---|---:|---:|---:|"]
     med = {k: statistics.median(v) for k, v in rates.items()}
