@@ -10,7 +10,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from aoti_sessions.llm._encode import PieceEncoder
+from aoti_sessions.llm._encode import PieceEncoder, pieces_match_whole
 from llm_models import CHAT_TEMPLATE, SPECIAL_TOKENS, TEXT, _train_tokenizer
 
 WORDS = TEXT.split() + ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|im_", "end|>", "  ", "\n", "\n\n", "\t",
@@ -31,8 +31,8 @@ def conversation(rng: random.Random, turns: int) -> list[list[dict[str, str]]]:
 
 
 def encoder(tokenizer: transformers.PreTrainedTokenizerBase) -> PieceEncoder:
-    found = PieceEncoder.of(tokenizer)
-    assert found is not None
+    found = PieceEncoder(tokenizer)
+    assert found.enabled
     found._to_check = 0  # no whole-text check: every result here is compared below
     return found
 
@@ -66,12 +66,12 @@ def test_a_tokenizer_whose_pieces_depend_on_the_whole_input_is_encoded_whole() -
     # "first": the user's words after <|im_start|>user\n get no '▁' in the
     # whole text, but would as a piece of their own.
     first = metaspace_tokenizer("first")
-    assert PieceEncoder.of(first) is None
+    assert not pieces_match_whole(first) and not PieceEncoder(first).enabled
     messages = [{"role": "user", "content": "the quick brown fox"}]
     text = first.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     want = first.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
     # Forced past that refusal, the first prompts' check finds the difference and turns it off.
-    forced = PieceEncoder(first, first.backend_tokenizer, *_split_of(first))
+    forced = PieceEncoder(first, by_pieces=True)
     assert forced.encode(text) == want
     assert not forced.enabled
     assert forced.encode(text + " jumps") == first.encode(text + " jumps", add_special_tokens=False)
@@ -84,19 +84,13 @@ def test_a_tokenizer_whose_pieces_depend_on_the_whole_input_is_encoded_whole() -
                                                                  add_generation_prompt=True)["input_ids"]
 
 
-def _split_of(tokenizer: transformers.PreTrainedTokenizerFast) -> tuple:
-    import re
-    ids = {t.content: int(i) for i, t in tokenizer.backend_tokenizer.get_added_tokens_decoder().items()}
-    return re.compile("(" + "|".join(map(re.escape, sorted(ids, key=len, reverse=True))) + ")"), ids
-
-
 @pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word"])
 def test_added_tokens_that_take_their_surroundings_are_encoded_whole(flag: str) -> None:
     from tokenizers import AddedToken
 
     tokenizer = _train_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken("<tool>", **{flag: True})]})
-    assert PieceEncoder.of(tokenizer) is None
+    assert not pieces_match_whole(tokenizer)
     tokenizer = _train_tokenizer()
     tokenizer.split_special_tokens = True  # special tokens in the text are encoded as text
-    assert PieceEncoder.of(tokenizer) is None
+    assert not pieces_match_whole(tokenizer)

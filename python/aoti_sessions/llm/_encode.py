@@ -36,45 +36,22 @@ MAX_PIECE_CHARS = 100_000     # longer pieces are encoded every time
 
 class PieceEncoder:
     """Encodes text (``add_special_tokens=False``) piece by piece between
-    added tokens, with the pieces' ids cached; make with :meth:`of`."""
+    added tokens, with the pieces' ids cached, where :func:`by_pieces` holds
+    for ``tokenizer`` (``by_pieces`` forces it either way); whole otherwise."""
 
-    def __init__(self, tokenizer: Any, backend: Any, split: re.Pattern[str], ids: dict[str, int]) -> None:
+    def __init__(self, tokenizer: Any, by_pieces: bool | None = None) -> None:
         self._tokenizer = tokenizer
-        self._backend = backend
-        self._split = split
-        self._added = ids
+        self.enabled = pieces_match_whole(tokenizer) if by_pieces is None else by_pieces
         self._lock = threading.Lock()
         self._cache: dict[str, list[int]] = {}
         self._chars = 0
         self._to_check = CHECKED_PROMPTS
-        self.enabled = True
-
-    @classmethod
-    def of(cls, tokenizer: Any) -> PieceEncoder | None:
-        """An encoder for ``tokenizer``, or None where encoding by pieces may
-        differ from encoding the whole text (see the module's docstring)."""
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None or getattr(tokenizer, "split_special_tokens", False):
-            return None
-        try:
-            added = backend.get_added_tokens_decoder()
-            config = json.loads(backend.to_str())
-        except Exception:  # noqa: BLE001 - a backend without these: encode whole
-            return None
-        normalizer = backend.normalizer is not None
-        ids: dict[str, int] = {}
-        for i, token in added.items():
-            if token.lstrip or token.rstrip or token.single_word or (token.normalized and normalizer):
-                return None
-            ids[token.content] = int(i)
-        if _starts_matter(config.get("pre_tokenizer")) or _starts_matter(config.get("normalizer")):
-            return None
-        if not ids:
-            split = re.compile(r"(?!)")  # nothing to split at
-        else:
+        if self.enabled:
+            self._backend = tokenizer.backend_tokenizer
+            self._added = {t.content: int(i) for i, t in self._backend.get_added_tokens_decoder().items()}
             # Longest first: at the leftmost match the longest token wins, as the tokenizer's own split does.
-            split = re.compile("(" + "|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True)) + ")")
-        return cls(tokenizer, backend, split, ids)
+            alternatives = "|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))
+            self._split = re.compile(f"({alternatives})" if alternatives else "(?!)")
 
     def _encode_whole(self, text: str) -> list[int]:
         return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=False)]
@@ -111,6 +88,23 @@ class PieceEncoder:
                 self._cache[piece] = ids
                 self._chars += len(piece)
         return ids
+
+
+def pieces_match_whole(tokenizer: Any) -> bool:
+    """Whether encoding by pieces between added tokens gives ``tokenizer``'s
+    ids of the whole text (see the module's docstring)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "split_special_tokens", False):
+        return False
+    try:
+        added = backend.get_added_tokens_decoder()
+        config = json.loads(backend.to_str())
+    except Exception:  # noqa: BLE001 - a backend without these: encode whole
+        return False
+    normalizer = backend.normalizer is not None
+    if any(t.lstrip or t.rstrip or t.single_word or (t.normalized and normalizer) for t in added.values()):
+        return False
+    return not (_starts_matter(config.get("pre_tokenizer")) or _starts_matter(config.get("normalizer")))
 
 
 def _starts_matter(component: Any) -> bool:

@@ -31,7 +31,7 @@ class Prompts:
         self.generation_config: dict[str, Any] = dict(read.generation_config)
         self.tokenizer = read.load_tokenizer()
         # Encodes a turn's new messages only (_encode.py), where that gives the same ids.
-        self._pieces = PieceEncoder.of(self.tokenizer)
+        self._pieces = PieceEncoder(self.tokenizer)
 
     @property
     def name(self) -> str:
@@ -67,9 +67,7 @@ class Prompts:
                 raise
             raise ValueError(f"the chat template of {self.name} refused the messages: {e}") from e
         # As apply_chat_template(tokenize=True) encodes it (the template wrote the special tokens).
-        if self._pieces is not None:
-            return self._pieces.encode(text)
-        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+        return self._pieces.encode(text)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages."""
