@@ -290,6 +290,11 @@ def server_figures(port: int, pid: int) -> dict[str, float]:
     return figures
 
 
+def spread(xs: list[float], digits: int = 1) -> str:
+    """``median (min / max)`` of ``xs``."""
+    return f"{statistics.median(xs):.{digits}f} ({min(xs):.{digits}f} / {max(xs):.{digits}f})"
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -543,7 +548,7 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
             xs = rates[(n, mode)]
             one = f"{med[(n, mode)] / med[(1, mode)]:.2f}x" if 1 in chats else "-"
             serial = f"{med[(n, mode)] / med[(n, 'serialised')]:.2f}x" if (n, "serialised") in med else "-"
-            doc.append(f"| {n} | {mode} | {med[(n, mode)]:.1f} ({min(xs):.1f} / {max(xs):.1f}) | {serial} | {one} |")
+            doc.append(f"| {n} | {mode} | {spread(xs)} | {serial} | {one} |")
     last = args.turns  # the last turn, 1-based
     doc += ["", "Time to first token, ms: p50 / p99 per turn (all chats and rounds).", "",
             "| chats | mode | " + " | ".join(f"turn {t + 1}" for t in range(args.turns))
@@ -561,8 +566,7 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
                 "the session, starting), and in it (waiting for a step, prefill, sampling).", "",
             "| chats | mode | before the step loop | in the step loop |", "|---:|---|---:|---:|"]
     def cell(n: int, mode: str, value: Callable[[dict[str, float]], float], digits: int = 1) -> str:
-        xs = [value(p) for p in parts[(n, mode)]]
-        return f"{statistics.median(xs):.{digits}f} ({min(xs):.{digits}f} / {max(xs):.{digits}f})"
+        return spread([value(p) for p in parts[(n, mode)]], digits)
 
     for n in chats:
         for mode in modes:
@@ -619,7 +623,7 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
             note = " (a timed call compiled or recorded a graph)" if a.recompiled else ""
             server = med.get((a.batch, "sessions"))
             cells = (f"{server:.1f} | {server / anchor_med[a.batch]:.2f}x" if server is not None else "- | -")
-            doc.append(f"| {a.batch} | {anchor_med[a.batch]:.1f} ({min(a.rates):.1f} / {max(a.rates):.1f}){note} | "
+            doc.append(f"| {a.batch} | {spread(a.rates)}{note} | "
                        f"{a.first_s:.1f} | {a.wall_s:.0f} | {cells} |")
         doc.append("")
     # The issue's ratios (sessions mode), in one place.
