@@ -574,8 +574,9 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
                      for part in ("time_to_start_seconds", "start_to_first_token_seconds")]
             doc.append(f"| {n} | {mode} | " + " | ".join(cells) + " |")
     doc += ["", "Where the server's time goes (its metrics and /proc; median (min / max) over rounds): the step "
-                "loop's steps a second, decode rows a step, and its time a step waiting for the device, queueing "
-                "the next step (host work before the device starts it), making the text of the last; the CPU "
+                "loop's steps a second, decode rows a step, and its time a step queueing a step (host work, while "
+                "the device computes the step before), waiting for the step before, reading its tokens and making "
+                "their text; the CPU "
                 "cores busy in the server's process (HTTP, templates, tokenizing, streaming) and in its engine "
                 "process (the step loop and its calls).", "",
             "| chats | mode | steps/s | decode rows / step | wait, ms / step | queue, ms / step | text, ms / step "

@@ -99,6 +99,52 @@ def test_a_cancelled_generation_leaves_the_others_and_its_session_consistent(llm
     b.close()
 
 
+def test_a_stop_token_fed_ahead_leaves_the_cache(llm: LLM) -> None:
+    """The loop feeds a step's sampled tokens before reading them: a reply
+    that a stop token ends had that token fed already; the cache forgets it
+    (length and token list agree), the chats stepped with it go on, and the
+    next turn reuses the cache as a solo run would."""
+    prompts = [llm.encode(p) for p in PROMPTS]
+    full = [solo(llm, p, 12) for p in prompts]
+    stops = [w[3 + i % 5] for i, w in enumerate(full)]  # each chat stops at its own token
+    sessions = [llm.new_session() for _ in prompts]
+    generations = [s.start(p, max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+                   for s, p, stop in zip(sessions, prompts, stops)]
+    for g in generations:
+        while g.step() is not None:
+            pass
+    for s, p, g, w, stop in zip(sessions, prompts, generations, full, stops):
+        assert g.finish_reason == "stop" and g.token_ids == w[:w.index(stop)]
+        assert s.tokens == tuple(p + g.token_ids) and s._session.length == len(s.tokens)
+        history = p + g.token_ids + llm.encode(" again")
+        out = s.generate(history, max_tokens=5, temperature=0, ignore_eos=True)
+        assert out.cached_tokens == len(p) + len(g.token_ids)
+        assert out.token_ids == solo(llm, history, 5)
+        s.close()
+
+
+def test_a_fork_while_generating_sees_cache_and_tokens_agree(llm: LLM) -> None:
+    """A fork between a step's queueing and its tokens' reading waits for
+    them: each fork's token list is what its cache holds, and it goes on
+    as a solo run of that history does."""
+    s = llm.new_session()
+    g = s.start(PROMPTS[5], max_tokens=40, temperature=0, ignore_eos=True)
+    forks = []
+    while not g.finished:
+        forks.append(s.fork())
+    while g.step() is not None:
+        pass
+    assert len(forks) > 1
+    for f in forks[:: max(1, len(forks) // 4)]:
+        held = list(f.tokens)
+        assert f._session.length == len(held)
+        history = held + llm.encode(" so")
+        assert f.generate(history, max_tokens=4, temperature=0, ignore_eos=True).token_ids == solo(llm, history, 4)
+    for f in forks:
+        f.close()
+    s.close()
+
+
 def test_a_failing_row_ends_only_its_generation(llm: LLM) -> None:
     """A session closed under a running generation fails that generation;
     the chats batched with it go on."""

@@ -109,6 +109,9 @@ class Generation(Pieces):
         self.cached_tokens = keep
         self.prefilled_tokens = 0
         self._pending = prompt[keep:]  # prompt tokens still to feed (the scheduler's)
+        # The step queued last fed this generation's unread sampled token
+        # (the scheduler holds the session's lock until it is read).
+        self._fed_ahead = False
         self._sampler = Sampler(params, llm.generation_config, llm.device)
         self._text = TextStream(llm.tokenizer, params.stop)
         self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else llm.eos_token_ids)
@@ -139,19 +142,42 @@ class Generation(Pieces):
             del self._pending[:count]
             self.prefilled_tokens += count
 
-    def _accept_token(self, token: int) -> bool:
-        """Records a sampled token before its text is made; whether it is fed
-        next (the reply goes on)."""
-        if token in self._stop_ids:
-            self._finish("stop", "")
-            return False
-        self.token_ids.append(token)
+    def _feeds_next(self) -> bool:
+        """Whether the token the last step sampled (not read yet) will be
+        fed, unless it is a stop token: not at max_tokens or the context's end."""
         max_tokens = self.params.max_tokens
-        if (max_tokens is not None and len(self.token_ids) >= max_tokens) \
-                or len(self._session._tokens) >= self._session.llm.max_context:
-            self._ending = "length"
-            return False
-        return True
+        return (max_tokens is None or len(self.token_ids) + 1 < max_tokens) \
+            and len(self._session._tokens) < self._session.llm.max_context
+
+    def _accept_token(self, token: int) -> None:
+        """Records a sampled token once read, before its text is made. Where
+        the step queued since fed it, the session's token list gains it, or,
+        for a stop token or a generation that ended meanwhile, the cache
+        forgets it; then the session's lock goes."""
+        fed, self._fed_ahead = self._fed_ahead, False
+        session = self._session
+        keep = not self.finished and token not in self._stop_ids
+        error: Exception | None = None
+        if fed:
+            try:
+                if keep:
+                    session._tokens.append(token)
+                else:
+                    session._session.truncate(len(session._tokens))
+            except Exception as e:  # noqa: BLE001 - its session closed under it
+                error = e
+            finally:
+                session._lock.release()
+        if self.finished:
+            return
+        if error is not None:
+            self._fail(error)
+        elif not keep:
+            self._finish("stop", "")
+        else:
+            self.token_ids.append(token)
+            if not fed:  # at max_tokens or the context's end (_feeds_next)
+                self._ending = "length"
 
     def _deliver(self, token: int) -> None:
         """The text of an accepted token (after the next step was queued)."""

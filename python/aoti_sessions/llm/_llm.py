@@ -96,9 +96,10 @@ class LLM(Prompts, Closable):
     def stats(self) -> dict[str, Any]:
         """The engine's counters (:meth:`aoti_sessions.Engine.stats`) and the
         step loop's: ``steps``, ``decode_rows``, ``prefill_calls``,
-        ``prefill_rows``, ``prefill_tokens``, and the seconds it spent waiting
-        for the device (``step_wait_seconds``), queueing steps
-        (``step_queue_seconds``) and making their text (``step_text_seconds``)."""
+        ``prefill_rows``, ``prefill_tokens``, and the seconds it spent queueing
+        steps (``step_queue_seconds``), waiting for the step before
+        (``step_wait_seconds``), and reading its tokens and making their text
+        (``step_text_seconds``)."""
         return {**self.engine.stats(), **self._scheduler.stats()}
 
     def new_session(self) -> ChatSession:

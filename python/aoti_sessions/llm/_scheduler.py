@@ -12,10 +12,20 @@ reads the sampled tokens with one copy. Generations join and leave between
 steps. Where prefill runs as CUDA graphs (captured per shape), its chunks
 are padded to powers of two, so a few graphs serve every length.
 
-The step after is queued before the text of this one is decoded, so the
-device computes while the host detokenizes, checks stop strings and hands
-out text: only a stop string can end a generation after its token was fed,
-and then the fed token is one the reply keeps (its cache holds it).
+The loop runs a step ahead of what it has read: each step is queued while
+the device still computes the one before, feeding that step's sampled
+tokens (still on the device) to every generation whose next token the host
+knows it will feed unless it is a stop token (max_tokens and the context
+are counted on the host). Then the loop reads the step before, and while
+the device runs the new one, records its tokens, detokenizes, checks stop
+strings and hands out text. The host's work a step thus overlaps the
+device's instead of adding to it. A token fed ahead that turns out to end
+the reply (a stop token, or a generation closed meanwhile) is taken back
+out of the cache (a truncation) and its row's sample dropped; until a
+session's fed token is read, the scheduler holds the session's lock (a fork
+or save sees the cache and the token list agree). Only a stop string can
+end a generation after its token was fed, and then the fed token is one
+the reply keeps.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -94,9 +104,9 @@ class Scheduler:
         self.prefill_calls = 0  # prefill calls made, the rows and tokens they fed
         self.prefill_rows_fed = 0
         self.prefill_tokens = 0
-        # Where the loop's time goes, in seconds: waiting for the device to
-        # end the step before, queueing the next (the host's work before the
-        # device can start it), making the text of the step before.
+        # Where the loop's time goes, in seconds: queueing a step (the host's
+        # work, while the device computes the step before), waiting for the
+        # step before to end, reading its tokens and making their text.
         self.wait_seconds = 0.0
         self.queue_seconds = 0.0
         self.text_seconds = 0.0
@@ -152,23 +162,23 @@ class Scheduler:
                         break
                     self._active.extend(self._waiting)
                     self._waiting.clear()
-                # The tokens the last step sampled: who goes on is known before
-                # this step is queued; their text is made while it runs.
+                # Queued while the device computes the step before; then that
+                # step's tokens are read and their text made while this one runs.
                 started = time.perf_counter()
+                step = self._run_step(previous)
+                queued = time.perf_counter()
                 tokens = self._read(previous)
                 read = time.perf_counter()
-                going_on = self._accept_tokens(previous, tokens)
-                self._drop_finished()
-                step = self._run_step(previous, going_on)
-                queued = time.perf_counter()
                 if previous is not None:
+                    self._accept_tokens(previous, tokens)
                     self._deliver_text(previous, tokens)
+                self._drop_finished()
                 previous = step if step.sampled else None
                 self.steps += 1
                 done = time.perf_counter()
-                self.wait_seconds += read - started
-                self.queue_seconds += queued - read
-                self.text_seconds += done - queued
+                self.queue_seconds += queued - started
+                self.wait_seconds += read - queued
+                self.text_seconds += done - read
         self._end_all(SessionClosedError("the LLM was closed while generating"))
 
     def _read(self, step: _Step | None) -> list[int]:
@@ -180,17 +190,11 @@ class Scheduler:
             return [int(t) for t in step.host[: len(step.sampled)].tolist()]
         return [int(t) for t in step.tokens.tolist()]
 
-    def _accept_tokens(self, step: _Step | None, tokens: list[int]) -> set[Generation]:
-        """Records each sampled token; the generations that feed theirs next."""
-        going_on: set[Generation] = set()
-        if step is None:
-            return going_on
+    def _accept_tokens(self, step: _Step, tokens: list[int]) -> None:
+        """Records each sampled token (the step after was queued: where it fed
+        the token, this settles it and frees the session's lock)."""
         for g, token in zip(step.sampled, tokens):
-            if g.finished:
-                continue  # ended by a stop string after its last token was queued
-            if g._accept_token(token):
-                going_on.add(g)
-        return going_on
+            g._accept_token(token)
 
     def _drop_finished(self) -> None:
         with self._cond:
@@ -202,15 +206,21 @@ class Scheduler:
                     kept.append(g)
             self._active = kept
 
-    def _run_step(self, previous: _Step | None, going_on: set[Generation]) -> _Step:
-        """Queues one step: the batched decode, then prefill chunks."""
+    def _run_step(self, previous: _Step | None) -> _Step:
+        """Queues one step: the batched decode, then prefill chunks. A
+        generation the step before sampled for feeds that token (unread) if
+        it goes on unless the token is a stop token."""
         decode: list[_Row] = []
         prefill: list[_Row] = []
         index = {g: i for i, g in enumerate(previous.sampled)} if previous is not None else {}
         budget = self.prefill_budget
         for g in self._active:
-            if g in going_on:
-                decode.append(_Row(g, [], True, index[g]))
+            if g.finished:
+                continue
+            at = index.get(g)
+            if at is not None:
+                if g._feeds_next():
+                    decode.append(_Row(g, [], True, at))
             elif g._pending and budget > 0:
                 chunk = g._pending[: min(budget, self._llm.spec.max_prefill)]
                 budget -= len(chunk)
@@ -246,12 +256,16 @@ class Scheduler:
         ids = self._inputs(rows, previous, device)
         sessions = [r.generation._session for r in rows]
         try:
-            with _Locked(sessions):
+            with _Locked(sessions) as locked:
                 out: torch.Tensor = self._engine.run_batch("decode", [s._session for s in sessions], ids)
                 self.decode_rows += len(rows)
                 for r, s in zip(rows, sessions):
-                    s._tokens.append(r.fed[0] if r.fed else r.generation.token_ids[-1])
-                    r.generation._fed(len(r.fed))
+                    if r.fed:
+                        s._tokens.append(r.fed[0])
+                        r.generation._fed(1)
+                    else:  # the unread token: its session stays locked until it is read
+                        r.generation._fed_ahead = True
+                        locked.keep(s)
             return out
         except Exception as e:  # noqa: BLE001 - one row's failure must not end the others
             if len(rows) == 1:
@@ -364,15 +378,29 @@ def _host_to(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class _Locked:
-    """The chat sessions' locks, in id order, for a step that feeds them."""
+    """The chat sessions' locks, in id order, for a step that feeds them;
+    released after the block but for those kept (their owner releases them)."""
 
     def __init__(self, sessions: Sequence[Any]) -> None:
         self._sessions = sorted(sessions, key=lambda s: s.id)
-        self._stack = ExitStack()
+        self._kept: set[int] = set()
 
-    def __enter__(self) -> None:
-        for s in self._sessions:
-            self._stack.enter_context(s._lock)
+    def __enter__(self) -> _Locked:
+        taken = []
+        try:
+            for s in self._sessions:
+                s._lock.acquire()
+                taken.append(s)
+        except BaseException:
+            for s in reversed(taken):
+                s._lock.release()
+            raise
+        return self
+
+    def keep(self, session: Any) -> None:
+        self._kept.add(id(session))
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        for s in reversed(self._sessions):
+            if id(s) not in self._kept:
+                s._lock.release()

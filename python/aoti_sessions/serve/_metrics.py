@@ -226,8 +226,8 @@ class ServerMetrics:
                           ("prefill_rows", "Sessions' chunks fed by the step loop's prefill calls.")):
             r.gauge(f"{p}{key}_total", help, read(key), kind="counter")
         r.gauge(p + "step_seconds_total",
-                "The step loop's time by phase: waiting for the device to end a step, queueing the next (the "
-                "host's work before the device can start it), making the text of the one before.",
+                "The step loop's time by phase: queueing a step (the host's work, while the device computes the "
+                "step before), waiting for the step before to end, reading its tokens and making their text.",
                 lambda: {(phase,): float(stats.get(f"step_{phase}_seconds", 0.0))
                          for phase in ("wait", "queue", "text")}, ("phase",), kind="counter")
 
