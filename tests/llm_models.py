@@ -30,7 +30,9 @@ from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
 from aoti_sessions.llm import _export, _paged, _paged_attention, _spec  # noqa: E402
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3")  # the families the tests export
+# The families the tests export; qwen3_moe's experts call transformers'
+# grouped_mm_fallback custom op, run through the proxy executor.
+ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe")
 KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window, for the window's limits
 SEED = 0
 # Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
@@ -87,6 +89,9 @@ def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.Pret
         return transformers.Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=64, tie_word_embeddings=True)
     if arch == "gemma":
         return transformers.GemmaConfig(**common, head_dim=16)
     if arch == "mistral":

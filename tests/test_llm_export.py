@@ -24,7 +24,7 @@ import aoti_sessions as ais
 import aoti_sessions.__main__
 from aoti_sessions.__main__ import main
 from aoti_sessions._package import cache_dir
-from aoti_sessions.llm import _export_cli, export
+from aoti_sessions.llm import LLM, _export_cli, export
 from aoti_sessions.llm._export import DEFAULT_MAX_BATCH
 from aoti_sessions.llm._spec import LLM_DIR, SPEC_FILE, read_llm_package
 from conftest import requires_cuda
@@ -157,6 +157,27 @@ def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.
         for mine, ref in zip(logits, theirs):
             assert mine.shape == (len(tokenizer),)
             torch.testing.assert_close(mine, ref[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_two_turn_chat_with_a_fork_matches_transformers(arch: str, device: str) -> None:
+    """Through LLM: a chat's second turn reuses the first's cache, a fork
+    goes on from it, and every reply equals transformers' greedy tokens for
+    the same history."""
+    model = _eager(arch, device)
+    with LLM(llm_package(arch, device), device=device) as llm:
+        s = llm.new_session()
+        first = llm.encode("The quick brown fox")
+        one = s.generate(first, max_tokens=STEPS, temperature=0, ignore_eos=True)
+        assert one.token_ids == _reference(model, first)[0]
+        second = first + one.token_ids + llm.encode(" and the old mill")
+        fork = s.fork()
+        two = s.generate(second, max_tokens=STEPS, temperature=0, ignore_eos=True)
+        assert two.cached_tokens == len(first) + len(one.token_ids) - 1
+        assert two.token_ids == _reference(model, second)[0]
+        branch = second[:len(first) + 4] + llm.encode(" by the bridge")
+        other = fork.generate(branch, max_tokens=STEPS, temperature=0, ignore_eos=True)
+        assert other.cached_tokens == len(first) + 4
+        assert other.token_ids == _reference(model, branch)[0]
 
 
 def test_a_batch_of_one_session_runs(arch: str, device: str, engine: ais.Engine) -> None:

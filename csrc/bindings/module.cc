@@ -130,6 +130,47 @@ CapsuleList GiveHandles(std::vector<OwnedTensor>&& tensors) {
   return out;
 }
 
+// A ProxyCall running `call(node, ints, tensors)` in Python: `tensors` are new
+// handles (capsules) aliasing the call's tensor arguments, for Python to
+// steal; it returns (argument index, result capsule) pairs. A Python
+// exception fails the run with its message.
+ProxyCall PythonProxyCall(py::function call) {
+  // Deleted with the GIL held (the engine may be closed without it), or
+  // leaked once the interpreter is finalizing (a thread taking the GIL then
+  // would hang).
+  std::shared_ptr<py::function> fn(new py::function(std::move(call)), [](py::function* f) {
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (!Py_IsInitialized() || finalizing) return;
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+  return [fn](int node, const std::vector<int64_t>& ints, const std::vector<AtenTensorHandle>& tensors) {
+    std::vector<OwnedTensor> aliases;
+    aliases.reserve(tensors.size());
+    for (AtenTensorHandle t : tensors) aliases.push_back(OwnedTensor::Alias(t));
+    py::gil_scoped_acquire gil;
+    std::vector<std::pair<size_t, OwnedTensor>> results;
+    try {
+      py::object out = (*fn)(node, ints, GiveHandles(std::move(aliases)));
+      for (py::handle item : out) {
+        auto pair = item.cast<py::tuple>();
+        py::list one;
+        one.append(pair[1]);
+        results.emplace_back(pair[0].cast<size_t>(), std::move(TakeHandles(one)[0]));
+      }
+    } catch (py::error_already_set& e) {
+      throw std::runtime_error(e.what());
+    } catch (const py::cast_error& e) {
+      throw std::runtime_error(std::string("the proxy call's results: ") + e.what());
+    }
+    return results;
+  };
+}
+
 // Raises the Python exception aoti_sessions.errors maps `kind` to.
 void Raise(const std::string& kind, const char* message) {
   py::object cls = py::module_::import("aoti_sessions.errors").attr("core_error")(kind);
@@ -220,7 +261,18 @@ void BindValues(py::module_& m) {
       .def_readwrite("cubin_dir", &MethodSource::cubin_dir)
       .def_readwrite("inputs", &MethodSource::inputs)
       .def_readwrite("weights", &MethodSource::weights)
-      .def_readwrite("pool", &MethodSource::pool);
+      .def_readwrite("pool", &MethodSource::pool)
+      .def(
+          "set_proxy",
+          [](MethodSource& source,
+             py::typing::Callable<py::typing::List<py::typing::Tuple<int, py::capsule>>(
+                 int, py::typing::List<int>, CapsuleList)>
+                 call) {
+            source.proxy = std::make_shared<ProxyExecutor>(PythonProxyCall(std::move(call)));
+          },
+          py::arg("call"),
+          "Runs the ops the library calls through AOTInductor's proxy executor with "
+          "call(node, ints, tensors) -> [(argument index, result)] (aoti_sessions._proxy).");
 
   py::enum_<IdleAction>(m, "IdleAction")
       .value("OFFLOAD", IdleAction::kOffload)

@@ -100,8 +100,11 @@ std::string ModelLibrary::LastError() const {
 }
 
 Container::Container(std::shared_ptr<ModelLibrary> library, const DeviceSpec& device,
-                     const std::string& cubin_dir, bool reclaim_bind_handles)
-    : library_(std::move(library)), reclaim_bind_handles_(reclaim_bind_handles) {
+                     const std::string& cubin_dir, bool reclaim_bind_handles,
+                     std::shared_ptr<ProxyExecutor> proxy)
+    : library_(std::move(library)),
+      reclaim_bind_handles_(reclaim_bind_handles),
+      proxy_(std::move(proxy)) {
   const ModelLibrary& lib = *library_;
   std::string device_str = device.ToString();
   if (lib.create_with_device(&handle_, 1, device_str.c_str(),
@@ -275,13 +278,21 @@ std::vector<OwnedTensor> Container::Run(std::vector<OwnedTensor>&& inputs, Strea
   // The container steals the input handles, whatever the outcome.
   for (size_t i = 0; i < inputs.size(); ++i) in[i] = inputs[i].release();
   std::vector<AtenTensorHandle> out(num_outputs_, nullptr);
-  AOTIRuntimeError err =
-      library_->run_single_threaded(handle_, in.data(), in.size(), out.data(), out.size(),
-                    reinterpret_cast<AOTInductorStreamHandle>(stream), nullptr);
+  AOTIRuntimeError err = library_->run_single_threaded(
+      handle_, in.data(), in.size(), out.data(), out.size(),
+      reinterpret_cast<AOTInductorStreamHandle>(stream),
+      proxy_ != nullptr ? proxy_->handle() : nullptr);
   std::vector<OwnedTensor> outputs;
   outputs.reserve(out.size());
   for (AtenTensorHandle h : out) outputs.emplace_back(h);
-  if (err != 0) Fail(ErrorKind::kRun, "running the model");
+  if (err != 0) {
+    // An op run through the proxy executor says what failed better than torch does.
+    std::string op_error = proxy_ != nullptr ? ProxyExecutor::TakeLastError() : "";
+    if (!op_error.empty()) {
+      Throw(ErrorKind::kRun, "running the model failed for " + library_->path() + ": " + op_error);
+    }
+    Fail(ErrorKind::kRun, "running the model");
+  }
   return outputs;
 }
 

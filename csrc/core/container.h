@@ -14,6 +14,7 @@
 #include "aoti_abi.h"
 #include "device.h"
 #include "errors.h"
+#include "proxy_executor.h"
 #include "torch_shim.h"
 
 namespace aoti_sessions {
@@ -87,8 +88,10 @@ class Container {
   // `reclaim_bind_handles`: delete the tensor handle each user-managed bind
   // makes and torch never frees (torch <= 2.14). Must be false on a torch that
   // frees them itself, or binds double free.
+  // `proxy`: runs the ops the library calls through the proxy executor (null: none).
   Container(std::shared_ptr<ModelLibrary> library, const DeviceSpec& device,
-            const std::string& cubin_dir, bool reclaim_bind_handles);
+            const std::string& cubin_dir, bool reclaim_bind_handles,
+            std::shared_ptr<ProxyExecutor> proxy = nullptr);
   ~Container();
   Container(const Container&) = delete;
   Container& operator=(const Container&) = delete;
@@ -148,6 +151,7 @@ class Container {
   std::string in_spec_;
   std::string out_spec_;
   bool reclaim_bind_handles_;
+  std::shared_ptr<ProxyExecutor> proxy_;
   bool holds_own_constants_ = false;
   // Per bound constant: the handle the container made for our latest bind of
   // it, deleted once a later bind replaced it (torch leaks it).

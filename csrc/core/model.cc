@@ -84,8 +84,8 @@ std::vector<std::unique_ptr<Container>> Model::OpenMethods(
                                      (library->targets_cuda() ? "cuda" : "cpu") +
                                      ", but the engine's device is " + spec.ToString());
     }
-    auto container =
-        std::make_unique<Container>(library, spec, source.cubin_dir, options.reclaim_bind_handles);
+    auto container = std::make_unique<Container>(library, spec, source.cubin_dir,
+                                                 options.reclaim_bind_handles, source.proxy);
     if (source.inputs && source.inputs->size() != container->num_inputs()) {
       Throw(ErrorKind::kPackage, "method '" + source.name + "' declares " +
                                      std::to_string(source.inputs->size()) +
@@ -98,6 +98,7 @@ std::vector<std::unique_ptr<Container>> Model::OpenMethods(
     method.cubin_dir = source.cubin_dir;
     method.weights_file = source.weights;
     method.inputs = source.inputs;
+    method.proxy = source.proxy;
     method.call_spec = {container->in_spec(), container->out_spec()};
     method.num_inputs = container->num_inputs();
     method.pool = source.pool;

@@ -59,6 +59,7 @@ struct Method {
   std::string cubin_dir;
   std::optional<WeightsFile> weights_file;
   std::optional<std::vector<InputSpec>> inputs;
+  std::shared_ptr<ProxyExecutor> proxy;  // its containers' proxy executor (null: none)
   std::pair<std::string, std::string> call_spec;  // pytree (in, out) specs as JSON
   size_t num_inputs = 0;
   // (buffer index, internal constant name) for every mutable FQN it has.

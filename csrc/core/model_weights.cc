@@ -207,7 +207,7 @@ std::vector<Lanes> Model::MakeLanes(std::vector<std::unique_ptr<Container>> firs
       // A new container copies the library's embedded weights into a blob of
       // its own; sharing the held weights frees it again.
       auto lane = std::make_unique<Container>(library, device_->spec(), methods_[m].cubin_dir,
-                                              reclaim_bind_handles);
+                                              reclaim_bind_handles, methods_[m].proxy);
       ShareWeights(m, *lane);
       lanes[m].push_back(std::move(lane));
     }

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "proxy_executor.h"
 #include "torch_shim.h"
 
 namespace aoti_sessions {
@@ -74,6 +76,9 @@ struct MethodSource {
   std::optional<WeightsFile> weights;
   // Set for a method over pooled state.
   std::optional<PoolSource> pool;
+  // Runs the ops its library calls through the proxy executor (custom ops,
+  // fallback kernels); null for a library that calls none.
+  std::shared_ptr<ProxyExecutor> proxy;
 };
 
 // Throws kInvalidArgument (no methods, a name empty or given twice, a path

@@ -102,6 +102,7 @@ const TorchShim& Shim() {
       Resolve(s.get_layout, "aoti_torch_get_layout");
       Resolve(s.dtype_element_size, "aoti_torch_dtype_element_size");
       Resolve(s.new_tensor_handle, "aoti_torch_new_tensor_handle");
+      Resolve(s.assign_tensors, "aoti_torch_assign_tensors");
       Resolve(s.empty_strided, "aoti_torch_empty_strided");
       // CUDA-only entry points live in libtorch_cuda.
       void* cuda_lib = dlopen("libtorch_cuda.so", RTLD_NOLOAD | RTLD_LAZY);

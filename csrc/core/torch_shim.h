@@ -31,6 +31,8 @@ struct TorchShim {
   AOTITorchError (*get_layout)(AtenTensorHandle, int32_t*);
   size_t (*dtype_element_size)(int32_t);
   AOTITorchError (*new_tensor_handle)(AtenTensorHandle, AtenTensorHandle*);
+  // *dst = *src: dst becomes another reference to src's tensor.
+  AOTITorchError (*assign_tensors)(AtenTensorHandle src, AtenTensorHandle dst);
   AOTITorchError (*empty_strided)(int64_t, const int64_t*, const int64_t*, int32_t, int32_t,
                                   int32_t, AtenTensorHandle*);
   // Optional (nullptr without libtorch_cuda): make a stream torch's current

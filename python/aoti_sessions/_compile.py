@@ -37,8 +37,9 @@ from typing import Any, TextIO
 
 import torch
 
-from ._package import (METADATA_KEY, METADATA_VERSION, WEIGHTS_ALIGN, WEIGHTS_BLOB, WEIGHTS_INDEX,
+from ._package import (METADATA_KEY, METADATA_VERSION, OP_MODULES, WEIGHTS_ALIGN, WEIGHTS_BLOB, WEIGHTS_INDEX,
                        WEIGHTS_VERSION, cache_dir, top_folder)
+from ._proxy import op_modules
 from ._pool import Pool, pool_document
 from ._program import (Exported, Method, export, input_specs, mutated_buffers, output_specs, symbol_ranges,
                        warn_folded_counters)
@@ -168,6 +169,7 @@ def compile(
             out = _compile_methods(module, methods, os.fspath(path), configs, strict, progress)
         else:
             out = _compile_one(module, methods[0][1], path, configs, strict, progress)
+    _record_op_modules(out)
     if reference is not None:
         with _phase(progress, f"verifying {', '.join(n for n, _ in methods)} against the module, {steps} steps"):
             verify_package(reference, out, methods, steps)
@@ -235,6 +237,15 @@ def _compile_methods(module: torch.nn.Module, methods: list[tuple[str, Method]],
         package_aoti(path, files)  # type: ignore[arg-type]
         _append_weights(path, tensors, [name for name, _ in methods])
     return path
+
+
+def _record_op_modules(path: str) -> None:
+    """Writes OP_MODULES into the package where its methods call custom ops:
+    a process loading it imports them if it has not (aoti_sessions._proxy)."""
+    modules = op_modules(path)
+    if modules:
+        with zipfile.ZipFile(path, "a", allowZip64=True) as zf:
+            zf.writestr(f"{top_folder(zf.namelist())}/{OP_MODULES}", json.dumps(modules))
 
 
 def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:

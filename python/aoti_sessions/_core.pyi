@@ -179,6 +179,10 @@ class MethodSource:
     weights: WeightsFile | None
     def __init__(self) -> None:
         ...
+    def set_proxy(self, call: collections.abc.Callable[[int, list[int], list[typing_extensions.CapsuleType]], list[tuple[typing.SupportsInt | typing.SupportsIndex, typing_extensions.CapsuleType]]]) -> None:
+        """
+        Runs the ops the library calls through AOTInductor's proxy executor with call(node, ints, tensors) -> [(argument index, result)] (aoti_sessions._proxy).
+        """
     @property
     def inputs(self) -> list[InputSpec] | None:
         ...

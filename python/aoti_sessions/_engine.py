@@ -200,7 +200,7 @@ class Engine(Closable):
             source = "package metadata"
         else:
             source = "every buffer (no declaration in the package; pass mutable= to choose)"
-        sources = [method_source(f) for f in files]
+        sources = [method_source(f, self._device) for f in files]
         # The raw handle of torch's current stream (0 on the CPU), without
         # building a Stream object: what every call into the core passes.
         if self._device.type == "cuda":

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any, cast
 
+import torch
 import torch.utils._pytree as pytree
 
 from . import _core
 from ._package import MethodFiles, open_model
+from ._proxy import proxy_call
 from ._session import MethodCall
 from .errors import PackageError
 
@@ -28,12 +31,15 @@ def _dtype_code(method: str, what: str, dtype: str) -> int:
     return code
 
 
-def method_source(f: MethodFiles) -> _core.MethodSource:
-    """The core's description of one method to load."""
+def method_source(f: MethodFiles, device: torch.device) -> _core.MethodSource:
+    """The core's description of one method to load (on ``device``)."""
     src = _core.MethodSource()
     src.name = f.name
     src.library_path = f.library
     src.cubin_dir = f.cubin_dir
+    proxy = proxy_call(f.library, f.name, device, f.op_modules)
+    if proxy is not None:
+        src.set_proxy(cast(Any, proxy))  # handles: capsules (the stub's CapsuleType)
     if f.metadata is not None and f.metadata.inputs is not None:
         specs = []
         for i, doc in enumerate(f.metadata.inputs):

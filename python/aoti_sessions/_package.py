@@ -33,6 +33,9 @@ METADATA_VERSION = 1
 # The weights of a multi-method ais.compile package, below its top folder:
 # one blob with every distinct tensor once, and its JSON index.
 WEIGHTS_INDEX = "data/aoti_sessions/weights.json"
+# Python modules defining the custom ops the package's methods call (a JSON
+# list; ais.compile writes it): imported where an op is not registered yet.
+OP_MODULES = "data/aoti_sessions/op_modules.json"
 WEIGHTS_BLOB = "data/aoti_sessions/weights.bin"
 WEIGHTS_VERSION = 1
 WEIGHTS_ALIGN = 256  # bytes; every tensor in the blob starts on such a boundary
@@ -117,10 +120,11 @@ class MethodFiles:
     # weights file and the entries of it this method reads.
     weights_file: str | None = None
     weights: list[WeightDoc] = field(default_factory=list)
+    op_modules: list[str] = field(default_factory=list)  # OP_MODULES
 
     def renamed(self, name: str) -> MethodFiles:
         return MethodFiles(name, self.library, self.cubin_dir, self.device_key, self.metadata,
-                           self.weights_file, self.weights)
+                           self.weights_file, self.weights, self.op_modules)
 
 
 def cache_dir() -> Path:
@@ -286,6 +290,14 @@ def _weights_of(top: Path) -> tuple[str | None, list[tuple[WeightDoc, list[str]]
     return str(blob), entries, [] if order is None else order.strings()
 
 
+def _op_modules_of(top: Path) -> list[str]:
+    path = top / OP_MODULES
+    if not path.is_file():
+        return []
+    modules = read_json(path)
+    return [m.string() for m in modules.items()]
+
+
 def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
     methods = []
     order: list[str] = []
@@ -308,6 +320,7 @@ def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
             raw = meta.get(METADATA_KEY)
             metadata = None if raw is None else _sessions_metadata(raw)
         weights_file, entries, order = _weights_of(model_dir.parents[2])
+        op_modules = _op_modules_of(model_dir.parents[2])
         methods.append(MethodFiles(
             name=model_dir.name,
             library=str(libraries[0]),
@@ -316,6 +329,7 @@ def _methods_in(root: Path, package: Path) -> list[MethodFiles]:
             metadata=metadata,
             weights_file=weights_file,
             weights=[doc for doc, users in entries if model_dir.name in users],
+            op_modules=op_modules,
         ))
     if not methods:
         raise PackageError(f"{package} holds no AOTInductor model (no data/aotinductor/<model>/)")

@@ -1,0 +1,281 @@
+"""Ops a compiled library runs through AOTInductor's proxy executor (custom
+ops made with ``torch.library``, fallback kernels without a C shim entry).
+
+The model's generated code calls the executor with an extern node's index,
+its integer arguments and its tensors (inputs, then the outputs to fill);
+what each argument is comes from the extern-kernel description AOTInductor
+writes beside the library (``<library>.json``). The core's ProxyExecutor
+(csrc/core/proxy_executor.h) hands every call here: :func:`proxy_call`
+reads the description once, when the package is loaded, into a plan per
+node (refusing ops this process has not registered, or arguments it cannot
+read, before any request), and each call follows its node's plan and calls
+the op through ``torch.ops``.
+
+A node's arguments, by the schema's types, as AOTInductor lays them out:
+tensors (``as_tensor``, ``as_tensors``, ``as_optional_tensors``) and
+integers (``as_int``, ``as_ints``, their symbolic forms, an int Scalar) come
+with the call, in schema order; everything else (floats, bools, strings,
+dtypes, layouts, memory formats, devices, None) is in the description.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import PackageError
+
+__all__ = ["proxy_call", "description_path", "op_modules"]
+
+ProxyCall = Callable[[int, list[int], list[Any]], list[tuple[int, Any]]]
+
+_steal = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+_give = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+
+
+def description_path(library: str) -> Path:
+    """Where AOTInductor writes a library's extern-kernel description."""
+    return Path(library).with_suffix(".json")
+
+
+@dataclass(frozen=True)
+class _Arg:
+    """How to get one schema argument: ``kind`` is "static" (``value``),
+    "tensor", "tensors" (``count``), "optional_tensors" (``present``: which
+    items come), "int" or "ints" (``count``)."""
+
+    name: str
+    kwarg_only: bool
+    kind: str
+    value: Any = None
+    count: int = 1
+    present: tuple[bool, ...] = ()
+
+
+class _Node:
+    """One extern node: its op and how its arguments and outputs are laid out."""
+
+    def __init__(self, op: Any, args: list[_Arg], outputs: list[tuple[str, int]]) -> None:
+        self.op = op
+        self.args = args
+        self.outputs = outputs  # per schema return: ("tensor" | "tensors" | "none", tensors it fills)
+        self.inputs = sum(a.count for a in args if a.kind == "tensor") \
+            + sum(a.count for a in args if a.kind == "tensors") \
+            + sum(sum(a.present) for a in args if a.kind == "optional_tensors")
+        self.ints = sum(a.count for a in args if a.kind in ("int", "ints"))
+
+    def __call__(self, ints: list[int], tensors: list[torch.Tensor]) -> list[tuple[int, Any]]:
+        filled = sum(n for _, n in self.outputs)
+        if len(ints) != self.ints or len(tensors) != self.inputs + filled:
+            raise RuntimeError(f"{self.op}: called with {len(ints)} ints and {len(tensors)} tensors; its "
+                               f"description takes {self.ints} and {self.inputs + filled}")
+        t = i = 0
+        positional: list[Any] = []
+        keywords: dict[str, Any] = {}
+        for a in self.args:
+            if a.kind == "static":
+                value = a.value
+            elif a.kind == "tensor":
+                value, t = tensors[t], t + 1
+            elif a.kind == "tensors":
+                value, t = tensors[t:t + a.count], t + a.count
+            elif a.kind == "optional_tensors":
+                value = []
+                for present in a.present:
+                    value.append(tensors[t] if present else None)
+                    t += present
+            elif a.kind == "int":
+                value, i = ints[i], i + 1
+            else:
+                value, i = ints[i:i + a.count], i + a.count
+            if a.kwarg_only:
+                keywords[a.name] = value
+            else:
+                positional.append(value)
+        result = self.op(*positional, **keywords)
+        returns = [result] if len(self.outputs) == 1 else list(result) if self.outputs else []
+        out: list[tuple[int, Any]] = []
+        at = self.inputs
+        for (kind, count), value in zip(self.outputs, returns):
+            values = [value] if kind == "tensor" else list(value) if kind == "tensors" else []
+            if len(values) != count:
+                raise RuntimeError(f"{self.op} returned {len(values)} tensors where its description has {count}")
+            for v in values:
+                out.append((at, _give([v])[0]))
+                at += 1
+        return out
+
+
+def _enum(kind: str, code: int) -> Any:
+    from torch._export.serde import serialize
+
+    table = {"as_scalar_type": serialize._SERIALIZE_TO_TORCH_DTYPE,
+             "as_memory_format": serialize._SERIALIZE_TO_TORCH_MEMORY_FORMAT,
+             "as_layout": serialize._SERIALIZE_TO_TORCH_LAYOUT}[kind]
+    return {int(k.value): v for k, v in table.items()}[int(code)]
+
+
+_STATIC = {"as_float": float, "as_bool": bool, "as_string": str, "as_floats": list, "as_bools": list,
+           "as_strings": list}
+
+
+def _arg(target: str, schema_arg: Any, serialized: dict[str, Any], device: torch.device) -> _Arg:
+    (kind, value), = serialized.items()
+    name, kwarg_only = schema_arg.name, schema_arg.kwarg_only
+
+    def static(v: Any) -> _Arg:
+        return _Arg(name, kwarg_only, "static", v)
+
+    if kind == "as_none":
+        return static(None)
+    if kind == "as_tensor":
+        return _Arg(name, kwarg_only, "tensor")
+    if kind == "as_tensors":
+        return _Arg(name, kwarg_only, "tensors", count=len(value))
+    if kind == "as_optional_tensors":
+        present = tuple(next(iter(item)) == "as_tensor" for item in value)
+        return _Arg(name, kwarg_only, "optional_tensors", present=present, count=sum(present))
+    if kind in ("as_int", "as_sym_int"):
+        return _Arg(name, kwarg_only, "int")
+    if kind in ("as_ints", "as_sym_ints"):
+        return _Arg(name, kwarg_only, "ints", count=len(value))
+    if kind in _STATIC:
+        return static(_STATIC[kind](value))
+    if kind in ("as_scalar_type", "as_memory_format", "as_layout"):
+        return static(_enum(kind, value))
+    if kind == "as_device":
+        return static(device)  # the engine's device, as torch's own executor does
+    raise PackageError(f"extern kernel {target}: argument '{name}' is serialized as {kind}, which aoti_sessions "
+                       "cannot pass to it")
+
+
+def _outputs(target: str, schema: Any, serialized: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    if len(serialized) != len(schema.returns):
+        raise PackageError(f"extern kernel {target}: its description has {len(serialized)} outputs, its schema "
+                           f"{len(schema.returns)}")
+    outputs = []
+    for ret, item in zip(schema.returns, serialized):
+        (kind, value), = item.items()
+        if kind == "as_tensor":
+            outputs.append(("tensor", 1))
+        elif kind == "as_tensors":
+            outputs.append(("tensors", len(value)))
+        elif kind == "as_none" or (kind == "as_optional_tensor" and next(iter(value)) == "as_none"):
+            outputs.append(("none", 0))
+        elif kind == "as_optional_tensor":
+            outputs.append(("tensor", 1))
+        else:
+            raise PackageError(f"extern kernel {target}: output {ret.name or len(outputs)} is serialized as {kind}, "
+                               "which aoti_sessions cannot take back from it")
+    return outputs
+
+
+def _lookup(target: str) -> Any:
+    name, _, overload = target.partition(".")
+    namespace, _, op_name = name.partition("::")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op_name), overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _resolve(target: str, method: str, modules: Sequence[str]) -> Any:
+    """The op ``target`` names; where it is not registered, the package's
+    recorded op modules are imported first."""
+    op = _lookup(target)
+    if op is None and modules:
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except Exception as e:  # noqa: BLE001 - any failure of the import is the package's to report
+                raise PackageError(f"method '{method}' calls custom ops defined in the Python module {module} "
+                                   f"(recorded in the package), which cannot be imported here: "
+                                   f"{type(e).__name__}: {e}") from None
+        op = _lookup(target)
+    if op is None:
+        raise PackageError(f"method '{method}' calls the op {target} through AOTInductor's proxy executor, and no "
+                           f"such op is registered in this process: import the module (or load the library) that "
+                           f"defines it before loading the package")
+    return op
+
+
+def _node(serialized: dict[str, Any], method: str, device: torch.device, modules: Sequence[str]) -> _Node:
+    target = serialized["target"]
+    if target == "call_torchbind":
+        raise PackageError(f"method '{method}' calls a torchbind object's method through AOTInductor's proxy "
+                           "executor, which aoti_sessions does not run")
+    op = _resolve(target, method, modules)
+    schema = op._schema
+    given = {item["name"]: item["arg"] for item in serialized.get("inputs", [])}
+    args = []
+    for schema_arg in schema.arguments:
+        if schema_arg.name in given:
+            args.append(_arg(target, schema_arg, given.pop(schema_arg.name), device))
+        elif schema_arg.has_default_value():
+            args.append(_Arg(schema_arg.name, schema_arg.kwarg_only, "static", schema_arg.default_value))
+        else:
+            raise PackageError(f"extern kernel {target}: argument '{schema_arg.name}' is neither described nor has "
+                               "a default")
+    if given:
+        raise PackageError(f"extern kernel {target}: its description names arguments its schema lacks: "
+                           f"{', '.join(sorted(given))}")
+    return _Node(op, args, _outputs(target, schema, serialized.get("outputs", [])))
+
+
+def proxy_call(library: str, method: str, device: torch.device, modules: Sequence[str] = ()) -> ProxyCall | None:
+    """The core's proxy call for ``library`` (see the module's doc), or None
+    where it calls no op through the proxy executor; ``modules``: the
+    package's op modules, imported where an op is not registered. Raises
+    PackageError for a description it cannot read or an op it cannot run."""
+    path = description_path(library)
+    if not path.is_file():
+        return None
+    try:
+        nodes = json.loads(path.read_text()).get("nodes") or []
+    except (OSError, ValueError, AttributeError) as e:
+        raise PackageError(f"method '{method}': unreadable extern-kernel description {path.name}: {e}") from None
+    if not nodes:
+        return None
+    try:
+        plans = [_node(n["node"], method, device, modules) for n in nodes]
+    except (KeyError, TypeError, ValueError) as e:
+        raise PackageError(f"method '{method}': malformed extern-kernel description {path.name}: {e!r}") from None
+
+    def call(node: int, ints: list[int], handles: list[Any]) -> list[tuple[int, Any]]:
+        tensors = _steal(handles)  # owned from here on, whatever happens
+        if not 0 <= node < len(plans):
+            raise RuntimeError(f"extern node {node} of {len(plans)} in {path.name}")
+        return plans[node](ints, tensors)
+
+    return call
+
+
+def op_modules(package: str | os.PathLike[str]) -> list[str]:
+    """The Python modules that define (``torch.library.custom_op``) the ops a
+    ``.pt2`` package's methods call through the proxy executor, as this
+    process knows them: what a process loading the package must import
+    first (``aoti_sessions.llm.export`` records them)."""
+    from torch._library import custom_ops
+
+    targets: set[str] = set()
+    with zipfile.ZipFile(package) as archive:
+        for name in archive.namelist():
+            parts = name.split("/")
+            if len(parts) == 5 and parts[1:3] == ["data", "aotinductor"] and name.endswith(".json") \
+                    and not name.endswith("metadata.json"):
+                doc = json.loads(archive.read(name))
+                targets.update(n["node"]["target"] for n in doc.get("nodes") or [])
+    modules = set()
+    for target in targets:
+        definition = custom_ops.OPDEFS.get(target.partition(".")[0])
+        if definition is not None:
+            modules.add(definition._init_fn.__module__)
+    return sorted(modules)
