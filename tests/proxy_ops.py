@@ -42,3 +42,30 @@ class ProxyModel(torch.nn.Module):
         y, sums = torch.ops.aoti_sessions_test.scale_shift(x @ self.w, self.b, 0.5, [1])
         self.total.add_(sums.sum())
         return y + self.total
+
+
+MIX = "aoti_sessions_test::mix"
+
+
+@torch.library.custom_op(MIX, mutates_args=())
+def mix(xs: list[torch.Tensor], maybe: torch.Tensor | None, n: int, *, dtype: torch.dtype,
+        flag: bool = True) -> list[torch.Tensor]:
+    """Argument kinds a plan must lay out: a tensor list, an absent optional
+    tensor, an int (symbolic under export), keyword-only dtype and bool; a
+    tensor list back."""
+    assert maybe is None and flag
+    return [(x * n).to(dtype) for x in xs]
+
+
+@mix.register_fake
+def _(xs: list[torch.Tensor], maybe: torch.Tensor | None, n: int, *, dtype: torch.dtype,
+      flag: bool = True) -> list[torch.Tensor]:
+    return [torch.empty_like(x, dtype=dtype) for x in xs]
+
+
+class MixModel(torch.nn.Module):
+    """Calls ``mix`` with the row count as its int (dynamic with a dynamic batch)."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        outs = torch.ops.aoti_sessions_test.mix([a, b + 1], None, a.shape[0], dtype=torch.float64)
+        return outs[0].sum(1) + outs[1].sum(1)

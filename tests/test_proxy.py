@@ -115,3 +115,17 @@ def test_an_unreadable_description_is_refused(package: Path, tmp_path: Path) -> 
     with pytest.raises(PackageError, match="extern-kernel description"):
         _proxy.proxy_call(str(copy_dir / "x.so"), "model", torch.device("cpu"))
     assert library.with_suffix(".json").is_file()
+
+
+def test_every_argument_kind_of_a_plan(tmp_path: Path) -> None:
+    """Tensor lists in and out, an absent optional tensor, a symbolic int,
+    keyword-only dtype and bool arguments: the engine calls the op as the
+    eager module does, for batch sizes the export never saw."""
+    batch = torch.export.Dim("batch", min=1, max=64)
+    path = ais.compile(proxy_ops.MixModel(), (torch.randn(3, 4), torch.randn(3, 4)), path=tmp_path / "mix.pt2",
+                       dynamic_shapes=({0: batch}, {0: batch}), inductor_configs=FAST, progress=None)
+    with ais.Engine(path) as engine:
+        s = engine.new_session()
+        for rows in (2, 3, 7):
+            a, b = torch.randn(rows, 4), torch.randn(rows, 4)
+            torch.testing.assert_close(s.run("model", a, b), proxy_ops.MixModel()(a, b))

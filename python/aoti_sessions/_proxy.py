@@ -120,7 +120,7 @@ def _enum(kind: str, code: int) -> Any:
     table = {"as_scalar_type": serialize._SERIALIZE_TO_TORCH_DTYPE,
              "as_memory_format": serialize._SERIALIZE_TO_TORCH_MEMORY_FORMAT,
              "as_layout": serialize._SERIALIZE_TO_TORCH_LAYOUT}[kind]
-    return {int(k.value): v for k, v in table.items()}[int(code)]
+    return {int(getattr(k, "value", k)): v for k, v in table.items()}[int(code)]
 
 
 _STATIC = {"as_float": float, "as_bool": bool, "as_string": str, "as_floats": list, "as_bools": list,
