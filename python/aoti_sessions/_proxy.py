@@ -67,9 +67,7 @@ class _Node:
         self.op = op
         self.args = args
         self.outputs = outputs  # per schema return: ("tensor" | "tensors" | "none", tensors it fills)
-        self.inputs = sum(a.count for a in args if a.kind == "tensor") \
-            + sum(a.count for a in args if a.kind == "tensors") \
-            + sum(sum(a.present) for a in args if a.kind == "optional_tensors")
+        self.inputs = sum(a.count for a in args if a.kind in ("tensor", "tensors", "optional_tensors"))
         self.ints = sum(a.count for a in args if a.kind in ("int", "ints"))
 
     def __call__(self, ints: list[int], tensors: list[torch.Tensor]) -> list[tuple[int, Any]]:
