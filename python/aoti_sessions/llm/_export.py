@@ -151,22 +151,16 @@ def _sizes(config: Any, max_cache_len: int | None, max_prefill: int | None,
 
 
 def _cache_len(config: Any, max_cache_len: int | None) -> int:
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
+    # Sliding-window layers attend within their window at any context (the
+    # pooled cache holds every position; _paged.py): the model's own limit holds.
     limit = getattr(config, "max_position_embeddings", None)
-    # transformers' export recipe turns sliding-window (and chunked) layers into
-    # plain static layers: exact only while the whole cache fits in the window.
-    windows = [kwargs["sliding_window"] for kwargs in get_layer_types_and_kwargs(config)[1]
-               if kwargs.get("sliding_window")]
-    if windows:
-        limit = min(limit or min(windows), *windows)
     if max_cache_len is None:
         return min(DEFAULT_MAX_CACHE_LEN, limit or DEFAULT_MAX_CACHE_LEN)
     if max_cache_len < 2:
         raise ValueError(f"max_cache_len must be at least 2, got {max_cache_len}")
     if limit is not None and max_cache_len > limit:
         raise ValueError(f"max_cache_len {max_cache_len} exceeds what the model supports ({limit}: "
-                         "max_position_embeddings, or its sliding window)")
+                         "max_position_embeddings)")
     return max_cache_len
 
 

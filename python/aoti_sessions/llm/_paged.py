@@ -56,6 +56,7 @@ class _Step:
     offset: torch.Tensor       # int64 [B*T]: and its place in the page
     lengths: torch.Tensor      # int64 [B]: positions each row holds after the call
     kernel: bool               # the paged kernel (one new position per row, CUDA), else gather
+    positions: torch.Tensor | None = None  # int64 [B, T]: the new positions (gather path: sliding windows)
 
 
 _current: list[_Step] = []  # the call being traced (one at a time)
@@ -136,6 +137,13 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     step = _current[-1]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    if sliding_window and not step.kernel and attention_mask is not None and step.positions is not None:
+        # A window layer attends to the last `sliding_window` positions only
+        # (key > query - window, as transformers' sliding masks); the cache
+        # holds every position, so the context is not cut to the window.
+        keys = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+        recent = keys[None, None, :] > step.positions[:, :, None] - int(sliding_window)  # [B, T, K]
+        attention_mask = attention_mask & recent[:, None]
     if step.kernel:
         out = paged_decode_attention(query[:, :, 0], key, value, step.page_table, step.lengths, scale,
                                      int(sliding_window or 0), float(softcap or 0.0))
@@ -184,7 +192,7 @@ class PagedLM(torch.nn.Module):
         pos = positions[:, None] + torch.arange(count, device=input_ids.device)  # [B, T]
         page = torch.gather(page_table, 1, torch.div(pos, self.page_size, rounding_mode="floor")).long()
         offset = pos % self.page_size
-        step = _Step(kv, page_table, page.reshape(-1), offset.reshape(-1), positions + count, kernel)
+        step = _Step(kv, page_table, page.reshape(-1), offset.reshape(-1), positions + count, kernel, pos)
         if kernel:
             mask = None
         else:
