@@ -95,18 +95,25 @@ class PyGraphHost final : public GraphHost {
 // Takes ownership of every handle in `capsules` (as made by
 // torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors), so none leaks if one of
 // them is not a capsule.
+// The handle in `item`, owned; an empty OwnedTensor if it is not a capsule.
+OwnedTensor TakeHandle(py::handle item) {
+  if (!PyCapsule_CheckExact(item.ptr())) return OwnedTensor();
+  void* ptr = PyCapsule_GetPointer(item.ptr(), PyCapsule_GetName(item.ptr()));
+  if (ptr == nullptr) throw py::error_already_set();
+  return OwnedTensor(static_cast<AtenTensorHandle>(ptr));
+}
+
 std::vector<OwnedTensor> TakeHandles(const py::list& capsules) {
   std::vector<OwnedTensor> owned;
   owned.reserve(capsules.size());
   bool bad = false;
   for (py::handle item : capsules) {
-    if (!PyCapsule_CheckExact(item.ptr())) {
+    OwnedTensor tensor = TakeHandle(item);
+    if (tensor.get() == nullptr) {
       bad = true;
       continue;
     }
-    void* ptr = PyCapsule_GetPointer(item.ptr(), PyCapsule_GetName(item.ptr()));
-    if (ptr == nullptr) throw py::error_already_set();
-    owned.emplace_back(static_cast<AtenTensorHandle>(ptr));
+    owned.push_back(std::move(tensor));
   }
   if (bad) throw py::type_error("expected a list of tensor handle capsules");
   return owned;
@@ -158,9 +165,8 @@ ProxyCall PythonProxyCall(py::function call) {
       py::object out = (*fn)(node, ints, GiveHandles(std::move(aliases)));
       for (py::handle item : out) {
         auto pair = item.cast<py::tuple>();
-        py::list one;
-        one.append(pair[1]);
-        results.emplace_back(pair[0].cast<size_t>(), std::move(TakeHandles(one)[0]));
+        // A non-capsule result is an empty tensor, which ProxyExecutor refuses.
+        results.emplace_back(pair[0].cast<size_t>(), TakeHandle(pair[1]));
       }
     } catch (py::error_already_set& e) {
       throw std::runtime_error(e.what());

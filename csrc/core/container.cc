@@ -167,8 +167,9 @@ Container::~Container() {
   }
 }
 
-void Container::Fail(ErrorKind kind, const std::string& what) const {
-  Throw(kind, what + " failed for " + library_->path() + ": " + library_->LastError());
+void Container::Fail(ErrorKind kind, const std::string& what, const std::string& reason) const {
+  Throw(kind, what + " failed for " + library_->path() + ": " +
+                  (reason.empty() ? library_->LastError() : reason));
 }
 
 std::unordered_map<std::string, AtenTensorHandle> Container::CurrentConstants(ErrorKind kind) {
@@ -287,11 +288,8 @@ std::vector<OwnedTensor> Container::Run(std::vector<OwnedTensor>&& inputs, Strea
   for (AtenTensorHandle h : out) outputs.emplace_back(h);
   if (err != 0) {
     // An op run through the proxy executor says what failed better than torch does.
-    std::string op_error = proxy_ != nullptr ? ProxyExecutor::TakeLastError() : "";
-    if (!op_error.empty()) {
-      Throw(ErrorKind::kRun, "running the model failed for " + library_->path() + ": " + op_error);
-    }
-    Fail(ErrorKind::kRun, "running the model");
+    Fail(ErrorKind::kRun, "running the model",
+         proxy_ != nullptr ? ProxyExecutor::TakeLastError() : "");
   }
   return outputs;
 }

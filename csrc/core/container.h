@@ -138,7 +138,10 @@ class Container {
   std::vector<OwnedTensor> Run(std::vector<OwnedTensor>&& inputs, StreamHandle stream);
 
  private:
-  [[noreturn]] void Fail(ErrorKind kind, const std::string& what) const;
+  // Throws "`what` failed for <library>: <reason>"; the reason is the
+  // runtime's last error where none is given.
+  [[noreturn]] void Fail(ErrorKind kind, const std::string& what,
+                         const std::string& reason = "") const;
   // Records the handles a bind of `pairs` made, for ReclaimBindHandles.
   void TrackBindHandles(const std::vector<AOTInductorConstantMapEntry>& pairs);
 

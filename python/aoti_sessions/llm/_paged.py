@@ -56,7 +56,7 @@ class _Step:
     offset: torch.Tensor       # int64 [B*T]: and its place in the page
     lengths: torch.Tensor      # int64 [B]: positions each row holds after the call
     kernel: bool               # the paged kernel (one new position per row, CUDA), else gather
-    positions: torch.Tensor | None = None  # int64 [B, T]: the new positions (gather path: sliding windows)
+    positions: torch.Tensor    # int64 [B, T]: the new positions (the gather path's sliding windows)
 
 
 _current: list[_Step] = []  # the call being traced (one at a time)
@@ -137,7 +137,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     step = _current[-1]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    if sliding_window and not step.kernel and attention_mask is not None and step.positions is not None:
+    if sliding_window and not step.kernel and attention_mask is not None:
         # A window layer attends to the last `sliding_window` positions only
         # (key > query - window, as transformers' sliding masks); the cache
         # holds every position, so the context is not cut to the window.
