@@ -278,7 +278,7 @@ def _long_prompt(client: openai.OpenAI, llm: LLM, max_tokens: int) -> list[dict[
     raise AssertionError("every prompt's greedy reply stops early")
 
 
-def test_disconnect_stops_the_generation(client: openai.OpenAI, http: httpx.Client, llm: LLM, device: str) -> None:
+def test_disconnect_stops_the_generation(client: openai.OpenAI, http: httpx.Client, llm: LLM) -> None:
     max_tokens = CONTEXT - 64
     messages = _long_prompt(client, llm, max_tokens)
     before = metrics(http)
@@ -295,7 +295,9 @@ def test_disconnect_stops_the_generation(client: openai.OpenAI, http: httpx.Clie
     after = metrics(http)
     assert after["aoti_sessions_cancelled_generations_total"] == before["aoti_sessions_cancelled_generations_total"] + 1
     generated = after["aoti_sessions_generated_tokens_total"] - before["aoti_sessions_generated_tokens_total"]
-    assert 3 <= generated < max_tokens / 2, generated
+    # Cut short (how far it got before the server saw the hang-up depends on
+    # the machine's load: a loaded 2-core CI machine got past half of it).
+    assert 3 <= generated < max_tokens, generated
     tokens = http.get("/v1/sessions/hang-up").json()["tokens"]
     time.sleep(0.2)
     assert http.get("/v1/sessions/hang-up").json()["tokens"] == tokens  # nothing runs on
@@ -311,7 +313,7 @@ def test_disconnect_stops_the_generation(client: openai.OpenAI, http: httpx.Clie
     assert after["aoti_sessions_cancelled_generations_total"] == before["aoti_sessions_cancelled_generations_total"] + 1
     generated = after["aoti_sessions_generated_tokens_total"] - before["aoti_sessions_generated_tokens_total"]
     # Cut short (on an H100, at about 1 ms a token, after 290-320 of the 448).
-    assert generated < max_tokens / (2 if device == "cpu" else 1), generated
+    assert generated < max_tokens, generated
 
 
 def test_busy_session_gets_409(client: openai.OpenAI, http: httpx.Client, llm: LLM) -> None:
@@ -551,10 +553,17 @@ def test_remote_llm_matches_llm_and_refuses_cleanly(package: Path, device: str, 
         want = local.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True)
     remote = RemoteLLM(package, device, threads=1)
     with remote:
+        # Busy while a generation runs: one long enough that it cannot end
+        # before the second start (12 tokens can, on a loaded machine).
+        busy = remote.new_session()
+        long = busy.start(prompt, max_tokens=CONTEXT - 64, ignore_eos=True)
+        with pytest.raises(SessionBusyError):
+            busy.start(prompt, max_tokens=1)
+        long.close()
+        assert not busy.busy
+        busy.close()
         session = remote.new_session()
         g = session.start(prompt, max_tokens=12, temperature=0, ignore_eos=True)
-        with pytest.raises(SessionBusyError):
-            session.start(prompt, max_tokens=1)
         pieces = []
         while (piece := g.step()) is not None:
             pieces.append(piece)
