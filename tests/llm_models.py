@@ -32,8 +32,12 @@ from aoti_sessions.llm import _export, _paged, _paged_attention, _spec  # noqa: 
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
-ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe")
-KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window of 16 (the context is 8x that)
+# qwen3_next (gated delta-net linear attention, full attention and MoE) and
+# lfm2 (short convolutions) keep recurrent state in slots.
+ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", "lfm2")
+# qwen3_5_moe: exports, but its compiled prefill refuses a call of one
+# session (README, "Hybrid models"); built by hand, not tested.
+KNOWN = (*ARCHS, "mistral", "qwen3_5_moe")  # mistral: llama with a sliding window of 16 (the context is 8x that)
 SEED = 0
 # Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
 FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
@@ -92,6 +96,14 @@ def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.Pret
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=64, tie_word_embeddings=True)
+    if arch in ("qwen3_next", "qwen3_5_moe"):
+        config = transformers.Qwen3NextConfig if arch == "qwen3_next" else transformers.Qwen3_5MoeTextConfig
+        return config(**common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=64, linear_num_value_heads=4, linear_num_key_heads=2,
+                      linear_key_head_dim=16, linear_value_head_dim=16,
+                      layer_types=["linear_attention", "full_attention"], tie_word_embeddings=True)
+    if arch == "lfm2":
+        return transformers.Lfm2Config(**common, layer_types=["conv", "full_attention"])
     if arch == "gemma":
         return transformers.GemmaConfig(**common, head_dim=16)
     if arch == "mistral":

@@ -60,6 +60,11 @@ def _chat(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
+def _recurrent(arch: str, device: str = "cpu") -> bool:
+    """Whether the arch's package keeps recurrent state (hybrid models)."""
+    return read_llm_package(llm_package(arch, device)).spec.recurrent
+
+
 def _reference(model: Any, prompt: list[int], steps: int = STEPS) -> tuple[list[int], list[torch.Tensor]]:
     """The eager model's greedy tokens (argmax every step, end-of-sequence
     tokens included: generate's min_new_tokens would mask them) and the
@@ -146,6 +151,12 @@ def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.
     32 steps, from logits within float rounding."""
     model, tokenizer = _eager(arch, device), _tokenizer(arch)
     prompts = [_chat(tokenizer, text) for text in PROMPTS]
+    if chunk == "rows" and _recurrent(arch, device):
+        # A padded row's recurrent state took in its padding: the rewind after it is refused.
+        with engine.new_session() as a, engine.new_session() as b, \
+                pytest.raises(ValueError, match="recurrent.* cannot rewind"):
+            _feed_rows(engine, [a, b], prompts, device)
+        return
     references = [_reference(model, p) for p in prompts]
     sessions = [engine.new_session() for _ in prompts]
     greedy = _Greedy(engine, sessions, prompts, chunk, device)
@@ -192,10 +203,23 @@ def test_a_two_turn_chat_with_a_fork_matches_transformers(arch: str, device: str
         two = s.generate(second, max_tokens=STEPS, temperature=0, ignore_eos=True)
         assert two.cached_tokens == len(first) + len(one.token_ids) - 1
         assert two.token_ids == _reference(model, second)[0]
-        branch = second[:len(first) + 4] + llm.encode(" by the bridge")
+        if not llm.spec.recurrent:
+            branch = second[:len(first) + 4] + llm.encode(" by the bridge")
+            other = fork.generate(branch, max_tokens=STEPS, temperature=0, ignore_eos=True)
+            assert other.cached_tokens == len(first) + 4
+            assert other.token_ids == _reference(model, branch)[0]
+            return
+        # Recurrent state cannot rewind: the fork goes on from where it was
+        # taken (its own copy of the state), and a history edited before the
+        # session's end is fed again from its start.
+        branch = second[:two.cached_tokens] + llm.encode(" by the bridge")
         other = fork.generate(branch, max_tokens=STEPS, temperature=0, ignore_eos=True)
-        assert other.cached_tokens == len(first) + 4
+        assert other.cached_tokens == two.cached_tokens
         assert other.token_ids == _reference(model, branch)[0]
+        edited = first + llm.encode(" and the new mill")
+        again = s.generate(edited, max_tokens=STEPS, temperature=0, ignore_eos=True)
+        assert again.cached_tokens == 0 and s.token_count == len(edited) + STEPS - 1
+        assert again.token_ids == _reference(model, edited)[0]
 
 
 def test_a_batch_of_one_session_runs(arch: str, device: str, engine: ais.Engine) -> None:
@@ -236,8 +260,18 @@ def test_kv_cache_is_pooled_state(engine: ais.Engine, arch: str) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     pool = engine.pool
     assert pool is not None and engine.mutable_fqns == ()
-    assert [(t["name"], t["kind"], t["unit_sizes"]) for t in pool["tensors"]] == [
-        ("kv", "pages", [config.num_hidden_layers, 2, pool["page_size"], config.num_key_value_heads, head_dim])]
+    # Hybrid models: pages for the attention layers, a slot a session for the others' state.
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    attention = sum(t == "full_attention" for t in types)
+    tensors = [(t["name"], t["kind"], t["unit_sizes"]) for t in pool["tensors"]]
+    assert tensors[0] == ("kv", "pages", [attention, 2, pool["page_size"], config.num_key_value_heads, head_dim])
+    slots = [(name, sizes[0]) for name, kind, sizes in tensors[1:] if kind == "slots"]
+    assert len(slots) == len(tensors) - 1
+    if attention == config.num_hidden_layers:
+        assert slots == []
+    else:
+        names = ["conv", "recurrent"] if arch.startswith("qwen3") else ["conv"]  # LFM2's layers are convolutions
+        assert slots == [(name, config.num_hidden_layers - attention) for name in names]
     assert pool["max_positions"] >= 128 and pool["max_rows"] == 64
     assert sorted(engine.methods) == ["decode", "prefill"]
 
@@ -295,10 +329,13 @@ def test_package_carries_tokenizer_spec_and_generation_config(arch: str) -> None
     im_end, endoftext = (original.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
     spec = package.spec
     model_class = type(_eager(arch)).__name__
-    assert (spec.model_type, spec.architecture, spec.name) == (arch, model_class, f"tiny-{arch}")
+    model_type = transformers.AutoConfig.from_pretrained(hf_model_dir(arch), local_files_only=True).model_type
+    assert (spec.model_type, spec.architecture, spec.name) == (model_type, model_class, f"tiny-{arch}")
     assert (spec.max_cache_len, spec.max_prefill, spec.vocab_size, spec.dtype) == (128, 128, len(original), "float32")
     assert (spec.eos_token_ids, spec.bos_token_id, spec.pad_token_id) == ([im_end], endoftext, endoftext)
-    assert spec.prefill_rows == DEFAULT_MAX_BATCH  # sessions one prefill call feeds
+    # Sessions one prefill call feeds: one where recurrent state would take in a padded row's padding.
+    assert spec.recurrent == (arch in ("qwen3_next", "lfm2"))
+    assert spec.prefill_rows == (1 if spec.recurrent else DEFAULT_MAX_BATCH)
     assert package.generation_config["eos_token_id"] == im_end
     assert package.tokenizer_dir.is_dir() and package.tokenizer_dir.is_relative_to(cache_dir())
 
@@ -316,6 +353,8 @@ def test_info_shows_what_an_llm_package_says(arch: str) -> None:
     assert f"  end of sequence: {', '.join(map(str, spec.eos_token_ids))}; bos: {spec.bos_token_id}; " \
            f"pad: {spec.pad_token_id}" in lines
     assert "  chat template: yes" in lines  # every tested family's tokenizer has one
+    assert ("  state: KV cache and recurrent state (conv, SSM or delta-net; cannot rewind: a changed history is "
+            "fed again from its start)" if spec.recurrent else "  state: KV cache") in lines
 
 
 def _hub_cache(root: Path, repo_id: str, folder: Path) -> None:

@@ -106,7 +106,8 @@ class Session {
   int64_t length();
   // Forgets the positions from `length` on (a rewind: kept ones are not
   // copied); pages wholly past it are released. Throws kInvalidArgument for a
-  // length beyond the session's.
+  // length beyond the session's, and for any shorter one where the session
+  // holds a slot (slot state takes in every position and cannot rewind).
   void Truncate(int64_t length, StreamHandle stream = nullptr);
   // A copy of the session's part of every pooled tensor (`[units, ...]`, on
   // the engine's device) and its length: one snapshot.

@@ -227,6 +227,15 @@ void Session::Truncate(int64_t length, StreamHandle stream) {
                                            " positions: it holds " +
                                            std::to_string(share.length));
   }
+  if (share.slot >= 0 && length < share.length) {
+    // A slot holds state that every position so far went into (a conv or
+    // recurrent state): it cannot be taken back to an earlier position.
+    Throw(ErrorKind::kInvalidArgument, "cannot truncate session " + std::to_string(id()) +
+                                           " to " + std::to_string(length) + " of its " +
+                                           std::to_string(share.length) +
+                                           " positions: its slot state (recurrent) cannot "
+                                           "rewind; reset it and feed the positions again");
+  }
   // Restored first: the host copy's layout follows its page count.
   parts_->residency->Restore(*state_, stream);
   state_->Touch();

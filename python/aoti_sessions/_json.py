@@ -67,6 +67,11 @@ class Field:
     def strings(self) -> list[str]:
         return [item.string() for item in self.items()]
 
+    def boolean(self) -> bool:
+        if not isinstance(self.value, bool):
+            raise self._fail("true or false")
+        return self.value
+
     def integer(self, minimum: int | None = None) -> int:
         if not isinstance(self.value, int) or isinstance(self.value, bool):
             raise self._fail("an integer")

@@ -265,7 +265,9 @@ class Session(Closable):
 
     def truncate(self, length: int) -> None:
         """Pooled state: forget the positions from ``length`` on (a rewind:
-        nothing is copied; pages wholly past it are released)."""
+        nothing is copied; pages wholly past it are released). A session
+        with a slot (recurrent state, which every position went into)
+        cannot rewind: ValueError; reset it instead."""
         if isinstance(length, bool) or not isinstance(length, int):
             raise TypeError(f"length must be an int, got {type(length).__name__}")
         self._core.truncate(length, self._engine._stream())

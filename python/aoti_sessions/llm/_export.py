@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend
 from .._compile import Method, Pool, compile
 from .._package import top_folder
 from ._export_cli import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE
-from ._paged import PagedLM, paged_attention_on
+from ._paged import PagedLM, hybrid_layers_traceable, paged_attention_on
 from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec, require_transformers
 
 if TYPE_CHECKING:
@@ -214,8 +214,14 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     width = torch.export.Dim("width", min=2, max=module.max_pages) if module.max_pages > 2 else None
     prefill_width = {} if width is None else {1: width}
     decode_width = None if module.kernel or width is None else {1: width}
+    # A hybrid model's conv and recurrent state: slot tensors (one slot a
+    # session; slot 0 is the engine's scratch), rows addressed by slot_ids.
+    slots = module.slot_examples(1 + _EXAMPLE_ROWS, device)
     pool = Pool(tokens="input_ids", pages=("kv",), page_size=module.page_size, page_table="page_table",
-                positions="positions")
+                positions="positions", slots=tuple(slots), slot_ids="slot_ids" if slots else None)
+    state_args = (torch.arange(1, 1 + _EXAMPLE_ROWS, dtype=torch.int32, device=device), *slots.values()) \
+        if slots else ()
+    state_shapes = ({0: rows}, *({0: torch.export.Dim.DYNAMIC} for _ in slots)) if slots else ()
 
     def table(n: int) -> torch.Tensor:
         t = torch.zeros(n, module.max_pages, dtype=torch.int32, device=device)
@@ -225,13 +231,16 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     kv = module.pool_example(2 + _EXAMPLE_ROWS, dtype, device)
     return {
         "prefill": Method((torch.zeros(_EXAMPLE_ROWS, example, dtype=torch.long, device=device), kv,
-                           table(_EXAMPLE_ROWS), torch.zeros(_EXAMPLE_ROWS, dtype=torch.long, device=device)),
-                          dynamic_shapes=({0: rows, 1: tokens}, {0: pages}, {0: rows, **prefill_width}, {0: rows}),
+                           table(_EXAMPLE_ROWS), torch.zeros(_EXAMPLE_ROWS, dtype=torch.long, device=device),
+                           *state_args),
+                          dynamic_shapes=({0: rows, 1: tokens}, {0: pages}, {0: rows, **prefill_width}, {0: rows},
+                                          *state_shapes),
                           entry="prefill",
                           attention=PREFILL_ATTENTION, pool=pool),
         "decode": Method((torch.zeros(_EXAMPLE_ROWS, 1, dtype=torch.long, device=device), kv, table(_EXAMPLE_ROWS),
-                          torch.full((_EXAMPLE_ROWS,), example, dtype=torch.long, device=device)),
-                         dynamic_shapes=({0: rows}, {0: pages}, {0: rows, **(decode_width or {})}, {0: rows}),
+                          torch.full((_EXAMPLE_ROWS,), example, dtype=torch.long, device=device), *state_args),
+                         dynamic_shapes=({0: rows}, {0: pages}, {0: rows, **(decode_width or {})}, {0: rows},
+                                         *state_shapes),
                          entry="decode",
                          attention=DECODE_ATTENTION, pool=pool),
     }
@@ -356,8 +365,9 @@ def export(
         # Export under the final name: the package's top folder is named after the file.
         tmp = os.path.join(staging, os.path.basename(target))
         methods = _methods(module, prefill_len, max_batch, model.dtype, dev)
-        compile(module, methods, path=tmp, inductor_configs=inductor_configs, strict=False)
-        missing = sorted(set(range(module.layers)) - module.layers_written)
+        with hybrid_layers_traceable(model, prefill_len):
+            compile(module, methods, path=tmp, inductor_configs=inductor_configs, strict=False)
+        missing = sorted({*module.state.attention, *module.state.recurrent} - module.layers_written)
         if missing:
             raise RuntimeError(f"export: the model did not write the cache of layers {missing} (it writes "
                                f"{sorted(module.layers_written)}); this model or transformers version does not "
@@ -368,7 +378,9 @@ def export(
             eos_token_ids=_eos_ids(generation, config, tok),
             bos_token_id=_first_id(generation.bos_token_id, config.bos_token_id, tok.bos_token_id),
             pad_token_id=_first_id(generation.pad_token_id, getattr(config, "pad_token_id", None), tok.pad_token_id),
-            dtype=str(model.dtype).removeprefix("torch."), name=hub_id or _model_name(model, source), prefill_rows=max_batch)
+            dtype=str(model.dtype).removeprefix("torch."), name=hub_id or _model_name(model, source),
+            # A hybrid model's recurrent state would read a padded row's padding: one row a prefill call.
+            prefill_rows=1 if module.state.slots else max_batch, recurrent=bool(module.state.slots))
         _append_files(tmp, {SPEC_FILE: spec.to_json().encode(),
                             GENERATION_CONFIG_FILE: generation.to_json_string().encode(),
                             **_tokenizer_files(tok)})

@@ -104,11 +104,16 @@ class Generation(Pieces):
                 break
             keep += 1
         if keep < len(session._tokens):
-            session._session.truncate(keep)
+            if llm.spec.recurrent:  # its state cannot rewind: the whole prompt is fed again
+                session._session.reset()
+                keep = 0
+            else:
+                session._session.truncate(keep)
             del session._tokens[keep:]
         self.cached_tokens = keep
         self.prefilled_tokens = 0
-        self._pending = prompt[keep:]  # prompt tokens still to feed (the scheduler's)
+        self._pending = prompt[keep:]  # tokens still to feed (the scheduler's): the prompt's, then
+        self._prompt_pending = len(self._pending)  # (recurrent state) a generated one, once read
         # The step queued last fed this generation's unread sampled token
         # (the scheduler holds the session's lock until it is read).
         self._fed_ahead = False
@@ -140,14 +145,23 @@ class Generation(Pieces):
         """``count`` prompt tokens were fed (the sampled token needs no record)."""
         if count:
             del self._pending[:count]
-            self.prefilled_tokens += count
+            prompt = min(count, self._prompt_pending)  # not a generated token fed once read
+            self._prompt_pending -= prompt
+            self.prefilled_tokens += prompt
 
-    def _feeds_next(self) -> bool:
-        """Whether the token the last step sampled (not read yet) will be
+    def _room_for_next(self) -> bool:
+        """Whether the token the last step sampled (not read yet) is to be
         fed, unless it is a stop token: not at max_tokens or the context's end."""
         max_tokens = self.params.max_tokens
         return (max_tokens is None or len(self.token_ids) + 1 < max_tokens) \
             and len(self._session._tokens) < self._session.llm.max_context
+
+    def _feeds_next(self) -> bool:
+        """Whether the step queued next feeds the last step's token before it
+        is read: where there is room, except for a model with recurrent state,
+        which could not take a stop token back out (its token is fed once
+        read, as a one-token chunk)."""
+        return self._room_for_next() and not self._session.llm.spec.recurrent
 
     def _accept_token(self, token: int) -> None:
         """Records a sampled token once read, before its text is made. Where
@@ -175,9 +189,13 @@ class Generation(Pieces):
         elif not keep:
             self._finish("stop", "")
         else:
+            room = self._room_for_next()  # (counted before the token joins token_ids)
             self.token_ids.append(token)
-            if not fed:  # at max_tokens or the context's end (_feeds_next)
-                self._ending = "length"
+            if not fed:
+                if room:  # recurrent state: fed now that it is read
+                    self._pending.append(token)
+                else:  # at max_tokens or the context's end
+                    self._ending = "length"
 
     def _deliver(self, token: int) -> None:
         """The text of an accepted token (after the next step was queued)."""

@@ -19,6 +19,16 @@ positions are written like real ones (the engine gave the row pages for all
 ``T``) and come after every real position of the row, so no real query
 attends to them; the caller truncates the row to its real length afterwards.
 
+Hybrid models (Qwen3-Next, Qwen3.5-MoE, LFM2: layers of linear attention
+or short convolutions beside full attention) keep those layers' fixed-size
+state (conv and recurrent) in slot tensors, one slot a session
+(``conv[slots, layers, ...]``, ``recurrent[slots, layers, ...]``, rows
+addressed by ``slot_ids``); only the attention layers have pages. A call
+reads each row's state from its slot and writes the state after its last
+position back (the model's own update, in place or returned). That state
+cannot rewind: a prefill call of such a model takes whole rows, never
+padding (the spec says so, and the scheduler feeds it that way).
+
 Rows of one call are independent sessions. Nothing here reads or writes a
 position outside the rows' own pages: padding rows of a batch write the
 engine's scratch page, and page-table entries past a row's pages point at the
@@ -27,20 +37,22 @@ engine's zero page.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._linear_attention import causal_conv1d_update, chunk_gated_delta_rule
 from ._paged_attention import paged_decode_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["PagedLM", "ATTENTION", "PAD_ID", "kv_layout"]
+__all__ = ["PagedLM", "ATTENTION", "PAD_ID", "kv_layout", "StateLayout", "state_layout", "hybrid_layers_traceable"]
 
 ATTENTION = "aoti_sessions_paged"  # the name our attention is registered under
 PAD_ID = -1  # pads a shorter row of a prefill call (after its tokens)
@@ -57,6 +69,11 @@ class _Step:
     lengths: torch.Tensor      # int64 [B]: positions each row holds after the call
     kernel: bool               # the paged kernel (one new position per row, CUDA), else gather
     positions: torch.Tensor    # int64 [B, T]: the new positions (the gather path's sliding windows)
+    slots: dict[str, torch.Tensor] = field(default_factory=dict)  # slot tensors by name (hybrid models)
+    slot_ids: torch.Tensor | None = None  # int64 [B]: each row's slot
+    # Each layer's state as this call leaves it, by (slot tensor, layer):
+    # read from the slots on first use, written back after the call.
+    states: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
 
 _current: list[_Step] = []  # the call being traced (one at a time)
@@ -71,6 +88,56 @@ def kv_layout(config: Any, page_size: int) -> tuple[int, int, int]:
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     return layers, heads, int(head_dim)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Which layers keep KV pages and which fixed-size state, and that
+    state's shape per session and layer (without the batch) and dtype."""
+
+    attention: tuple[int, ...]  # layers with a KV cache, in order (the pool's layer index)
+    recurrent: tuple[int, ...] = ()  # layers with conv / recurrent state, in order (the slots' layer index)
+    slots: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()  # (name, shape, dtype) per slot tensor
+
+
+def state_layout(model: PreTrainedModel, cache_argument: str) -> StateLayout:
+    """The model's layers as transformers' own cache lays them out: layers
+    with linear-attention state (conv, SSM, delta-net) learn their state's
+    shapes from one small forward with that cache (on the model's own
+    attention)."""
+    from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
+
+    config = model.config.get_text_config()
+    cache = DynamicCache(config=config)
+    layers = list(cache.layers)
+    linear = tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin))
+    if not linear:
+        return StateLayout(attention=tuple(range(int(config.num_hidden_layers))))
+    attention = tuple(i for i, layer in enumerate(layers) if isinstance(layer, CacheLayerMixin))
+    name = type(model).__name__
+    if not attention:
+        raise ValueError(f"{name} has no attention layer (a pure state-space model): export takes models with "
+                         "at least one attention layer")
+    before = config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 3, dtype=torch.long, device=model.device),
+                  **{cache_argument: cache}, use_cache=True)
+    finally:
+        model.set_attn_implementation(before)
+    slots = []
+    for kind in ("conv_states", "recurrent_states"):
+        found = [getattr(cache.layers[i], kind).get(0) for i in linear]
+        if all(t is None for t in found):
+            continue
+        shapes = {(tuple(t.shape[1:]), t.dtype) for t in found if t is not None}
+        if len(shapes) != 1 or any(t is None for t in found):
+            raise ValueError(f"{name}'s layers keep {kind.replace('_', ' ')} of different shapes "
+                             f"({sorted(str(s) for s in shapes)}); the pool has one layout per state")
+        (shape, dtype), = shapes
+        slots.append(("conv" if kind == "conv_states" else "recurrent", shape, dtype))
+    return StateLayout(attention=attention, recurrent=linear, slots=tuple(slots))
 
 
 def _rows(states: torch.Tensor) -> torch.Tensor:
@@ -91,12 +158,13 @@ def _cache_class() -> type:
 
         is_compileable = True
 
-        def __init__(self, step: _Step, layers: int, page_size: int, written: set[int]) -> None:
+        def __init__(self, step: _Step, layout: StateLayout, written: set[int]) -> None:
             super().__init__(layers=[])
             self.step = step
             self.written = written  # the layers whose cache the model wrote
-            self.layer_count = layers
-            self.page_size = page_size
+            self.layer_count = len(layout.attention) + len(layout.recurrent)
+            self.pool_layer = {g: i for i, g in enumerate(layout.attention)}  # a layer's index in the pool
+            self.slot_layer = {g: i for i, g in enumerate(layout.recurrent)}  # and in the slot tensors
 
         def __len__(self) -> int:
             return self.layer_count
@@ -105,6 +173,7 @@ def _cache_class() -> type:
                    *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             step = self.step
             self.written.add(layer_idx)
+            layer_idx = self.pool_layer[layer_idx]
             # index_put_ on the pool itself, with one index tensor per
             # dimension: AOTInductor writes that in place. (A write through a
             # view of the pool, or index_copy_, becomes a copy of the whole
@@ -123,6 +192,42 @@ def _cache_class() -> type:
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             return 0  # positions come from the engine, never from here
+
+        # Linear-attention layers' state (transformers' Cache API): a row's
+        # state is its slot's until the layer updates it; a call's last
+        # value of each is written back to the slots after the call (so an
+        # update made in place, as a one-token conv or SSM step does, counts).
+        def _state(self, name: str, layer_idx: int) -> torch.Tensor:
+            step = self.step
+            key = (name, self.slot_layer[layer_idx])
+            if key not in step.states:
+                assert step.slot_ids is not None
+                step.states[key] = step.slots[name][step.slot_ids, key[1]]
+            return step.states[key]
+
+        def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+            self.written.add(layer_idx)
+            return self._state("conv", layer_idx)
+
+        def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                              **kwargs: Any) -> torch.Tensor:
+            # The layer convolves the kernel's width of earlier inputs, then the new ones.
+            before = self._state("conv", layer_idx)
+            full = torch.cat([before.to(conv_states.dtype), conv_states], dim=-1)
+            self.step.states[("conv", self.slot_layer[layer_idx])] = full[..., -before.shape[-1]:]
+            return full
+
+        def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+            self.written.add(layer_idx)
+            return self._state("recurrent", layer_idx)
+
+        def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                                   **kwargs: Any) -> torch.Tensor:
+            self.step.states[("recurrent", self.slot_layer[layer_idx])] = recurrent_states
+            return recurrent_states
+
+        def is_recording_past(self, layer_idx: int) -> bool:
+            return False
 
     return PagedCache
 
@@ -169,7 +274,7 @@ class PagedLM(torch.nn.Module):
         super().__init__()
         self.model = model
         config = model.config.get_text_config()
-        self.layers, self.heads, self.head_dim = kv_layout(config, page_size)
+        _, self.heads, self.head_dim = kv_layout(config, page_size)
         self.page_size = page_size
         self.max_pages = max_pages
         self.kernel = kernel
@@ -178,6 +283,8 @@ class PagedLM(torch.nn.Module):
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self.logits_to_keep = "logits_to_keep" in parameters
         self.cache_class = _cache_class()
+        self.state = state_layout(model, self.cache_argument)
+        self.layers = len(self.state.attention)  # the pool's layers: the attention layers'
         # Layers whose cache a traced call wrote: export checks the model used
         # the cache it was given (else sessions would keep no context).
         self.layers_written: set[int] = set()
@@ -186,21 +293,28 @@ class PagedLM(torch.nn.Module):
         return torch.zeros(pages, self.layers, 2, self.page_size, self.heads, self.head_dim, dtype=dtype,
                            device=device)
 
+    def slot_examples(self, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """The slot tensors (hybrid models; none otherwise), by input name."""
+        layers = len(self.state.recurrent)
+        return {name: torch.zeros(slots, layers, *shape, dtype=dtype, device=device)
+                for name, shape, dtype in self.state.slots}
+
     def _run(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
-             kernel: bool, picked: bool = False) -> torch.Tensor:
+             kernel: bool, slot_ids: torch.Tensor | None, slots: dict[str, torch.Tensor],
+             picked: bool = False) -> torch.Tensor:
         rows, count = input_ids.shape
         pos = positions[:, None] + torch.arange(count, device=input_ids.device)  # [B, T]
         page = torch.gather(page_table, 1, torch.div(pos, self.page_size, rounding_mode="floor")).long()
         offset = pos % self.page_size
-        step = _Step(kv, page_table, page.reshape(-1), offset.reshape(-1), positions + count, kernel, pos)
+        step = _Step(kv, page_table, page.reshape(-1), offset.reshape(-1), positions + count, kernel, pos, slots,
+                     None if slot_ids is None else slot_ids.long())
         if kernel:
             mask = None
         else:
             # The positions the page table holds (its width may be only the pages the rows hold).
             keys = torch.arange(page_table.shape[1] * self.page_size, device=input_ids.device)
             mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, K]: causal, own positions only
-        extra: dict[str, Any] = {self.cache_argument: self.cache_class(step, self.layers, self.page_size,
-                                                                       self.layers_written)}
+        extra: dict[str, Any] = {self.cache_argument: self.cache_class(step, self.state, self.layers_written)}
         if self.logits_to_keep:
             extra["logits_to_keep"] = 0 if picked else 1  # picked: _pick_rows takes each row's last real one
         _current.append(step)
@@ -208,22 +322,39 @@ class PagedLM(torch.nn.Module):
             out = self.model(input_ids=input_ids, position_ids=pos, attention_mask=mask, use_cache=True, **extra)
         finally:
             _current.pop()
+        for (name, layer), value in step.states.items():  # the rows' state after the call, into their slots
+            assert step.slot_ids is not None
+            target = slots[name]
+            target.index_put_((step.slot_ids, torch.full_like(step.slot_ids, layer)), value.to(target.dtype))
         logits: torch.Tensor = out.logits
         return logits[:, -1, :]
 
-    def prefill(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+    def _slots(self, slot_ids: torch.Tensor | None, conv: torch.Tensor | None,
+               recurrent: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        given = {name: t for name, t in (("conv", conv), ("recurrent", recurrent)) if t is not None}
+        names = [name for name, _, _ in self.state.slots]
+        if sorted(given) != sorted(names) or (names and slot_ids is None):
+            raise TypeError(f"this model's calls take slot_ids and the slot tensors {names}, got {sorted(given)}")
+        return given
+
+    def prefill(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
+                slot_ids: torch.Tensor | None = None, conv: torch.Tensor | None = None,
+                recurrent: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T]: up to T new positions of each of B sessions,
-        right-padded with PAD_ID; logits [B, V] of each row's last real token."""
+        right-padded with PAD_ID (never for a hybrid model: its state would
+        read the padding); logits [B, V] of each row's last real token."""
         real = input_ids != PAD_ID
         last = real.sum(1) - 1  # a row's last real token (every row has one)
         with _pick_rows(self.model, last):
-            return self._run(torch.where(real, input_ids, 0), kv, page_table, positions, kernel=False, picked=True)
+            return self._run(torch.where(real, input_ids, 0), kv, page_table, positions, False, slot_ids,
+                             self._slots(slot_ids, conv, recurrent), picked=True)
 
-    def decode(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+    def decode(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
+               slot_ids: torch.Tensor | None = None, conv: torch.Tensor | None = None,
+               recurrent: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, 1]: one new position for each of B sessions; logits [B, V]."""
-        return self._run(input_ids, kv, page_table, positions, kernel=self.kernel)
+        return self._run(input_ids, kv, page_table, positions, self.kernel, slot_ids,
+                         self._slots(slot_ids, conv, recurrent))
 
 
 @contextmanager
@@ -250,6 +381,36 @@ def _pick_rows(model: PreTrainedModel, last: torch.Tensor) -> Iterator[None]:
             del head.forward  # the class's forward again
         else:
             head.forward = own
+
+
+def _patched(model: PreTrainedModel, name: str, wrap: Any) -> list[tuple[Any, str, Any]]:
+    """Replaces the function ``name`` of every module defining one of the
+    model's layers with ``wrap(original)``; returns what to put back."""
+    import sys
+
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    patched = [(module, name, getattr(module, name)) for module in modules
+               if callable(getattr(module, name, None))]
+    for module, _, original in patched:
+        setattr(module, name, wrap(original))
+    return patched
+
+
+@contextmanager
+def hybrid_layers_traceable(model: PreTrainedModel, max_prefill: int) -> Iterator[None]:
+    """Two of transformers' reference functions for linear-attention layers
+    replaced by ours (``_linear_attention``), so that the traced graph serves
+    every row count and length: the cached conv step
+    (``causal_conv1d_update``) and the chunked gated delta rule
+    (``torch_chunk_gated_delta_rule``)."""
+    patched = _patched(model, "causal_conv1d_update", lambda _: causal_conv1d_update) \
+        + _patched(model, "torch_chunk_gated_delta_rule",
+                   lambda _: functools.partial(chunk_gated_delta_rule, length=max_prefill))
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
 
 
 @contextmanager

@@ -348,8 +348,8 @@ class Scheduler:
         prefill runs as CUDA graphs (captured per shape) the next power of
         two from MIN_PREFILL_BUCKET, within max_prefill and every row's context."""
         width = max(len(r.fed) for r in rows)
-        if not self._cuda or not self._engine.captures("prefill"):
-            return width
+        if not self._cuda or not self._engine.captures("prefill") or self._llm.spec.recurrent:
+            return width  # (recurrent state would take in padding)
         bucket = max(MIN_PREFILL_BUCKET, 1 << (width - 1).bit_length())
         room = self._llm.max_context - max(len(r.generation._session._tokens) for r in rows)
         return max(width, min(bucket, self._llm.spec.max_prefill, room))

@@ -52,6 +52,10 @@ class LLMSpec:
     name: str  # the model's id (its folder or hub name), for APIs that report one
     version: int = SPEC_VERSION
     prefill_rows: int = 1  # sessions one prefill call feeds at most (packages before batched prefill: 1)
+    # Layers keep recurrent state (conv, SSM, delta-net: hybrid models) that
+    # cannot rewind by position: prefill rows are never padded, and a session
+    # whose history changes is fed again from its start.
+    recurrent: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -103,7 +107,8 @@ def _spec(doc: Field) -> LLMSpec:
         max_cache_len=max_cache_len, max_prefill=max_prefill, vocab_size=vocab_size, eos_token_ids=eos,
         bos_token_id=_optional_id(doc, "bos_token_id"), pad_token_id=_optional_id(doc, "pad_token_id"),
         dtype=doc["dtype"].string(), name=doc["name"].string(), version=version,
-        prefill_rows=rows.integer(minimum=1) if (rows := doc.get("prefill_rows")) is not None else 1)
+        prefill_rows=rows.integer(minimum=1) if (rows := doc.get("prefill_rows")) is not None else 1,
+        recurrent=flag.boolean() if (flag := doc.get("recurrent")) is not None else False)
 
 
 def _read_entry(archive: zipfile.ZipFile, name: str, package: Path) -> Field:

@@ -1,0 +1,139 @@
+"""Two of transformers' reference functions for linear-attention layers in a
+form AOTInductor compiles for every row count and length: the chunked gated
+delta rule (Qwen3-Next's linear attention) and the cached step of a causal
+depthwise convolution (Qwen3-Next, LFM2). ``_paged.hybrid_layers_traceable``
+puts them in place of transformers' while a package is exported.
+
+The chunked gated delta rule:
+
+transformers' reference (``torch_chunk_gated_delta_rule``) computes the same
+thing, but its traced form serves only the example's shape: its export path
+inverts each chunk's triangular system by forward substitution, writing rows
+in place (the trace then guards the row count against 1), and its scan over
+chunks is a Python loop over a count that depends on the length. Here:
+
+- the sequence is padded to a static length (``length``: the package's
+  max_prefill, rounded up to whole chunks), so the scan's loop is fixed; a
+  padded position has a zero key, value, beta and log-decay, which leaves
+  the state as it was, so real positions' outputs and the state are exact;
+- a chunk's unit lower-triangular system ``I + A`` (``A`` strictly lower,
+  so nilpotent) is inverted as ``(I - A)(I + A^2)(I + A^4)...``: log2(chunk)
+  matrix products, no writes in place;
+- the chunks' outputs are concatenated, not written into a preallocated
+  tensor, and each chunk is a slice of its operands, not a select.
+
+Everything else follows the reference step by step (float32 inside, query
+and key L2-normalised when asked, query scaled by the key dimension).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["chunk_gated_delta_rule", "causal_conv1d_update"]
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """``(I + a)^-1`` for strictly lower-triangular ``a`` [..., C, C]."""
+    size = a.shape[-1]
+    eye = torch.eye(size, dtype=a.dtype, device=a.device)
+    power = -a
+    inverse = eye + power  # sum of (-a)^k for k < 2
+    covered = 2
+    while covered < size:  # multiply by (I + (-a)^covered): the sum for k < 2 * covered
+        power = power @ power
+        inverse = inverse + inverse @ power
+        covered *= 2
+    return inverse
+
+
+def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, *,
+                           length: int, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """query, key [B, T, Hk, Dk], value [B, T, Hv, Dv], g (log decay) and
+    beta [B, T, Hv], initial_state [B, Hv, Dk, Dv]: the output [B, T, Hv, Dv]
+    and the state after the last position; T <= ``length``."""
+    dtype = query.dtype
+    count = query.shape[1]
+    heads_k, heads_v = key.shape[2], value.shape[2]
+    if heads_k != heads_v:  # each query/key head serves heads_v // heads_k value heads
+        query = query.repeat_interleave(heads_v // heads_k, dim=2)
+        key = key.repeat_interleave(heads_v // heads_k, dim=2)
+    padded = -(-length // chunk_size) * chunk_size
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> [B, H, padded, ...], float32
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, padded - count))
+        return x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+
+    query, key, value, beta, decay = (heads_first(x) for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        query, key = _l2norm(query), _l2norm(key)
+    query = query * query.shape[-1] ** -0.5
+    rows, heads, _, dim_v = value.shape
+    chunks = padded // chunk_size
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [B, H, padded, D] -> [B, H, chunks, C, D]
+        return x.reshape(rows, heads, chunks, chunk_size, x.shape[-1])
+
+    v_beta = chunked(value * beta.unsqueeze(-1))
+    k_beta = chunked(key * beta.unsqueeze(-1))
+    query, key = chunked(query), chunked(key)
+    decay = decay.reshape(rows, heads, chunks, chunk_size).cumsum(dim=-1)  # within each chunk
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+    pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra = (query @ key.transpose(-1, -2)) * pairwise
+    inverse = _unit_lower_inverse(system.tril(-1))
+    new_values = inverse @ v_beta
+    k_cumdecay = inverse @ (k_beta * decay.exp().unsqueeze(-1))
+
+    # The scan keeps the chunk dimension (size 1) on every operand, state
+    # included: chunk i is a slice, never a select (whose squeeze makes
+    # Inductor guard the row count against 1).
+    state = torch.zeros(rows, heads, 1, key.shape[-1], dim_v, dtype=torch.float32, device=query.device) \
+        if initial_state is None else initial_state.to(torch.float32).unsqueeze(2)
+    query = query * decay.exp().unsqueeze(-1)
+    last = decay[..., -1:]  # a chunk's whole decay
+    key = key * (last - decay).exp().unsqueeze(-1)
+    chunk_decay = last.exp().unsqueeze(-1)  # [B, H, chunks, 1, 1]
+    outputs = []
+    for i in range(chunks):
+        at = slice(i, i + 1)
+        v_new = new_values[:, :, at] - k_cumdecay[:, :, at] @ state
+        outputs.append(query[:, :, at] @ state + intra[:, :, at] @ v_new)
+        state = state * chunk_decay[:, :, at] + key[:, :, at].transpose(-1, -2) @ v_new
+    out = torch.cat(outputs, dim=2).reshape(rows, heads, padded, dim_v)[:, :, :count]
+    state = state.squeeze(2)
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), \
+        (state if output_final_state else None)
+
+
+def causal_conv1d_update(hidden_states: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+    """The depthwise causal convolution of ``hidden_states`` [B, C, T] after
+    the ``conv_state`` [B, C, K] before it (weight [C, K]), which it then
+    holds the last K inputs; as transformers' reference, without ``conv1d``
+    (whose lowering makes Inductor guard the row count against 1). The
+    [B, C, T] result is a slice of a wider tensor: a layer's later reshape of
+    a piece of it then copies whatever the row count, where on a contiguous
+    result the trace guards it (Qwen3-Next's q/k/v split)."""
+    from transformers.activations import ACT2FN
+
+    count, width = hidden_states.shape[-1], conv_state.shape[-1]
+    inputs = torch.cat([conv_state, hidden_states], dim=-1).to(weight.dtype)  # [B, C, K + T]
+    conv_state.copy_(inputs[:, :, -width:])
+    windows = inputs.unfold(-1, width, 1)[:, :, -count:]  # [B, C, T, K]: each output's inputs
+    out = (windows * weight[:, None, :]).sum(-1)
+    if bias is not None:
+        out = out + bias[:, None]
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    out = out.to(hidden_states.dtype)
+    return torch.cat([out, out], dim=-1)[..., :count]
