@@ -28,16 +28,14 @@ import transformers  # noqa: E402
 
 from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import _export, _paged, _paged_attention, _spec  # noqa: E402
+from aoti_sessions.llm import _export, _linear_attention, _paged, _paged_attention, _spec  # noqa: E402
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
-# qwen3_next (gated delta-net linear attention, full attention and MoE) and
-# lfm2 (short convolutions) keep recurrent state in slots.
-ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", "lfm2")
-# qwen3_5_moe: exports, but its compiled prefill refuses a call of one
-# session (README, "Hybrid models"); built by hand, not tested.
-KNOWN = (*ARCHS, "mistral", "qwen3_5_moe")  # mistral: llama with a sliding window of 16 (the context is 8x that)
+# qwen3_next, qwen3_5_moe (gated delta-net linear attention, full attention
+# and MoE) and lfm2 (short convolutions) keep recurrent state in slots.
+ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2")
+KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window of 16 (the context is 8x that)
 SEED = 0
 # Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
 FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
@@ -160,8 +158,8 @@ def hf_model_dir(arch: str) -> Path:
 def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object]) -> Path:
     """The package ``build(path)`` writes, built once: cached under the models
     folder by ``key``, this file, the exporter's and the compiler's sources."""
-    sources = [inspect.getsource(module) for module in (_export, _paged, _paged_attention, _spec, _compile, _pool,
-                                                        _program)]
+    sources = [inspect.getsource(module) for module in (_export, _paged, _paged_attention, _linear_attention, _spec,
+                                                        _compile, _pool, _program)]
     target = cache_dir() / "models" / f"{name}-{_source_key(*sources, *key)}.pt2"
     if target.is_file():
         return target

@@ -334,7 +334,7 @@ def test_package_carries_tokenizer_spec_and_generation_config(arch: str) -> None
     assert (spec.max_cache_len, spec.max_prefill, spec.vocab_size, spec.dtype) == (128, 128, len(original), "float32")
     assert (spec.eos_token_ids, spec.bos_token_id, spec.pad_token_id) == ([im_end], endoftext, endoftext)
     # Sessions one prefill call feeds: one where recurrent state would take in a padded row's padding.
-    assert spec.recurrent == (arch in ("qwen3_next", "lfm2"))
+    assert spec.recurrent == (arch in ("qwen3_next", "qwen3_5_moe", "lfm2"))
     assert spec.prefill_rows == (1 if spec.recurrent else DEFAULT_MAX_BATCH)
     assert package.generation_config["eos_token_id"] == im_end
     assert package.tokenizer_dir.is_dir() and package.tokenizer_dir.is_relative_to(cache_dir())

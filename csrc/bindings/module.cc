@@ -258,7 +258,8 @@ void BindValues(py::module_& m) {
       .def_readwrite("slot_ids", &PoolSource::slot_ids)
       .def_readwrite("tokens", &PoolSource::tokens)
       .def_readwrite("max_pages", &PoolSource::max_pages)
-      .def_readwrite("max_rows", &PoolSource::max_rows);
+      .def_readwrite("max_rows", &PoolSource::max_rows)
+      .def_readwrite("min_rows", &PoolSource::min_rows);
 
   py::class_<MethodSource>(m, "MethodSource")
       .def(py::init<>())

@@ -81,6 +81,11 @@ void ValidatePool(const MethodSource& source, const std::string& method) {
     Throw(ErrorKind::kPackage, method + ": pool max_rows must be >= 1, got " +
                                    std::to_string(pool.max_rows));
   }
+  if (pool.min_rows < 1 || pool.min_rows > pool.max_rows) {
+    Throw(ErrorKind::kPackage, method + ": pool min_rows must be in [1, max_rows=" +
+                                   std::to_string(pool.max_rows) + "], got " +
+                                   std::to_string(pool.min_rows));
+  }
 }
 
 }  // namespace

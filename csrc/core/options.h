@@ -64,6 +64,9 @@ struct PoolSource {
   std::optional<size_t> slot_ids;    // int32 [rows] (with slot tensors)
   size_t tokens = 0;                 // the caller's [rows, T, ...]: T new positions per row
   int64_t max_rows = 1;              // rows of one call at most
+  // Rows of one call at least (a model compiled for two or more): a call of
+  // fewer gets padding rows, as a graph bucket's do.
+  int64_t min_rows = 1;
 };
 
 // A method to load: a model library and how to call it.

@@ -120,7 +120,8 @@ std::vector<OwnedTensor> Runner::RunPooled(size_t method, StatePool& pool, const
     }
   }
   const bool captures = graphs_.Captures(method);
-  const int64_t padded = captures ? BatchBucket(rows.rows, source.max_rows) : rows.rows;
+  const int64_t padded = std::max(source.min_rows,
+                                  captures ? BatchBucket(rows.rows, source.max_rows) : rows.rows);
   // The addressing at the padded size: padding rows write the scratch page
   // and slot, and read nothing of a session's. A captured method whose page
   // table has a dynamic width gets it bucketed (entries past a session's

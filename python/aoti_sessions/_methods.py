@@ -56,6 +56,7 @@ def method_source(f: MethodFiles, device: torch.device) -> _core.MethodSource:
         source.tensors = [_core.PooledInput(i, name, _POOL_KINDS[kind]) for i, name, kind in pool.tensors]
         source.page_table, source.positions, source.slot_ids = pool.page_table, pool.positions, pool.slot_ids
         source.tokens, source.max_rows, source.max_pages = pool.tokens, pool.max_rows, pool.max_pages
+        source.min_rows = pool.min_rows
         src.pool = source
     if f.weights_file is not None:
         weights = _core.WeightsFile()

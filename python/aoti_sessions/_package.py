@@ -75,6 +75,7 @@ class PoolDoc:
     positions: int | None = None
     slot_ids: int | None = None
     max_pages: int = 0  # pages a session holds at most (the page table's width, or its bound)
+    min_rows: int = 1  # rows a call takes at least (fewer are padded)
 
     @property
     def engine_filled(self) -> set[int]:
@@ -249,7 +250,8 @@ def _pool_doc(raw: Field) -> PoolDoc:
                    tokens=raw["tokens"].integer(minimum=0), max_rows=raw["max_rows"].integer(minimum=1),
                    page_table=_optional_int(raw.get("page_table")), positions=_optional_int(raw.get("positions")),
                    slot_ids=_optional_int(raw.get("slot_ids")),
-                   max_pages=0 if raw.get("max_pages") is None else raw["max_pages"].integer(minimum=0))
+                   max_pages=0 if raw.get("max_pages") is None else raw["max_pages"].integer(minimum=0),
+                   min_rows=1 if raw.get("min_rows") is None else raw["min_rows"].integer(minimum=1))
 
 
 def _sizes(entry: Field) -> list[int | None]:

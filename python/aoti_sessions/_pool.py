@@ -117,9 +117,12 @@ def pool_document(method: str, pool: Pool, ep: ExportedProgram, decomposed: Expo
     if max_rows is None or max_rows < 1:
         raise CompileError(f"method '{method}': the rows of pool tokens '{pool.tokens}' need an upper bound "
                            "(export them with Dim(..., max=N)): the engine captures a graph per batch size up to it")
+    # A method exported for two rows or more (Dim(..., min=2)) gets padding
+    # rows for a call of one session.
+    min_rows = rows if isinstance(rows, int) else next((r["min"] for r in ranges if r["symbol"] == str(rows)), 1)
     doc: dict[str, Any] = {"page_size": pool.page_size, "tensors": tensors, "tokens": tokens,
-                           "max_rows": int(max_rows), "page_table": None, "positions": None, "slot_ids": None,
-                           "max_pages": 0}
+                           "max_rows": int(max_rows), "min_rows": max(1, int(min_rows or 1)), "page_table": None,
+                           "positions": None, "slot_ids": None, "max_pages": 0}
     if pool.pages:
         assert pool.page_table is not None and pool.positions is not None
         doc["page_table"] = check("page_table", pool.page_table, torch.int32, 2)

@@ -203,7 +203,11 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     # 8 and dynamo cannot prove the guard that adds for every length in range
     # ("Constraints violated (tokens)"); a hint lets export keep it as a check.
     tokens = torch.export.Dim.DYNAMIC(min=2, max=max_prefill)
-    rows = torch.export.Dim("rows", min=1, max=max_batch)
+    # A hybrid model's layers make the trace guard the row count against 1
+    # (views Inductor or export cannot prove for a batch of one, torch 2.11
+    # and 2.13 at different places): it is compiled for two rows or more, and
+    # the engine pads a call of one session with a scratch row (min_rows).
+    rows = torch.export.Dim("rows", min=min(2, max_batch) if module.state.slots else 1, max=max_batch)
     pages = torch.export.Dim.DYNAMIC
     # The page table's width: the pages the call's rows hold, so attention
     # reads only those; static (every page a session may hold) where decode

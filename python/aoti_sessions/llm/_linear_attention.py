@@ -109,7 +109,8 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         v_new = new_values[:, :, at] - k_cumdecay[:, :, at] @ state
         outputs.append(query[:, :, at] @ state + intra[:, :, at] @ v_new)
         state = state * chunk_decay[:, :, at] + key[:, :, at].transpose(-1, -2) @ v_new
-    out = torch.cat(outputs, dim=2).reshape(rows, heads, padded, dim_v)[:, :, :count]
+    # narrow, not a slice: torch 2.11 sizes [:count] as an unbacked Min(count, padded).
+    out = torch.cat(outputs, dim=2).reshape(rows, heads, padded, dim_v).narrow(2, 0, count)
     state = state.squeeze(2)
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), \
         (state if output_final_state else None)
