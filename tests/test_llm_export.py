@@ -170,13 +170,15 @@ def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.
             torch.testing.assert_close(mine, ref[0], atol=1e-4, rtol=1e-4)
 
 
-def test_a_sliding_window_model_serves_its_whole_context(device: str) -> None:
-    """Mistral with a window of 16 in a context of 128: the package keeps
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_sliding_window_model_serves_its_whole_context(device: str, family: str) -> None:
+    """Mistral (every layer windowed) and Gemma 3 (window layers beside
+    global ones) with a window of 16 in a context of 128: the package keeps
     max_position_embeddings' bound (not the window's), and a reply running
     far past the window equals transformers' greedy tokens (its window
     layers attend to their last 16 positions only)."""
-    package = llm_package("mistral", device)
-    model = _eager("mistral", device)
+    package = llm_package(family, device)
+    model = _eager(family, device)
     window = model.config.sliding_window
     with LLM(package, device=device) as llm:
         assert llm.max_context == 128 >= 6 * window
