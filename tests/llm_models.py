@@ -34,8 +34,11 @@ from aoti_sessions.llm import _export, _linear_attention, _paged, _paged_attenti
 # grouped_mm_fallback custom op, run through the proxy executor.
 # qwen3_next, qwen3_5_moe (gated delta-net linear attention, full attention
 # and MoE) and lfm2 (short convolutions) keep recurrent state in slots.
-ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2")
-KNOWN = (*ARCHS, "mistral", "gemma3")  # gemma3: window layers of 16 beside global ones  # mistral: llama with a sliding window of 16 (the context is 8x that)
+# gemma3 and gpt_oss (MoE experts, attention sinks) have window layers of 16
+# beside global ones, in a context of 128 (8x the window).
+ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2", "gemma3",
+         "gpt_oss")
+KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window of 16 on every layer (the context is 8x that)
 SEED = 0
 # Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
 FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
@@ -106,6 +109,9 @@ def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.Pret
         return transformers.GemmaConfig(**common, head_dim=16)
     if arch == "mistral":
         return transformers.MistralConfig(**common, head_dim=16, sliding_window=16)
+    if arch == "gpt_oss":  # MoE experts, attention sinks, window layers of 16 beside global ones
+        return transformers.GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=16, layer_types=["sliding_attention", "full_attention"])
     if arch == "gemma3":  # a window layer, then a global one (Gemma 3's own pattern is five to one)
         return transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=16,
                                              layer_types=["sliding_attention", "full_attention"])

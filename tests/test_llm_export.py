@@ -170,10 +170,11 @@ def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.
             torch.testing.assert_close(mine, ref[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
 def test_a_sliding_window_model_serves_its_whole_context(device: str, family: str) -> None:
-    """Mistral (every layer windowed) and Gemma 3 (window layers beside
-    global ones) with a window of 16 in a context of 128: the package keeps
+    """Mistral (every layer windowed), Gemma 3 and GPT-OSS (window layers
+    beside global ones; GPT-OSS's with attention sinks and MoE experts) with
+    a window of 16 in a context of 128: the package keeps
     max_position_embeddings' bound (not the window's), and a reply running
     far past the window equals transformers' greedy tokens (its window
     layers attend to their last 16 positions only)."""
@@ -264,7 +265,7 @@ def test_kv_cache_is_pooled_state(engine: ais.Engine, arch: str) -> None:
     assert pool is not None and engine.mutable_fqns == ()
     # Hybrid models: pages for the attention layers, a slot a session for the others' state.
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    attention = sum(t == "full_attention" for t in types)
+    attention = sum(t in ("full_attention", "sliding_attention") for t in types)
     tensors = [(t["name"], t["kind"], t["unit_sizes"]) for t in pool["tensors"]]
     assert tensors[0] == ("kv", "pages", [attention, 2, pool["page_size"], config.num_key_value_heads, head_dim])
     slots = [(name, sizes[0]) for name, kind, sizes in tensors[1:] if kind == "slots"]

@@ -186,11 +186,14 @@ def test_lifecycle_on_pooled_state(engine: ais.Engine, module: PagedDecoder, dev
         torch.testing.assert_close(engine.run_batch("decode", [other], ids([7], device))[0], want,
                                    atol=ATOL, rtol=0)
     assert s.resident
-    # truncate: forget positions (a rewind; here back to a page boundary and to mid-page).
-    s.truncate(4)
-    assert s.length == 4 and s.state()["kv"].shape[0] == 1
+    # truncate: a session holding a slot (recurrent state, which took in
+    # every position) cannot rewind: refused, nothing changed.
+    with pytest.raises(ValueError, match="cannot truncate session .* slot state .* cannot rewind"):
+        s.truncate(4)
+    assert s.length == 9 and s.state()["kv"].shape[0] == 3
+    s.truncate(9)  # to its own length: nothing to forget
     with pytest.raises(ValueError, match="cannot truncate"):
-        s.truncate(5)
+        s.truncate(10)
     # reset: nothing held.
     s.reset()
     assert s.length == 0

@@ -365,7 +365,10 @@ def export(
     with _exportable(model, dev, torch_dtype, restore=model is model_or_dir), \
             tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(target))) as staging:
         # Decode reads the pages with the Triton kernel on CUDA, by gathering them elsewhere.
-        module = PagedLM(model, page_size, max_pages=-(-cache_len // page_size), kernel=dev.type == "cuda")
+        # (Not for attention sinks, which the kernel does not take: GPT-OSS decodes on the gather path.)
+        sinks = any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+        module = PagedLM(model, page_size, max_pages=-(-cache_len // page_size),
+                         kernel=dev.type == "cuda" and not sinks)
         # Export under the final name: the package's top folder is named after the file.
         tmp = os.path.join(staging, os.path.basename(target))
         methods = _methods(module, prefill_len, max_batch, model.dtype, dev)

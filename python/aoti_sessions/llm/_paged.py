@@ -235,9 +235,11 @@ def _cache_class() -> type:
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+                    s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The attention every layer runs while a PagedLM call is traced; returns
-    [B, T, Hq, D] as transformers' attention functions do."""
+    [B, T, Hq, D] as transformers' attention functions do. ``s_aux``: a
+    logit per head that joins every row's softmax and is then dropped
+    (GPT-OSS's attention sinks)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     step = _current[-1]
@@ -253,14 +255,20 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out = paged_decode_attention(query[:, :, 0], key, value, step.page_table, step.lengths, scale,
                                      int(sliding_window or 0), float(softcap or 0.0))
         return out[:, None], None
-    if softcap:  # sdpa has no softcap (Gemma2): the plain computation
+    if softcap or s_aux is not None:  # sdpa has neither (Gemma2, GPT-OSS): the plain computation
         groups = query.shape[1] // key.shape[1]
         keys, values = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         scores = (query @ keys.transpose(-1, -2)).float() * scale
-        scores = float(softcap) * torch.tanh(scores / float(softcap))
+        if softcap:
+            scores = float(softcap) * torch.tanh(scores / float(softcap))
         if attention_mask is not None:
             scores = scores.masked_fill(~attention_mask, float("-inf"))
-        out = torch.softmax(scores, dim=-1).to(values.dtype) @ values
+        if s_aux is None:
+            weights = torch.softmax(scores, dim=-1)
+        else:
+            sinks = s_aux.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            weights = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        out = weights.to(values.dtype) @ values
         return out.transpose(1, 2).contiguous(), None
     out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                     is_causal=False, **kwargs)
