@@ -112,8 +112,9 @@ class Generation(Pieces):
             del session._tokens[keep:]
         self.cached_tokens = keep
         self.prefilled_tokens = 0
-        self._pending = prompt[keep:]  # tokens still to feed (the scheduler's): the prompt's, then
-        self._prompt_pending = len(self._pending)  # (recurrent state) a generated one, once read
+        # Tokens still to feed (the scheduler's): the prompt's, then (recurrent
+        # state) a generated one, once read.
+        self._pending = prompt[keep:]
         # The step queued last fed this generation's unread sampled token
         # (the scheduler holds the session's lock until it is read).
         self._fed_ahead = False
@@ -142,12 +143,11 @@ class Generation(Pieces):
 
     # -- the scheduler's side ----------------------------------------------------
     def _fed(self, count: int) -> None:
-        """``count`` prompt tokens were fed (the sampled token needs no record)."""
+        """``count`` tokens of ``_pending`` were fed (a sampled token fed ahead needs no record)."""
         if count:
             del self._pending[:count]
-            prompt = min(count, self._prompt_pending)  # not a generated token fed once read
-            self._prompt_pending -= prompt
-            self.prefilled_tokens += prompt
+            # Not a generated token fed once read: the prompt's tokens not yet fed at most.
+            self.prefilled_tokens += min(count, self.prompt_tokens - self.cached_tokens - self.prefilled_tokens)
 
     def _room_for_next(self) -> bool:
         """Whether the token the last step sampled (not read yet) is to be

@@ -79,15 +79,14 @@ class _Step:
 _current: list[_Step] = []  # the call being traced (one at a time)
 
 
-def kv_layout(config: Any, page_size: int) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a model's KV cache; a ValueError for
-    layers whose caches differ (the pool has one page layout)."""
-    layers = int(config.num_hidden_layers)
+def kv_layout(config: Any, page_size: int) -> tuple[int, int]:
+    """(kv heads, head dim) of a model's attention layers' KV cache (which
+    layers have one: ``state_layout``)."""
     heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    return layers, heads, int(head_dim)
+    return heads, int(head_dim)
 
 
 @dataclass(frozen=True)
@@ -197,9 +196,12 @@ def _cache_class() -> type:
         # state is its slot's until the layer updates it; a call's last
         # value of each is written back to the slots after the call (so an
         # update made in place, as a one-token conv or SSM step does, counts).
+        def _key(self, name: str, layer_idx: int) -> tuple[str, int]:
+            return name, self.slot_layer[layer_idx]
+
         def _state(self, name: str, layer_idx: int) -> torch.Tensor:
             step = self.step
-            key = (name, self.slot_layer[layer_idx])
+            key = self._key(name, layer_idx)
             if key not in step.states:
                 assert step.slot_ids is not None
                 step.states[key] = step.slots[name][step.slot_ids, key[1]]
@@ -214,7 +216,7 @@ def _cache_class() -> type:
             # The layer convolves the kernel's width of earlier inputs, then the new ones.
             before = self._state("conv", layer_idx)
             full = torch.cat([before.to(conv_states.dtype), conv_states], dim=-1)
-            self.step.states[("conv", self.slot_layer[layer_idx])] = full[..., -before.shape[-1]:]
+            self.step.states[self._key("conv", layer_idx)] = full[..., -before.shape[-1]:]
             return full
 
         def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
@@ -223,7 +225,7 @@ def _cache_class() -> type:
 
         def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                    **kwargs: Any) -> torch.Tensor:
-            self.step.states[("recurrent", self.slot_layer[layer_idx])] = recurrent_states
+            self.step.states[self._key("recurrent", layer_idx)] = recurrent_states
             return recurrent_states
 
         def is_recording_past(self, layer_idx: int) -> bool:
@@ -282,7 +284,7 @@ class PagedLM(torch.nn.Module):
         super().__init__()
         self.model = model
         config = model.config.get_text_config()
-        _, self.heads, self.head_dim = kv_layout(config, page_size)
+        self.heads, self.head_dim = kv_layout(config, page_size)
         self.page_size = page_size
         self.max_pages = max_pages
         self.kernel = kernel
@@ -391,16 +393,16 @@ def _pick_rows(model: PreTrainedModel, last: torch.Tensor) -> Iterator[None]:
             head.forward = own
 
 
-def _patched(model: PreTrainedModel, name: str, wrap: Any) -> list[tuple[Any, str, Any]]:
+def _patched(model: PreTrainedModel, name: str, replacement: Any) -> list[tuple[Any, str, Any]]:
     """Replaces the function ``name`` of every module defining one of the
-    model's layers with ``wrap(original)``; returns what to put back."""
+    model's layers with ``replacement``; returns what to put back."""
     import sys
 
     modules = {sys.modules[type(m).__module__] for m in model.modules()}
     patched = [(module, name, getattr(module, name)) for module in modules
                if callable(getattr(module, name, None))]
-    for module, _, original in patched:
-        setattr(module, name, wrap(original))
+    for module, _, _ in patched:
+        setattr(module, name, replacement)
     return patched
 
 
@@ -411,9 +413,8 @@ def hybrid_layers_traceable(model: PreTrainedModel, max_prefill: int) -> Iterato
     every row count and length: the cached conv step
     (``causal_conv1d_update``) and the chunked gated delta rule
     (``torch_chunk_gated_delta_rule``)."""
-    patched = _patched(model, "causal_conv1d_update", lambda _: causal_conv1d_update) \
-        + _patched(model, "torch_chunk_gated_delta_rule",
-                   lambda _: functools.partial(chunk_gated_delta_rule, length=max_prefill))
+    patched = _patched(model, "causal_conv1d_update", causal_conv1d_update) \
+        + _patched(model, "torch_chunk_gated_delta_rule", functools.partial(chunk_gated_delta_rule, length=max_prefill))
     try:
         yield
     finally:
