@@ -299,6 +299,8 @@ def test_threads_option_and_the_warning_without_it(caplog: pytest.LogCaptureFixt
     try:
         with pytest.raises(ValueError, match="threads must be an int >= 1, got 0"):
             LLM(package, threads=0)
+        with pytest.raises(ValueError, match="rewind_checkpoints must be an int >= 0, got -1"):
+            LLM(package, threads=1, rewind_checkpoints=-1)
         with LLM(package, threads=1) as m:
             assert torch.get_num_threads() == 1
             assert m.new_session().generate("Hi", max_tokens=2, temperature=0).completion_tokens == 2

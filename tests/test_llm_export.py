@@ -212,13 +212,19 @@ def test_a_two_turn_chat_with_a_fork_matches_transformers(arch: str, device: str
             assert other.cached_tokens == len(first) + 4
             assert other.token_ids == _reference(model, branch)[0]
             return
-        # Recurrent state cannot rewind: the fork goes on from where it was
-        # taken (its own copy of the state), and a history edited before the
-        # session's end is fed again from its start.
+        # Recurrent state rewinds only to a checkpoint: the fork goes on from
+        # where it was taken (its own copy of the state); a second turn
+        # changed after its start rewinds to the state kept there; a history
+        # edited before it is fed again from its start.
         branch = second[:two.cached_tokens] + llm.encode(" by the bridge")
         other = fork.generate(branch, max_tokens=STEPS, temperature=0, ignore_eos=True)
         assert other.cached_tokens == two.cached_tokens
         assert other.token_ids == _reference(model, branch)[0]
+        assert s._session.checkpoints == (two.cached_tokens,)
+        regenerated = second[:two.cached_tokens + 2] + llm.encode(" by the sea")
+        three = s.generate(regenerated, max_tokens=STEPS, temperature=0, ignore_eos=True)
+        assert three.cached_tokens == two.cached_tokens and llm.stats()["checkpoint_rewinds"] == 1
+        assert three.token_ids == _reference(model, regenerated)[0]
         edited = first + llm.encode(" and the new mill")
         again = s.generate(edited, max_tokens=STEPS, temperature=0, ignore_eos=True)
         assert again.cached_tokens == 0 and s.token_count == len(edited) + STEPS - 1
@@ -356,8 +362,8 @@ def test_info_shows_what_an_llm_package_says(arch: str) -> None:
     assert f"  end of sequence: {', '.join(map(str, spec.eos_token_ids))}; bos: {spec.bos_token_id}; " \
            f"pad: {spec.pad_token_id}" in lines
     assert "  chat template: yes" in lines  # every tested family's tokenizer has one
-    assert ("  state: KV cache and recurrent state (conv, SSM or delta-net; cannot rewind: a changed history is "
-            "fed again from its start)" if spec.recurrent else "  state: KV cache") in lines
+    assert ("  state: KV cache and recurrent state (conv, SSM or delta-net; rewinds only to a turn's start kept as "
+            "a checkpoint: a history changed before it is fed again)" if spec.recurrent else "  state: KV cache") in lines
 
 
 def _hub_cache(root: Path, repo_id: str, folder: Path) -> None:

@@ -208,6 +208,72 @@ def test_lifecycle_on_pooled_state(engine: ais.Engine, module: PagedDecoder, dev
     assert copy.length == 9  # unchanged (8 loaded + 1 decoded)
 
 
+def test_checkpoints_rewind_slot_state(engine: ais.Engine, module: PagedDecoder, device: str,
+                                       decoder_engine: ais.Engine) -> None:
+    """A slot session rewinds to a checkpoint: its slot copy comes back, the
+    pages past it go, and what runs next equals a session that never went
+    further. Checkpoints cost a slot each, counted as the session's bytes."""
+    pool = engine.pool
+    assert pool is not None
+    page, slot = pool["page_bytes"], pool["slot_bytes"]
+    s = engine.new_session()
+    feed(s, [3, 1, 4, 1, 5], device)
+    s.checkpoint()
+    s.checkpoint()  # one at this length already: nothing more
+    feed(s, [9, 2, 6], device)
+    s.checkpoint()
+    feed(s, [5, 3, 5, 8, 9, 7, 9, 3], device)  # 16 positions: 4 pages
+    assert s.checkpoints == (5, 8)
+    assert _bytes(engine, s) == 4 * page + 3 * slot
+    # Only to a checkpoint's length; nothing changes on a refusal.
+    with pytest.raises(ValueError, match="cannot rewind but to a checkpoint .it has them at 5, 8."):
+        s.truncate(6)
+    assert s.length == 16 and s.checkpoints == (5, 8)
+    s.truncate(5)  # the checkpoint at 8 goes with the positions past 5
+    assert s.length == 5 and s.checkpoints == (5,)
+    assert _bytes(engine, s) == 2 * page + 2 * slot
+    ref = ref_for(module, device)
+    ref.feed([3, 1, 4, 1, 5])
+    torch.testing.assert_close(feed(s, [7, 7], device), ref.feed([7, 7]), atol=ATOL, rtol=0)
+    # Again to the same checkpoint (it stays), then on from there.
+    s.truncate(5)
+    ref2 = ref_for(module, device)
+    ref2.feed([3, 1, 4, 1, 5])
+    torch.testing.assert_close(feed(s, [2, 8], device), ref2.feed([2, 8]), atol=ATOL, rtol=0)
+    # keep: the oldest go first.
+    s.checkpoint(keep=1)
+    assert s.checkpoints == (7,)
+    assert _bytes(engine, s) == 2 * page + 2 * slot
+    # A fork carries none; an offload or a reset drops them.
+    child = s.fork()
+    assert child.checkpoints == () and _bytes(engine, child) == 2 * page + slot
+    with pytest.raises(ValueError, match="it has none"):
+        child.truncate(5)
+    s.offload()
+    assert s.checkpoints == ()
+    with pytest.raises(ValueError, match="it has none"):
+        s.truncate(6)  # (an offloaded session holds its slot on the host: refused all the same)
+    assert s.length == 7 and not s.resident
+    s.checkpoint()
+    assert s.resident and s.checkpoints == (7,)
+    s.reset()
+    assert s.checkpoints == () and _bytes(engine, s) == slot
+    # Bad arguments, and an engine without slot state.
+    with pytest.raises(ValueError, match="keep must be at least 1, got 0"):
+        s.checkpoint(keep=0)
+    with pytest.raises(TypeError, match="keep must be an int"):
+        s.checkpoint(keep="2")  # type: ignore[arg-type]
+    with decoder_engine.new_session() as other, pytest.raises(ValueError, match="needs slot state"):
+        other.checkpoint()
+    s.close()
+    with pytest.raises(ais.SessionClosedError):
+        s.checkpoint()
+
+
+def _bytes(engine: ais.Engine, s: ais.Session) -> int:
+    return next(x["bytes"] for x in engine.stats()["sessions"] if x["id"] == s.id)
+
+
 def test_bad_batches_are_refused_and_change_nothing(engine: ais.Engine, device: str) -> None:
     a, b = engine.new_session(), engine.new_session()
     feed(a, [1, 2, 3], device)

@@ -460,6 +460,18 @@ void BindSession(py::module_& m) {
           [](Session& s, int64_t length, uintptr_t stream) { s.Truncate(length, ToStream(stream)); },
           py::arg("length"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
+          "checkpoint",
+          [](Session& s, int64_t keep, uintptr_t stream) { s.Checkpoint(keep, ToStream(stream)); },
+          py::arg("keep"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+          "Keeps a copy of the slot state at the session's length (Truncate rewinds there).")
+      .def_property_readonly(
+          "checkpoints",
+          [](Session& s) {
+            py::gil_scoped_release release;  // waits for a run of this session in flight
+            return s.Checkpoints();
+          },
+          "The lengths the session has checkpoints at, ascending.")
+      .def(
           "read_pool",
           [](Session& s, uintptr_t stream) {
             int64_t length = 0;

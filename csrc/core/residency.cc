@@ -147,6 +147,14 @@ void Residency::Shrink(int64_t bytes) {
   RetainRegistryLocked();
 }
 
+void Residency::DropCheckpoints(SessionState& state, size_t first, size_t last,
+                                StreamHandle stream) {
+  const int64_t freed = pool_->ReleaseCheckpoints(state.share(), first, last, stream);
+  if (freed == 0) return;
+  state.set_bytes(state.bytes() - freed);
+  Shrink(freed);
+}
+
 // ---------------------------------------------------------------- tiers
 
 void Residency::Offload(SessionState& state, StreamHandle stream, OffloadCause cause) {
@@ -156,6 +164,8 @@ void Residency::Offload(SessionState& state, StreamHandle stream, OffloadCause c
 void Residency::OffloadWithCredit(SessionState& state, StreamHandle stream, OffloadCause cause,
                                   int64_t host_credit) {
   if (!state.resident()) return;
+  // Checkpoints stay on the device only: an offload drops them.
+  if (pool_) DropCheckpoints(state, 0, state.share().checkpoints.size(), stream);
   const int64_t need = state.bytes();
   {
     MutexLock lock(registry_mutex_);

@@ -69,6 +69,10 @@ class Residency : public std::enable_shared_from_this<Residency> {
   // Gives back `bytes` of device room (a reservation not used, or pages a
   // resident session released).
   void Shrink(int64_t bytes) EXCLUDES(registry_mutex_);
+  // Pooled state: releases checkpoints [first, last) of the resident
+  // session `state` (Session::Checkpoint) and gives back their room.
+  void DropCheckpoints(SessionState& state, size_t first, size_t last, StreamHandle stream)
+      REQUIRES(state.mutex()) EXCLUDES(registry_mutex_);
 
   // Moves the state to a host block and frees its device block; waits for the
   // state's work in flight. Throws kCapacity if host_budget is full. No-op

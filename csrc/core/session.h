@@ -105,10 +105,21 @@ class Session {
   // Positions the session holds (0 without pooled state).
   int64_t length();
   // Forgets the positions from `length` on (a rewind: kept ones are not
-  // copied); pages wholly past it are released. Throws kInvalidArgument for a
-  // length beyond the session's, and for any shorter one where the session
-  // holds a slot (slot state takes in every position and cannot rewind).
+  // copied); pages wholly past it are released. A session with a slot (slot
+  // state takes in every position) rewinds only to a checkpoint's length,
+  // whose slot copy comes back; checkpoints past `length` go. Throws
+  // kInvalidArgument for a length beyond the session's, and for a shorter one
+  // a slot session has no checkpoint at.
   void Truncate(int64_t length, StreamHandle stream = nullptr);
+  // Keeps a copy of the session's slot as it is now, at its length, so that
+  // Truncate can rewind there; at most `keep` checkpoints stay, the oldest
+  // going first. Each costs a slot's device bytes, counted as the session's.
+  // They stay on the device only: an offload, a reset or a WritePool drops
+  // them, and forks and saves do not carry them. Throws kInvalidArgument
+  // without slot state or for keep < 1, kCapacity as a run's growth does.
+  void Checkpoint(int64_t keep, StreamHandle stream = nullptr);
+  // The lengths the session has checkpoints at, ascending.
+  std::vector<int64_t> Checkpoints();
   // A copy of the session's part of every pooled tensor (`[units, ...]`, on
   // the engine's device) and its length: one snapshot.
   std::vector<OwnedTensor> ReadPool(int64_t* length, StreamHandle stream = nullptr);

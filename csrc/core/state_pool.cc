@@ -161,12 +161,30 @@ void StatePool::ReleasePages(const std::vector<int32_t>& pages, StreamHandle str
 void StatePool::Release(PoolShare& share, StreamHandle stream) {
   ReleasePages(share.pages, stream);
   share.pages.clear();
+  ReleaseCheckpoints(share, 0, share.checkpoints.size(), stream);
   if (share.slot >= 0) {
     MutexLock lock(mutex_);
     slots_.free.emplace_back(share.slot, stream);
     --slots_used_;
   }
   share.slot = -1;
+}
+
+int64_t StatePool::ReleaseCheckpoints(PoolShare& share, size_t first, size_t last,
+                                      StreamHandle stream) {
+  last = std::min(last, share.checkpoints.size());
+  if (first >= last) return 0;
+  const auto begin = share.checkpoints.begin() + static_cast<std::ptrdiff_t>(first);
+  const auto end = share.checkpoints.begin() + static_cast<std::ptrdiff_t>(last);
+  {
+    MutexLock lock(mutex_);
+    for (auto it = begin; it != end; ++it) {
+      slots_.free.emplace_back(it->slot, stream);
+      --slots_used_;
+    }
+  }
+  share.checkpoints.erase(begin, end);
+  return static_cast<int64_t>((last - first) * layout_.slot_bytes);
 }
 
 void StatePool::Grow(PoolKind kind, int64_t want, StreamHandle stream) {

@@ -26,11 +26,19 @@
 
 namespace aoti_sessions {
 
+// A copy of a session's slot as it was at `length` positions, kept so the
+// session can rewind there (Session::Checkpoint).
+struct SlotCheckpoint {
+  int64_t length = 0;
+  int32_t slot = -1;
+};
+
 // One session's part of the pool.
 struct PoolShare {
   std::vector<int32_t> pages;  // in position order: pages[i] holds positions [i * page_size, ...)
   int64_t length = 0;          // positions held
   int32_t slot = -1;           // its slot (-1: none, or offloaded)
+  std::vector<SlotCheckpoint> checkpoints;  // oldest first, each at most `length`; resident only
 };
 
 class StatePool {
@@ -55,6 +63,12 @@ class StatePool {
   int64_t SessionBytes(size_t pages) const {
     return static_cast<int64_t>(layout_.PackedBytes(pages));
   }
+  // Device bytes of `share` once it holds `pages` pages: its slot's and
+  // pages' and those of its checkpoints.
+  int64_t ShareBytes(const PoolShare& share, size_t pages) const {
+    return SessionBytes(pages) +
+           static_cast<int64_t>(share.checkpoints.size() * layout_.slot_bytes);
+  }
 
   // -- units ---------------------------------------------------------------
   // `count` pages, each owned once by the caller and zeroed (with `zero`) on
@@ -69,8 +83,11 @@ class StatePool {
   // Gives up one ownership of each of `pages`; a page nobody owns is free
   // once the work queued on `stream` so far is done.
   void ReleasePages(const std::vector<int32_t>& pages, StreamHandle stream) EXCLUDES(mutex_);
-  // Gives up everything `share` owns (its pages and slot) and empties it.
+  // Gives up everything `share` owns (its pages, slot and checkpoints) and empties it.
   void Release(PoolShare& share, StreamHandle stream) EXCLUDES(mutex_);
+  // Gives up checkpoints [first, last) of `share`; returns their bytes.
+  int64_t ReleaseCheckpoints(PoolShare& share, size_t first, size_t last, StreamHandle stream)
+      EXCLUDES(mutex_);
 
   // -- memory ---------------------------------------------------------------
   // Makes `share` own, privately, every page that positions [from, to) fall

@@ -578,6 +578,10 @@ class EngineStats:
     def sessions_created(self) -> int:
         ...
 class Session:
+    def checkpoint(self, keep: typing.SupportsInt | typing.SupportsIndex, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+        """
+        Keeps a copy of the slot state at the session's length (Truncate rewinds there).
+        """
     def close(self) -> None:
         ...
     def fork(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> Session:
@@ -614,6 +618,11 @@ class Session:
     def address(self) -> int:
         """
         Device address of the session's state block (0 once closed or offloaded).
+        """
+    @property
+    def checkpoints(self) -> list[int]:
+        """
+        The lengths the session has checkpoints at, ascending.
         """
     @property
     def closed(self) -> bool:

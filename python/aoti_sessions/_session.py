@@ -267,10 +267,27 @@ class Session(Closable):
         """Pooled state: forget the positions from ``length`` on (a rewind:
         nothing is copied; pages wholly past it are released). A session
         with a slot (recurrent state, which every position went into)
-        cannot rewind: ValueError; reset it instead."""
+        rewinds only to one of its :attr:`checkpoints` (its slot copy comes
+        back; later checkpoints go); to any other length: ValueError."""
         if isinstance(length, bool) or not isinstance(length, int):
             raise TypeError(f"length must be an int, got {type(length).__name__}")
         self._core.truncate(length, self._engine._stream())
+
+    def checkpoint(self, keep: int = 2) -> None:
+        """Slot state (recurrent): keep a copy of it at the session's current
+        length, so :meth:`truncate` can rewind there; at most ``keep``
+        checkpoints stay, the oldest going first. Each costs one slot of
+        device memory, counted as the session's; an offload, a reset or
+        :meth:`load_state` drops them, and forks and saves do not carry
+        them. ValueError on an engine without slot state."""
+        if isinstance(keep, bool) or not isinstance(keep, int):
+            raise TypeError(f"keep must be an int, got {type(keep).__name__}")
+        self._core.checkpoint(keep, self._engine._stream())
+
+    @property
+    def checkpoints(self) -> tuple[int, ...]:
+        """The lengths the session has checkpoints at, ascending."""
+        return tuple(self._core.checkpoints)
 
     def state(self) -> dict[str, torch.Tensor]:
         """A copy of every mutable buffer, by FQN, on the engine's device: one

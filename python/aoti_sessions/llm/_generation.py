@@ -103,13 +103,7 @@ class Generation(Pieces):
             if a != b:
                 break
             keep += 1
-        if keep < len(session._tokens):
-            if llm.spec.recurrent:  # its state cannot rewind: the whole prompt is fed again
-                session._session.reset()
-                keep = 0
-            else:
-                session._session.truncate(keep)
-            del session._tokens[keep:]
+        keep = session._keep(keep)
         self.cached_tokens = keep
         self.prefilled_tokens = 0
         # Tokens still to feed (the scheduler's): the prompt's, then (recurrent

@@ -5,7 +5,10 @@ A session's KV cache is position-addressed, so the session keeps the list of
 tokens whose keys and values are in it. A new request keeps the longest
 common prefix of that list and its prompt and feeds only the rest: a follow-up
 turn prefills what is new, and a history that diverges rewinds to where it
-diverged (a position change, nothing copied).
+diverged (a position change, nothing copied). Recurrent state (hybrid models)
+took in every position and cannot rewind by position: a session keeps it as
+it was at the start of its last turns (checkpoints) and rewinds to the latest
+one at most where the history diverged, feeding the rest again.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from .._engine import Engine
 from .._session import Closable, Session
-from ..errors import PackageError, SessionBusyError, SessionClosedError, SessionFileError
+from ..errors import CapacityError, PackageError, SessionBusyError, SessionClosedError, SessionFileError
 from ._generation import Completion, Generation
 from ._sampling import SamplingParams, sampling_params
 from ._scheduler import Scheduler
@@ -51,6 +54,15 @@ class LLM(Prompts, Closable):
     device where torch uses every CPU, a warning is logged: a kernel waits for
     its slowest thread, so other work on the machine stalls every step.
 
+    ``rewind_checkpoints``: for a model with recurrent state (hybrid), how
+    many turns back a chat session can rewind cheaply: it keeps the state at
+    the start of its last that many turns (device memory: one slot of
+    recurrent state each, counted as the session's). A request whose history
+    diverges within them (a regenerated or edited last turn, a template that
+    drops the previous reply's thinking) rewinds to the latest one before the
+    divergence and feeds the rest; further back, or with 0, the whole history
+    is fed again. An offloaded session loses its checkpoints.
+
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``, ...).
     Every chat session's generation runs on one step loop (a thread of the
@@ -59,7 +71,13 @@ class LLM(Prompts, Closable):
     """
 
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
-                 threads: int | None = None, **engine_options: Any) -> None:
+                 threads: int | None = None, rewind_checkpoints: int = 1, **engine_options: Any) -> None:
+        if isinstance(rewind_checkpoints, bool) or not isinstance(rewind_checkpoints, int) or rewind_checkpoints < 0:
+            raise ValueError(f"rewind_checkpoints must be an int >= 0, got {rewind_checkpoints!r}")
+        self.rewind_checkpoints = rewind_checkpoints
+        # Turns of a recurrent model that rewound to a checkpoint, and
+        # checkpoints not kept for want of room (LLM.stats()).
+        self._rewinds = self._checkpoints_skipped = 0
         if threads is not None:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
                 raise ValueError(f"threads must be an int >= 1, got {threads!r}")
@@ -99,8 +117,11 @@ class LLM(Prompts, Closable):
         ``prefill_rows``, ``prefill_tokens``, and the seconds it spent queueing
         steps (``step_queue_seconds``), waiting for the step before
         (``step_wait_seconds``), and reading its tokens and making their text
-        (``step_text_seconds``)."""
-        return {**self.engine.stats(), **self._scheduler.stats()}
+        (``step_text_seconds``); for recurrent state, the turns that rewound
+        to a checkpoint (``checkpoint_rewinds``) and checkpoints not kept for
+        want of room (``checkpoints_skipped``)."""
+        return {**self.engine.stats(), **self._scheduler.stats(), "checkpoint_rewinds": self._rewinds,
+                "checkpoints_skipped": self._checkpoints_skipped}
 
     def new_session(self) -> ChatSession:
         """A chat session with an empty cache (counts against ``max_sessions``)."""
@@ -216,6 +237,30 @@ class ChatSession(Closable):
             while (piece := g.step()) is not None:
                 if piece:
                     yield piece
+
+    def _keep(self, keep: int) -> int:
+        """At the start of a turn (locked): forgets the tokens from ``keep``
+        on (at most the session's) and returns how many stay. Recurrent state
+        goes back to its latest checkpoint at most ``keep``, or empty; then
+        (recurrent) it is checkpointed there, the start of this turn."""
+        llm = self._llm
+        if keep < len(self._tokens):
+            if not llm.spec.recurrent:
+                self._session.truncate(keep)
+            elif (back := max((c for c in self._session.checkpoints if c <= keep), default=0)) > 0:
+                self._session.truncate(back)
+                llm._rewinds += 1
+                keep = back
+            else:
+                self._session.reset()
+                keep = 0
+            del self._tokens[keep:]
+        if llm.spec.recurrent and llm.rewind_checkpoints and keep:
+            try:
+                self._session.checkpoint(llm.rewind_checkpoints)
+            except CapacityError:  # no room: an edit of this turn feeds everything again
+                llm._checkpoints_skipped += 1
+        return keep
 
     def _idle(self, what: str) -> None:
         if self._active is not None:

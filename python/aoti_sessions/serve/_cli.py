@@ -37,6 +37,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -60,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the model and its step loop in a process of their own, HTTP and tokenizing in "
                              "this one, so they share no GIL (default on; --no-engine-process: one process)")
+    parser.add_argument("--rewind-checkpoints", type=_count,
+                        help="models with recurrent state (hybrid): turns back a chat can rewind without feeding "
+                             "its history again, each one slot of recurrent state per session (default 1)")
     parser.add_argument("--threads", type=_positive,
                         help="threads for the model's CPU kernels (torch.set_num_threads); default on a CPU "
                              "device: one fewer than the CPUs this process may use (at least 1), leaving one to "
@@ -93,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     engine_options = {k: v for k, v in (("max_sessions", args.max_sessions), ("memory_budget", args.memory_budget),
-                                        ("idle_timeout", args.idle_timeout)) if v is not None}
+                                        ("idle_timeout", args.idle_timeout),
+                                        ("rewind_checkpoints", args.rewind_checkpoints)) if v is not None}
     # The model's kernels and the server's event loop share the CPUs: a
     # parallel kernel waits for its slowest thread, so one the loop preempts
     # stalls every step.
