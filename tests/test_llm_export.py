@@ -436,6 +436,17 @@ def test_reading_a_package_that_is_not_an_llm_package_fails_clearly(counter_cpu_
     # A package made before batched prefill says nothing: one session a call.
     old = _with_spec(qwen3, tmp_path / "old.pt2", lambda d: {k: v for k, v in d.items() if k != "prefill_rows"})
     assert read_llm_package(old).spec.prefill_rows == 1
+    # Read well, but past the compiled model's own shapes: refused at load,
+    # or ids and positions past them would reach its kernels.
+    vocab = read_llm_package(qwen3).spec.vocab_size
+    for edit, message in [
+        (lambda d: {**d, "vocab_size": 10**9}, rf"says vocab_size 1000000000, but the compiled 'prefill' returns "
+                                               rf"logits over {vocab} tokens"),
+        (lambda d: {**d, "max_cache_len": 100000}, r"says max_cache_len 100000, but the compiled model's cache holds "
+                                                   r"128 positions a session"),
+    ]:
+        with pytest.raises(ais.PackageError, match=message):
+            LLM(_with_spec(qwen3, tmp_path / "edited.pt2", edit), threads=1)
 
 
 def test_cli_exports_a_saved_folder(capsys: pytest.CaptureFixture[str]) -> None:

@@ -212,3 +212,14 @@ def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0, 2.0]])
     drawn = {int(sampler(temperature=1, seed=s, top_k=2)(logits)) for s in range(200)}
     assert drawn == {0, 2, 3, 5}
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(device: str) -> None:
+    """top_p is in (0, 1], but float32 holds 1e-46 as 0: the most likely
+    token still stays (a valid request never ends in an error or a token
+    outside the nucleus)."""
+    torch.manual_seed(1)
+    logits = torch.randn(8, 300, device=device)
+    for top_p in (1e-46, 5e-324, 1e-30):
+        rows = [sampler(device, temperature=1, top_p=top_p, seed=r) for r in range(8)]
+        assert torch.equal(sample(logits, rows), logits.argmax(dim=-1))

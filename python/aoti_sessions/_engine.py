@@ -285,6 +285,15 @@ class Engine(Closable):
         return signature(method, call.in_spec, call.out_spec, self._core.num_inputs(call.index),
                          self._files[method].metadata)
 
+    def output_sizes(self, method: str) -> list[list[int | None]] | None:
+        """The sizes of each tensor ``method`` returns, as the package
+        recorded them (``None``: a dynamic dimension), or None where the
+        package recorded none (made by other tools)."""
+        self._call(method)
+        metadata = self._files[method].metadata
+        outputs = metadata.outputs if metadata is not None else None
+        return None if outputs is None else [list(o.sizes) for o in outputs]
+
     def captures(self, method: str) -> bool:
         """Whether runs of ``method`` are captured into CUDA graphs (replayed
         after that); False on the CPU, with ``cuda_graphs=False``, or once a

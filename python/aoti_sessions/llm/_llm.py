@@ -97,10 +97,31 @@ class LLM(Prompts, Closable):
             raise PackageError(f"{package} was exported before chat sessions shared a batched decode step (its KV "
                                "cache is per session, not pooled); export the model again with this version of "
                                "aoti_sessions.llm.export")
+        try:
+            self._check_spec()
+        except BaseException:
+            self.engine.close()
+            raise
         eos = self.generation_config.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset(int(t) for t in (*self.spec.eos_token_ids, *eos_ids))
         self._scheduler = Scheduler(self)
+
+    def _check_spec(self) -> None:
+        """llm.json against the compiled package's own shapes: a vocabulary
+        or context larger than the model's would let ids or positions past
+        them reach its kernels."""
+        where = f"{self.spec.name}: llm.json"
+        for method in ("prefill", "decode"):
+            for sizes in (self.engine.output_sizes(method) or [])[:1]:  # the logits [rows, V]
+                if sizes and sizes[-1] is not None and sizes[-1] != self.spec.vocab_size:
+                    raise PackageError(f"{where} says vocab_size {self.spec.vocab_size}, but the compiled "
+                                       f"'{method}' returns logits over {sizes[-1]} tokens")
+        pool = self.engine.pool
+        assert pool is not None
+        if self.spec.max_cache_len > int(pool["max_positions"]):
+            raise PackageError(f"{where} says max_cache_len {self.spec.max_cache_len}, but the compiled model's "
+                               f"cache holds {pool['max_positions']} positions a session")
 
     @property
     def device(self) -> torch.device:

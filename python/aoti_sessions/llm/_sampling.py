@@ -205,10 +205,12 @@ def _nucleus(scores: torch.Tensor, keys: torch.Tensor, kth: torch.Tensor, top_k:
     if top_k:
         _drop_below_top_k(scores, scores, kth)
     probs = torch.softmax(scores, dim=-1)
-    # Drop a token once the ones before it already reach top_p (the first
-    # token always stays).
+    # Drop a token once the ones before it already reach top_p; the first
+    # token always stays, even for a top_p that float32 rounds to 0.
     before = torch.cumsum(probs, dim=-1).sub_(probs)
-    scores.masked_fill_(before >= top_p[:, None], -math.inf)
+    drop = before >= top_p[:, None]
+    drop[:, 0] = False
+    scores.masked_fill_(drop, -math.inf)
     scores.sub_(_log_exponentials(keys, order))
     return order.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
 
