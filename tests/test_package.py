@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import zipfile
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import torch
 
 import aoti_sessions as ais
 from aoti_sessions._package import METADATA_KEY, open_model
-from conftest import counter_inputs
+from conftest import SMALL, counter_inputs
+from aoti_sessions.models import TinyDecoder
 
 
 def test_raw_library_is_a_foreign_model(counter_cpu_pkg: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -44,6 +46,43 @@ def test_extraction_is_cached_by_content(counter_cpu_pkg: Path, tmp_path: Path, 
     assert open_model(copy)[0].library == first  # same content, same extraction
     assert Path(first).stat().st_mtime_ns == stamp
     assert len(list((tmp_path / "packages").iterdir())) == 1
+
+
+def test_a_changed_cache_entry_is_extracted_again(decoder_methods_pkg: Path, tmp_path: Path, monkeypatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The extraction cache is checked against the package at every load
+    (sizes; CRC-32 of files up to 64 MiB): a byte appended to a method's
+    library, or that library replaced by another method's, is found, said in
+    one log line, and extracted anew; the engine then runs as before."""
+    monkeypatch.setenv("AOTI_SESSIONS_CACHE", str(tmp_path))
+    files = {f.name: Path(f.library) for f in open_model(decoder_methods_pkg)}
+    prefill, decode = files["prefill"], files["decode"]
+    original = decode.read_bytes()
+    assert original != prefill.read_bytes()
+    for damaged in (original + b"\0",                                   # one byte appended
+                    prefill.read_bytes(),                                # another method's library
+                    original[:-1] + bytes([original[-1] ^ 1])):          # one bit, same size
+        # Written beside and renamed over it: this process has the library
+        # mapped, and a write in place would change what it runs.
+        beside = decode.with_name("damaged")
+        beside.write_bytes(damaged)
+        os.replace(beside, decode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="aoti_sessions"), ais.Engine(decoder_methods_pkg) as engine:
+            assert sorted(engine.methods) == ["decode", "prefill"]
+            with engine.new_session() as s:
+                tokens, positions = TinyDecoder(SMALL).example_inputs(1)
+                assert s.run("decode", tokens, positions).shape[:2] == (tokens.shape[0], 1)
+        changed = [r.getMessage() for r in caplog.records if "package cache" in r.getMessage()]
+        assert len(changed) == 1 and "extracting it again" in changed[0] and "decode" in changed[0], changed
+        assert decode.read_bytes() == original
+    # Intact: loaded from the cache as it is, nothing said.
+    stamp = decode.stat().st_mtime_ns
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aoti_sessions"):
+        open_model(decoder_methods_pkg)
+    assert decode.stat().st_mtime_ns == stamp and "package cache" not in caplog.text
+    assert [p.name for p in (tmp_path / "packages").iterdir()] == [decode.relative_to(tmp_path / "packages").parts[0]]
 
 
 def _with_metadata(package: Path, target: Path, edit) -> Path:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import stat
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from ._json import Field, read_json
@@ -175,13 +177,57 @@ def _packages_dir(package: Path) -> Path:
     return folder
 
 
+log = logging.getLogger("aoti_sessions")
+
+# Extracted files up to this size are checked against their CRC-32 in the
+# package at every load; larger ones (weights) by their size only.
+CRC_CHECKED_BYTES = 64 << 20
+
+
+def _changed_entry(package: Path, target: Path) -> str | None:
+    """What differs between ``package``'s files and those extracted at
+    ``target`` (a size, or the content of one up to CRC_CHECKED_BYTES), or
+    None where they agree."""
+    try:
+        with zipfile.ZipFile(package) as archive:
+            infos = [i for i in archive.infolist() if not i.is_dir()]
+    except (OSError, zipfile.BadZipFile):
+        return None  # the extraction below says what is wrong with the package
+    for info in infos:
+        path = target / info.filename
+        try:
+            size = os.stat(path).st_size
+            if size != info.file_size:
+                return f"{info.filename} has {size} bytes, the package's {info.file_size}"
+            if size <= CRC_CHECKED_BYTES:
+                crc = 0
+                with open(path, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        crc = zlib.crc32(chunk, crc)
+                if crc != info.CRC:
+                    return f"{info.filename} differs from the package's"
+        except OSError as e:
+            return f"{info.filename} is unreadable ({e.strerror or e})"
+    return None
+
+
 def _extract(package: Path) -> Path:
     if not zipfile.is_zipfile(package):
         raise PackageError(f"{package} is neither a .pt2 package (zip) nor a .so library")
     packages = _packages_dir(package)
     target = packages / _sha256(package)
     if target.is_dir():
-        return target
+        changed = _changed_entry(package, target)
+        if changed is None:
+            return target
+        # Set aside (a process using the old files keeps them), then extracted anew.
+        log.warning("the package cache's copy of %s was changed (%s): extracting it again", package.name, changed)
+        aside = Path(tempfile.mkdtemp(prefix=".stale-", dir=packages))
+        try:
+            os.rename(target, aside / "old")
+        except OSError:
+            pass  # another process set it aside first
+        shutil.rmtree(aside, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=packages))
     try:
         with zipfile.ZipFile(package) as archive:

@@ -32,6 +32,11 @@ class Prompts:
         self.tokenizer = read.load_tokenizer()
         # Encodes a turn's new messages only (_encode.py), where that gives the same ids.
         self._pieces = PieceEncoder(self.tokenizer)
+        # The most characters one token stands for (its vocabulary's longest
+        # piece; a byte-level piece has a character a byte, which a text
+        # character is at least): text longer than the context's tokens
+        # times this cannot fit, known before anything is tokenized.
+        self._piece_chars = max(1, max((len(p) for p in self.tokenizer.get_vocab()), default=1))
 
     @property
     def name(self) -> str:
@@ -69,13 +74,25 @@ class Prompts:
         # As apply_chat_template(tokenize=True) encodes it (the template wrote the special tokens).
         return self._pieces.encode(text)
 
+    def _check_length(self, chars: int) -> None:
+        """Refuses, before tokenizing, text of ``chars`` characters that
+        makes more tokens than the context holds whatever they are."""
+        if chars > self.max_context * self._piece_chars:
+            raise ContextLengthError(f"the prompt has {chars} characters: at least {-(-chars // self._piece_chars)} "
+                                     f"tokens (one token stands for {self._piece_chars} at most); the context "
+                                     f"holds {self.max_context}")
+
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages."""
         if isinstance(prompt, str):
+            self._check_length(len(prompt))
             ids = self.encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            self._check_length(sum(len(c) for m in prompt if isinstance(c := m.get("content"), str)))
             ids = self.chat_tokens(prompt)  # type: ignore[arg-type]
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+            if len(prompt) > self.max_context:
+                raise ContextLengthError(f"the prompt has {len(prompt)} tokens; the context holds {self.max_context}")
             ids = list(prompt)  # type: ignore[arg-type]
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.spec.vocab_size:

@@ -31,10 +31,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("aoti_sessions.serve")
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 OPEN_PATHS = ("/health",)  # answered without the API key
+MIN_BODY_LIMIT = 1 << 20  # the default request body limit: 32 bytes a token of the context, at least this
+
+
+def default_body_limit(max_context: int) -> int:
+    """The request body limit when none is set: room for a whole context of
+    text (32 bytes a token: JSON-escaped text, chat framing), at least 1 MiB."""
+    return max(MIN_BODY_LIMIT, 32 * max_context)
 
 
 def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
-               model_name: str | None = None, retry_after: int = 1) -> FastAPI:
+               model_name: str | None = None, retry_after: int = 1, max_body_bytes: int | None = None) -> FastAPI:
     """An OpenAI-compatible server of ``llm``'s sessions.
 
     Args:
@@ -46,12 +53,19 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             it they answer 400.
         model_name: the model id clients name (default ``llm.name``).
         retry_after: seconds a 429 (no room for a session) tells clients to wait.
+        max_body_bytes: a request body longer than this is answered 413
+            before it is read whole (default: :func:`default_body_limit` of
+            the model's context).
 
     A generation request names its session with ``session_id`` in the body or
     an ``X-Session-ID`` header; an id the server does not know yet is created
     (the ``/v1/sessions/{id}`` endpoints answer 404 for it instead). Without
     one, the request gets a throwaway session, closed when it ends.
     """
+    if max_body_bytes is not None and (isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int)
+                                       or max_body_bytes < 1):
+        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    body_limit = max_body_bytes if max_body_bytes is not None else default_body_limit(llm.max_context)
     registry = Registry(llm, session_dir)
     metrics = ServerMetrics(llm.stats, lambda: len(registry), lambda: registry.throwaway)
     model = model_name or llm.name
@@ -65,6 +79,7 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
     app = FastAPI(title="aoti-sessions", lifespan=lifespan, strict_content_type=False)
     app.state.registry, app.state.metrics, app.state.llm = registry, metrics, llm
     _errors.install(app, retry_after)
+    app.add_middleware(_BodyLimit, limit=body_limit)  # inside the guard: a client without the key sends no body
     app.add_middleware(_Guard, api_key=api_key, metrics=metrics, routes=app.router)
 
     @app.get("/health", response_model=None)
@@ -223,6 +238,53 @@ class _Stream(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self._content.aclose()
                 await self._cleanup()
+
+
+class _BodyLimit:
+    """Reads each request's body, up to ``limit`` bytes, before the app sees
+    it: one declared longer (Content-Length) or found longer as it arrives is
+    answered 413 at once, never held whole."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before its body was whole: nothing to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, handed = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal handed
+            if handed:
+                return await receive()  # (a disconnect, which streaming answers watch for)
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, f"the request body is over the server's limit of {self.limit} bytes "
+                                       "(aoti-sessions serve --max-body-bytes)", "request_too_large",
+                                  headers={"Connection": "close"})
+        await response(scope, receive, send)
 
 
 class _Guard:

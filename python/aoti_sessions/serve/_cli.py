@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the model and its step loop in a process of their own, HTTP and tokenizing in "
                              "this one, so they share no GIL (default on; --no-engine-process: one process)")
+    parser.add_argument("--max-body-bytes", type=byte_size,
+                        help="a request body longer than this is answered 413 unread (default: 32 bytes a token "
+                             "of the model's context, at least 1MiB)")
     parser.add_argument("--rewind-checkpoints", type=_count,
                         help="models with recurrent state (hybrid): turns back a chat can rewind without feeding "
                              "its history again, each one slot of recurrent state per session (default 1)")
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     kernels = f", {threads} CPU thread{'s' if threads != 1 else ''} for its kernels" if threads is not None else ""
     print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
     try:
-        app = create_app(llm, api_key=args.api_key, session_dir=args.session_dir)
+        app = create_app(llm, api_key=args.api_key, session_dir=args.session_dir, max_body_bytes=args.max_body_bytes)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         llm.close()
