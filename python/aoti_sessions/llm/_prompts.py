@@ -88,7 +88,8 @@ class Prompts:
             self._check_length(len(prompt))
             ids = self.encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            self._check_length(sum(len(c) for m in prompt if isinstance(c := m.get("content"), str)))
+            contents = (m.get("content") for m in prompt if isinstance(m, Mapping))
+            self._check_length(sum(len(c) for c in contents if isinstance(c, str)))
             ids = self.chat_tokens(prompt)  # type: ignore[arg-type]
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             if len(prompt) > self.max_context:
