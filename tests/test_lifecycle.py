@@ -467,7 +467,8 @@ def saved(decoder_engine: ais.Engine, tmp_path: Path):
 
 
 CORRUPTIONS = {
-    "truncated in the prefix": (lambda b: b[:10], ais.SessionFileError, "not an aoti_sessions session file"),
+    "truncated in the prefix": (lambda b: b[:10], ais.SessionFileError, r"is truncated \(10 bytes\)"),
+    "cut to 16 bytes": (lambda b: b[:16], ais.SessionFileError, r"is truncated \(16 bytes\)"),
     "truncated in the header": (lambda b: b[:40], ais.SessionFileError, "truncated"),
     "truncated in the payload": (lambda b: b[: len(b) // 2], ais.SessionFileError, "truncated"),
     "one byte short": (lambda b: b[:-1], ais.SessionFileError, "truncated"),
@@ -476,11 +477,44 @@ CORRUPTIONS = {
     "first payload byte flipped": (lambda b: _flip(b, _payload_start(b)), ais.SessionFileError,
                                    "fails its checksum"),
     "last buffer byte flipped": (lambda b: _flip(b, len(b) - 1), ais.SessionFileError, "fails its checksum"),
-    "other format version": (lambda b: b[:8] + (3).to_bytes(4, "little") + b[12:], ais.SessionFileError,
-                             "format version 3"),
+    "other format version": (lambda b: b[:8] + (4).to_bytes(4, "little") + b[12:], ais.SessionFileError,
+                             "format version 4; this build reads versions 1 to 3"),
     "not a session file": (lambda b: os.urandom(len(b)), ais.SessionFileError, "not an aoti_sessions"),
-    "empty": (lambda b: b"", ais.SessionFileError, "not an aoti_sessions"),
+    "empty": (lambda b: b"", ais.SessionFileError, "is empty, not a session file"),
 }
+
+
+def test_an_attachment_travels_with_the_state(decoder_engine: ais.Engine, tmp_path: Path) -> None:
+    """Session.save(path, attachment): the bytes come back from the same file
+    with the state (format version 3, under the header's checksum); a file
+    without one gives b"", and an attachment over 16 MiB is refused."""
+    path = tmp_path / "s.ais"
+    with decoder_engine.new_session() as s:
+        GreedyDecoding(s, PROMPTS[1], 3).run()
+        state = s.state()
+        s.save(path, b"\x00mine\xff" * 1000)
+        assert int.from_bytes(path.read_bytes()[8:12], "little") == 3
+        loaded, attached = decoder_engine.load_session_attached(path)
+        with loaded:
+            assert attached == b"\x00mine\xff" * 1000 and _same_state(loaded.state(), state)
+        with decoder_engine.load_session(path) as plain:  # read as any session file
+            assert _same_state(plain.state(), state)
+        flipped = tmp_path / "flipped.ais"
+        raw = path.read_bytes()
+        at = raw.index(b"mine")
+        flipped.write_bytes(raw[:at] + b"M" + raw[at + 1:])
+        with pytest.raises(ais.SessionFileError, match="header checksum"):
+            decoder_engine.load_session_attached(flipped)
+        s.save(path)
+        assert int.from_bytes(path.read_bytes()[8:12], "little") == 1
+        loaded, attached = decoder_engine.load_session_attached(path)
+        loaded.close()
+        assert attached == b""
+        with pytest.raises(ValueError, match="attachment holds at most 16777216 bytes"):
+            s.save(tmp_path / "big.ais", b"x" * ((16 << 20) + 1))
+        assert not (tmp_path / "big.ais").exists()
+        with pytest.raises(TypeError, match="attachment must be bytes"):
+            s.save(path, "text")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("case", CORRUPTIONS)

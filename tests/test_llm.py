@@ -217,9 +217,56 @@ def test_save_and_load_continue_identically(llm, tmp_path: Path):
     with llm.load_session(path) as t:
         got = t.generate(follow, max_tokens=6, temperature=0, ignore_eos=True)
     assert got.cached_tokens == expected.cached_tokens and got.token_ids == expected.token_ids
-    (tmp_path / "chat.ais.tokens.json").unlink()
-    with pytest.raises(ais.SessionFileError, match="tokens.json"):
-        llm.load_session(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.ais"]  # state and tokens in one file
+
+
+def test_a_saved_chat_is_one_file_that_holds_its_tokens(llm, tmp_path: Path):
+    """State and tokens are written together, atomically: a save over
+    another chat's file replaces both; a session file saved without a chat's
+    tokens, or with other bytes attached, is refused naming the problem;
+    chats saved before (tokens in PATH.tokens.json beside the state) still
+    load, their token file read only if it is a regular file."""
+    import json
+    import os
+
+    path = tmp_path / "chat.ais"
+    with llm.new_session() as a, llm.new_session() as b:
+        a.generate(USER, max_tokens=3, temperature=0)
+        b.generate("A longer prompt than the other one has", max_tokens=5, temperature=0)
+        a.save(path)
+        b.save(path)
+        with llm.load_session(path) as loaded:
+            assert loaded.tokens == b.tokens
+        # A plain session file (no chat attached), and one with other bytes attached.
+        b._session.save(path)
+        with pytest.raises(ais.SessionFileError, match="without a chat's tokens .saved by Session.save"):
+            llm.load_session(path)
+        b._session.save(path, b'{"format": "mine"}')
+        with pytest.raises(ais.SessionFileError, match="its attachment is not a chat's tokens"):
+            llm.load_session(path)
+        # The layout of earlier releases: tokens beside the state.
+        b._session.save(path)
+        legacy = tmp_path / "chat.ais.tokens.json"
+        legacy.write_text(json.dumps(list(b.tokens)))
+        with llm.load_session(path) as loaded:
+            assert loaded.tokens == b.tokens
+        legacy.write_text(json.dumps(list(a.tokens)))  # from another save: lengths differ
+        with pytest.raises(ais.SessionFileError, match="tokens for a state of"):
+            llm.load_session(path)
+        legacy.unlink()
+        os.mkfifo(legacy)  # never opened for a blocking read
+        with pytest.raises(ais.SessionFileError, match="not a regular file"):
+            llm.load_session(path)
+        legacy.unlink()
+        legacy.symlink_to(tmp_path / "elsewhere.json")
+        with pytest.raises(ais.SessionFileError, match="unreadable token history"):
+            llm.load_session(path)
+    # Paths: empty, or with a NUL byte: ValueError, nothing written.
+    with llm.new_session() as c:
+        with pytest.raises(ValueError, match="session file path is empty"):
+            c.save("")
+        with pytest.raises(ValueError, match="NUL byte"):
+            llm.load_session(tmp_path / "a\0b")
     # Nothing saved there: the error says so, as opening a missing file does.
     with pytest.raises(FileNotFoundError, match="no saved session") as missing:
         llm.load_session(tmp_path / "never-saved.ais")

@@ -409,8 +409,13 @@ void BindSession(py::module_& m) {
           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "save",
-          [](Session& s, const std::string& path, uintptr_t stream) { s.Save(path, ToStream(stream)); },
-          py::arg("path"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+          [](Session& s, const std::string& path, const py::bytes& attachment, uintptr_t stream) {
+            std::string attached = attachment;  // (copied while the GIL is held)
+            py::gil_scoped_release release;
+            s.Save(path, attached, ToStream(stream));
+          },
+          py::arg("path"), py::arg("attachment") = py::bytes(), py::arg("stream") = 0,
+          "Writes the state, and the attachment's bytes with it, to a session file.")
       .def(
           "run",
           [](Session& s, size_t method, const CapsuleList& inputs, uintptr_t stream) {
@@ -549,6 +554,19 @@ void BindEngine(py::module_& m) {
           },
           py::arg("path"), py::arg("strict") = true, py::arg("stream") = 0,
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "load_session_attached",
+          [](Engine& e, const std::string& path, bool strict, uintptr_t stream) {
+            std::string attachment;
+            std::shared_ptr<Session> session;
+            {
+              py::gil_scoped_release release;
+              session = e.LoadSession(path, strict, ToStream(stream), &attachment);
+            }
+            return py::make_tuple(session, py::bytes(attachment));
+          },
+          py::arg("path"), py::arg("strict") = true, py::arg("stream") = 0,
+          "(session, attachment): a loaded session and the bytes saved with it (b'' for none).")
       .def_property_readonly("pool", &Engine::pool, "The pooled state's layout, or None.")
       .def(
           "run_batch",

@@ -137,12 +137,13 @@ std::shared_ptr<Session> Engine::NewSession(StreamHandle stream) {
 }
 
 std::shared_ptr<Session> Engine::LoadSession(const std::string& path, bool strict,
-                                             StreamHandle stream) {
+                                             StreamHandle stream, std::string* attachment) {
   parts_->CheckProcess();
   if (closed()) Throw(ErrorKind::kSessionClosed, "the engine is closed");
   // The header is checked before anything is allocated, every byte before a
   // session is made.
   SessionFiles::CheckedFile file = parts_->files->Check(path, strict);
+  if (attachment != nullptr) *attachment = file.attachment;
   if (parts_->pool) {
     auto session = Session::NewPooled(parts_, &file, stream);
     parts_->files->CountLoad();

@@ -128,9 +128,12 @@ class Engine {
   // checked (header, the engine's fingerprint, every buffer's checksum) before
   // a session is made: kFileNotFound, kSessionFile (truncated, corrupted, not
   // a session file, other format version) or kModelMismatch (other buffers,
-  // or with `strict` other model files) leave the engine as it was.
+  // or with `strict` other model files) leave the engine as it was. The
+  // file's attachment (Session::Save) goes to `attachment`, if given: read
+  // with the state, from the same file.
   std::shared_ptr<Session> LoadSession(const std::string& path, bool strict,
-                                       StreamHandle stream = nullptr);
+                                       StreamHandle stream = nullptr,
+                                       std::string* attachment = nullptr);
 
   // Runs pooled `method` once over `rows`, sessions of this engine: see
   // Session::RunBatch.

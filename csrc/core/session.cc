@@ -223,7 +223,7 @@ void Session::Restore(StreamHandle stream) {
   state_->Touch();
 }
 
-void Session::Save(const std::string& path, StreamHandle stream) {
+void Session::Save(const std::string& path, const std::string& attachment, StreamHandle stream) {
   parts_->CheckProcess();
   if (parts_->pool) {
     size_t pages = 0;
@@ -235,7 +235,7 @@ void Session::Save(const std::string& path, StreamHandle stream) {
       packed = PackPooled(&pages, stream);
       length = state_->share().length;
     }
-    parts_->files->SavePooled(path, packed.data(), pages, length);
+    parts_->files->SavePooled(path, packed.data(), pages, length, attachment);
     return;
   }
   HostBlock staging(parts_->residency->host_pool());
@@ -249,7 +249,7 @@ void Session::Save(const std::string& path, StreamHandle stream) {
       device.Synchronize(stream);
     }
   }
-  parts_->files->Save(path, staging.get());
+  parts_->files->Save(path, staging.get(), attachment);
 }
 
 void Session::Close() {

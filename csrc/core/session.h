@@ -95,8 +95,11 @@ class Session {
   // memory_budget requires it. No-op when resident.
   void Restore(StreamHandle stream = nullptr);
   // Writes the state to a session file at `path` (see state_file.h),
-  // atomically. The session is locked only while its state is copied out.
-  void Save(const std::string& path, StreamHandle stream = nullptr);
+  // atomically, with `attachment` (the caller's bytes, given back by
+  // Engine::LoadSession; empty: none). The session is locked only while its
+  // state is copied out.
+  void Save(const std::string& path, const std::string& attachment = {},
+            StreamHandle stream = nullptr);
   // Releases the state once the work queued on it has finished, without
   // blocking. Waits for a run of this session in flight; idempotent.
   void Close();

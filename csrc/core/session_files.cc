@@ -16,6 +16,16 @@
 
 namespace aoti_sessions {
 
+namespace {
+
+// A session file's path: not empty, no NUL byte (kInvalidArgument).
+void CheckSessionPath(const std::string& path) {
+  if (path.empty()) Throw(ErrorKind::kInvalidArgument, "the session file path is empty");
+  RequireValidPath(path, "session file path");
+}
+
+}  // namespace
+
 // ---------------------------------------------------------------- fingerprint
 
 ModelFingerprint::ModelFingerprint(const std::vector<MethodSource>& sources) {
@@ -87,10 +97,11 @@ std::vector<StateFileMethod> ModelFingerprint::Get() {
 
 // ---------------------------------------------------------------- files
 
-void SessionFiles::Save(const std::string& path, const void* state) {
-  RequireValidPath(path, "session file path");
+void SessionFiles::Save(const std::string& path, const void* state, const std::string& attachment) {
+  CheckSessionPath(path);
   StateFileHeader header;
   header.methods = fingerprint_;
+  header.attachment = attachment;
   std::vector<const void*> data;
   for (const MutableBuffer& b : model_->buffers()) {
     StateFileBuffer entry;
@@ -107,10 +118,11 @@ void SessionFiles::Save(const std::string& path, const void* state) {
 }
 
 void SessionFiles::SavePooled(const std::string& path, const void* packed, size_t pages,
-                              int64_t length) {
-  RequireValidPath(path, "session file path");
+                              int64_t length, const std::string& attachment) {
+  CheckSessionPath(path);
   StateFileHeader header;
   header.methods = fingerprint_;
+  header.attachment = attachment;
   header.positions = length;
   std::vector<const void*> data;
   const std::vector<size_t> offsets = model_->pool()->PackedOffsets(pages);
@@ -257,10 +269,11 @@ void SessionFiles::MatchFingerprint(const StateFileHeader& header, const std::st
 }
 
 SessionFiles::CheckedFile SessionFiles::Check(const std::string& path, bool strict) const {
-  RequireValidPath(path, "session file path");
+  CheckSessionPath(path);
   CheckedFile file;
   file.reader = std::make_unique<StateFileReader>(path);
   const StateFileHeader& header = file.reader->header();
+  file.attachment = header.attachment;
   const std::string from = "session file " + path + " was saved from another model: ";
   if (model_->pool()) {
     file.source = MatchPool(header, from);

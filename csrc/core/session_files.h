@@ -61,18 +61,22 @@ class SessionFiles {
   SessionFiles(std::shared_ptr<Model> model, std::vector<StateFileMethod> fingerprint)
       : model_(std::move(model)), fingerprint_(std::move(fingerprint)) {}
 
-  // Writes `state` (a host copy of a session block) to a session file,
-  // atomically. Throws kInvalidArgument (a NUL in the path) or kSessionFile.
-  void Save(const std::string& path, const void* state);
+  // Writes `state` (a host copy of a session block) and `attachment` (the
+  // caller's bytes, kept with it: state_file.h) to a session file,
+  // atomically. Throws kInvalidArgument (a NUL in the path, an attachment
+  // over kMaxAttachment) or kSessionFile.
+  void Save(const std::string& path, const void* state, const std::string& attachment);
   // Pooled state: writes `packed` (a host copy of a share of `pages` pages,
   // in StatePool's packed layout) and the session's length (format version 2).
-  void SavePooled(const std::string& path, const void* packed, size_t pages, int64_t length);
+  void SavePooled(const std::string& path, const void* packed, size_t pages, int64_t length,
+                  const std::string& attachment);
   // A session file whose header was checked against this engine.
   struct CheckedFile {
     std::unique_ptr<StateFileReader> reader;
     std::vector<size_t> source;  // the file buffer of each engine buffer (or pooled tensor)
     int64_t positions = -1;      // pooled state: the session's length
     size_t pages = 0;            // pooled state: pages that length takes
+    std::string attachment;      // what the saver attached (empty: nothing)
   };
   // Opens the file at `path` and checks its header: this engine's buffers
   // and, with `strict`, its fingerprint. Allocates nothing. Throws

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -98,7 +99,12 @@ std::string EncodeHeader(const StateFileHeader& h) {
     e.Put(b.bytes);
     e.Put(b.checksum);
   }
-  if (h.positions >= 0) e.Put(h.positions);
+  if (!h.attachment.empty()) {
+    e.Put(h.positions);
+    e.PutString(h.attachment);
+  } else if (h.positions >= 0) {
+    e.Put(h.positions);
+  }
   return std::move(e.bytes());
 }
 
@@ -131,6 +137,11 @@ StateFileHeader DecodeHeader(const std::string& in, const std::string& path, uin
   if (version == kPooledStateFileVersion) {
     h.positions = d.Get<int64_t>();
     if (h.positions < 0) d.Malformed();
+  } else if (version == kAttachedStateFileVersion) {
+    h.positions = d.Get<int64_t>();
+    if (h.positions < -1) d.Malformed();
+    h.attachment = d.GetString();
+    if (h.attachment.empty() || h.attachment.size() > kMaxAttachment) d.Malformed();
   }
   if (!d.done()) d.Malformed();
   return h;
@@ -158,10 +169,17 @@ void WriteStateFile(const std::string& path, StateFileHeader header,
     offset = Aligned(offset + b.bytes);
   }
   header.payload_bytes = offset;
+  if (header.attachment.size() > kMaxAttachment) {
+    Throw(ErrorKind::kInvalidArgument, "a session file's attachment holds at most " +
+                                           std::to_string(kMaxAttachment) + " bytes, got " +
+                                           std::to_string(header.attachment.size()));
+  }
   std::string encoded = EncodeHeader(header);
   std::string head(kPrefix, '\0');
   std::memcpy(&head[0], kMagic, sizeof kMagic);
-  uint32_t version = header.positions >= 0 ? kPooledStateFileVersion : kStateFileVersion;
+  const uint32_t version = !header.attachment.empty() ? kAttachedStateFileVersion
+                           : header.positions >= 0  ? kPooledStateFileVersion
+                                                    : kStateFileVersion;
   std::memcpy(&head[8], &version, sizeof version);
   uint64_t length = encoded.size();
   std::memcpy(&head[16], &length, sizeof length);
@@ -220,17 +238,23 @@ StateFileReader::StateFileReader(const std::string& path) : path_(path) {
 uint64_t StateFileReader::ReadHeader(uint64_t size) {
   const std::string& path = path_;
   char prefix[kPrefix];
-  if (size < kPrefix || !ReadExactly(fd_.get(), prefix, kPrefix, 0, path) ||
-      std::memcmp(prefix, kMagic, sizeof kMagic) != 0) {
+  if (size == 0) Throw(ErrorKind::kSessionFile, path + " is empty, not a session file");
+  const size_t got = static_cast<size_t>(std::min<uint64_t>(size, kPrefix));
+  if (!ReadExactly(fd_.get(), prefix, got, 0, path) ||
+      std::memcmp(prefix, kMagic, std::min(got, sizeof kMagic)) != 0) {
     Throw(ErrorKind::kSessionFile, path + " is not an aoti_sessions session file (bad magic)");
+  }
+  if (got < kPrefix) {  // starts as a session file does, and ends before its first field
+    Throw(ErrorKind::kSessionFile, "session file " + path + " is truncated (" +
+                                       std::to_string(size) + " bytes)");
   }
   uint32_t version = 0;
   std::memcpy(&version, prefix + 8, sizeof version);
-  if (version != kStateFileVersion && version != kPooledStateFileVersion) {
+  if (version < kStateFileVersion || version > kAttachedStateFileVersion) {
     Throw(ErrorKind::kSessionFile, "session file " + path + " has format version " +
                                        std::to_string(version) + "; this build reads versions " +
-                                       std::to_string(kStateFileVersion) + " and " +
-                                       std::to_string(kPooledStateFileVersion));
+                                       std::to_string(kStateFileVersion) + " to " +
+                                       std::to_string(kAttachedStateFileVersion));
   }
   uint64_t length = 0;
   std::memcpy(&length, prefix + 16, sizeof length);

@@ -12,7 +12,10 @@
 //       Version 2 (pooled state, docs/batching.md) ends the header with
 //       i64 positions: the session's length; its buffers are the pooled
 //       tensors, each [units, ...] (a page tensor's pages in order, a slot
-//       tensor's slot). Block state is written as version 1.
+//       tensor's slot). Block state is written as version 1. Version 3 (a
+//       file with an attachment) ends it with i64 positions (-1: block
+//       state) and str attachment: the saver's own bytes (an LLM session's
+//       tokens), under the header's checksum like the rest.
 //   24+H  u64 checksum of bytes [0, 24+H)
 //   then zero padding to a multiple of 64, and the payload (each buffer at
 //   its offset, 64-byte aligned). The file ends exactly at the payload's end.
@@ -28,6 +31,9 @@ namespace aoti_sessions {
 
 constexpr uint32_t kStateFileVersion = 1;        // block state
 constexpr uint32_t kPooledStateFileVersion = 2;  // pooled state
+constexpr uint32_t kAttachedStateFileVersion = 3;  // either, with an attachment
+// The most bytes an attachment may hold.
+constexpr size_t kMaxAttachment = 16u << 20;
 
 struct StateFileMethod {
   std::string name;
@@ -50,6 +56,7 @@ struct StateFileHeader {
   std::vector<StateFileBuffer> buffers;
   uint64_t payload_bytes = 0;
   int64_t positions = -1;  // pooled state: the session's length (version 2); -1: block state
+  std::string attachment;  // the saver's bytes (version 3 where not empty)
 };
 
 // Writes `header` (its buffers' offsets, payload length and checksums are

@@ -602,8 +602,10 @@ class Session:
         ...
     def run(self, method: typing.SupportsInt | typing.SupportsIndex, inputs: list[typing_extensions.CapsuleType], stream: typing.SupportsInt | typing.SupportsIndex = 0) -> list[typing_extensions.CapsuleType]:
         ...
-    def save(self, path: str, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
-        ...
+    def save(self, path: str, attachment: bytes = b'', stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+        """
+        Writes the state, and the attachment's bytes with it, to a session file.
+        """
     def truncate(self, length: typing.SupportsInt | typing.SupportsIndex, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
     def write_buffers(self, fqns: collections.abc.Sequence[str], sources: list[typing_extensions.CapsuleType], stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
@@ -658,6 +660,10 @@ class Engine:
         ...
     def load_session(self, path: str, strict: bool = True, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> Session:
         ...
+    def load_session_attached(self, path: str, strict: bool = True, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple[Session, bytes]:
+        """
+        (session, attachment): a loaded session and the bytes saved with it (b'' for none).
+        """
     def memory_report(self) -> MemoryReport:
         ...
     def method_index(self, name: str) -> int:

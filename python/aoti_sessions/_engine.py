@@ -412,6 +412,13 @@ class Engine(Closable):
         """
         return Session(self, self._core.load_session(os.fspath(path), bool(strict), self._stream()))
 
+    def load_session_attached(self, path: str | os.PathLike[str], *, strict: bool = True) -> tuple[Session, bytes]:
+        """:meth:`load_session`, and the attachment saved with the state
+        (:meth:`Session.save`; ``b""`` where none was), read from the same
+        file: the two always belong together."""
+        core, attachment = self._core.load_session_attached(os.fspath(path), bool(strict), self._stream())
+        return Session(self, core), bytes(attachment)
+
     def close(self) -> None:
         """Close every session (waiting for runs in flight) and release the model."""
         self._core.close()

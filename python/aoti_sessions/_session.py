@@ -216,13 +216,18 @@ class Session(Closable):
         sessions first if ``memory_budget`` requires it). No-op if resident."""
         self._core.restore(self._engine._stream())
 
-    def save(self, path: str | os.PathLike[str]) -> None:
+    def save(self, path: str | os.PathLike[str], attachment: bytes = b"") -> None:
         """Write the state to ``path`` for :meth:`Engine.load_session`, in any
         process. Atomic: a temporary file is written, fsynced and renamed over
         ``path`` (a folder, device or FIFO there is refused, never replaced).
         Every buffer is checksummed and the header fingerprints the model
-        (buffer FQNs, dtypes, shapes; each method's library and weights)."""
-        self._core.save(os.fspath(path), self._engine._stream())
+        (buffer FQNs, dtypes, shapes; each method's library and weights).
+        ``attachment`` (up to 16 MiB) is written inside the same file, under
+        the header's checksum: what the caller keeps with the state (an LLM
+        chat's tokens), given back by :meth:`Engine.load_session_attached`."""
+        if not isinstance(attachment, bytes):
+            raise TypeError(f"attachment must be bytes, got {type(attachment).__name__}")
+        self._core.save(os.fspath(path), attachment, self._engine._stream())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the engine's only method."""

@@ -17,10 +17,10 @@ import errno
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,10 +35,38 @@ from ._prompts import ContextLengthError, Prompt, Prompts
 
 __all__ = ["LLM", "ChatSession", "Prompt", "ContextLengthError"]
 
-HISTORY_SUFFIX = ".tokens.json"  # beside a saved session: the tokens its cache holds
+# A saved chat: one session file, whose attachment (Session.save) is this
+# JSON document of the tokens its cache holds. (Sessions saved before that
+# kept them in a file beside it, PATH + LEGACY_HISTORY_SUFFIX: still read.)
+TOKENS_FORMAT = "aoti_sessions.llm.tokens"
+LEGACY_HISTORY_SUFFIX = ".tokens.json"
 
 
 log = logging.getLogger("aoti_sessions.llm")
+
+
+def _read_legacy_history(where: str) -> object:
+    """The token list of a chat saved before tokens went inside the session
+    file (PATH + LEGACY_HISTORY_SUFFIX), read only from a regular file."""
+    history = where + LEGACY_HISTORY_SUFFIX
+    try:
+        fd = os.open(history, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise SessionFileError(f"{where}: a session file without a chat's tokens (saved by Session.save, not "
+                               "ChatSession.save)") from None
+    except OSError as e:
+        raise SessionFileError(f"{history}: unreadable token history ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise SessionFileError(f"{history}: not a regular file, so not a token history")
+        data = f.read(MAX_LEGACY_HISTORY + 1)
+    try:
+        return json.loads(data) if len(data) <= MAX_LEGACY_HISTORY else None
+    except ValueError:
+        return None
+
+
+MAX_LEGACY_HISTORY = 16 << 20
 
 
 def usable_cpus() -> int:
@@ -150,25 +178,42 @@ class LLM(Prompts, Closable):
 
     def load_session(self, path: str | os.PathLike[str]) -> ChatSession:
         """A session saved by :meth:`ChatSession.save`: its state and the tokens
-        it holds (FileNotFoundError where nothing was saved at ``path``)."""
-        if not os.path.lexists(path):
-            raise FileNotFoundError(errno.ENOENT, "no saved session", os.fspath(path))
-        history = Path(os.fspath(path) + HISTORY_SUFFIX)
+        it holds, read from the one file (FileNotFoundError where nothing was
+        saved at ``path``; SessionFileError for a file that holds no chat)."""
+        where = os.fspath(path)
+        if "\0" in where:
+            raise ValueError("the session file path holds a NUL byte")
+        if not os.path.lexists(where):
+            raise FileNotFoundError(errno.ENOENT, "no saved session", where)
+        session, attachment = self.engine.load_session_attached(where)
         try:
-            tokens = json.loads(history.read_text())
-        except FileNotFoundError:
-            raise SessionFileError(f"{history}: missing (ChatSession.save writes it beside the state)") from None
-        except (OSError, ValueError) as e:
-            raise SessionFileError(f"{history}: unreadable token history ({e})") from None
+            tokens = self._saved_tokens(where, attachment)
+            if len(tokens) != session.length:
+                raise SessionFileError(f"{where}: holds {len(tokens)} tokens for a state of {session.length} "
+                                       "positions")
+        except BaseException:
+            session.close()
+            raise
+        return ChatSession(self, session, tokens)
+
+    def _saved_tokens(self, where: str, attachment: bytes) -> list[int]:
+        """The token list a saved chat's attachment holds (or, saved before
+        there were attachments, the file beside it)."""
+        if attachment:
+            try:
+                doc = json.loads(attachment)
+            except ValueError:
+                doc = None
+            if not isinstance(doc, dict) or doc.get("format") != TOKENS_FORMAT or doc.get("version") != 1:
+                raise SessionFileError(f"{where}: its attachment is not a chat's tokens (not saved by "
+                                       "ChatSession.save)")
+            tokens = doc.get("tokens")
+        else:
+            tokens = _read_legacy_history(where)
         if not isinstance(tokens, list) or len(tokens) > self.max_context or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.spec.vocab_size for t in tokens):
-            raise SessionFileError(f"{history}: not a token history of this model")
-        session = self.engine.load_session(path)
-        if len(tokens) != session.length:
-            session.close()
-            raise SessionFileError(f"{history}: holds {len(tokens)} tokens, but the state beside it holds "
-                                   f"{session.length} positions: the two files come from different saves")
-        return ChatSession(self, session, tokens)
+            raise SessionFileError(f"{where}: not a token history of this model")
+        return tokens
 
     def close(self) -> None:
         """Stops the step loop (generations still running end with
@@ -300,14 +345,12 @@ class ChatSession(Closable):
             return ChatSession(self._llm, self._session.fork(), list(self._tokens))
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Writes the state to ``path`` and the token list beside it
-        (``path`` + ``.tokens.json``), for :meth:`LLM.load_session`."""
-        history = Path(os.fspath(path) + HISTORY_SUFFIX)
+        """Writes the state and the tokens it holds to one session file at
+        ``path`` (atomically: the two always agree), for :meth:`LLM.load_session`."""
         with self._lock:
-            self._session.save(path)
-            tmp = history.with_name(history.name + ".tmp")
-            tmp.write_text(json.dumps(self._tokens))
-            os.replace(tmp, history)
+            tokens = json.dumps({"format": TOKENS_FORMAT, "version": 1, "tokens": self._tokens},
+                                separators=(",", ":")).encode()
+            self._session.save(path, tokens)
 
     def close(self) -> None:
         """Stops a running generation and frees the state; idempotent."""

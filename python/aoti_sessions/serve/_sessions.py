@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 # A session file's name: a plain, visible file name inside --session-dir (short
-# enough for the token history written beside it, NAME + ".tokens.json").
+# enough for the writer's temporary name beside it).
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 
 
