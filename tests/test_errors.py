@@ -222,8 +222,18 @@ def test_bad_engine_arguments(counter_cpu_pkg) -> None:
         ais.Engine(counter_cpu_pkg, max_sessions=1.5)
     with pytest.raises(TypeError, match="not a single string"):
         ais.Engine(counter_cpu_pkg, mutable="acc")
-    with pytest.raises(RuntimeError, match="Expected one of cpu, cuda"):
+    # A message quoting a huge input stays small: its start and end.
+    with pytest.raises(ais.PackageError, match=r"mutable FQN 'xxx.*bytes left out.*xxx") as huge:
+        ais.Engine(counter_cpu_pkg, mutable=["x" * 6_000_000])
+    assert len(str(huge.value)) <= 1100
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
         ais.Engine(counter_cpu_pkg, device="tpu")
+    with pytest.raises(ValueError, match="runs models on 'cpu' or 'cuda', not 'meta'"):
+        ais.Engine(counter_cpu_pkg, device=torch.device("meta"))
+    with pytest.raises(TypeError, match=r"device must be a str \('cpu', 'cuda', 'cuda:N'\) or a torch.device, got int"):
+        ais.Engine(counter_cpu_pkg, device=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown method 'mmmm.*' .5000000 characters.; this engine has"):
+        ais.Engine(counter_cpu_pkg).new_session().run("m" * 5_000_000)
     with pytest.raises(TypeError, match="model must be a path"):
         ais.Engine(42)
     with pytest.raises(ValueError, match="mapping is empty"):

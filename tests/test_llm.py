@@ -167,6 +167,11 @@ def test_bad_parameters_are_refused(kw, error, match):
     ([1, -1], ValueError, "token ids"),
     ([1, 10**9], ValueError, "token ids"),
     ([{"content": "no role"}], ValueError, "role"),
+    ([{"role": "user", "content": 5}], ValueError, r"messages\[0\] must have a string 'role' and a string 'content'"),
+    ([{"role": "user", "content": ["a", "b"]}], ValueError, "a string 'content'"),
+    ([{"role": "user", "content": "ok \ud800"}], ValueError,
+     r"messages\[0\]\['content'\] is not valid Unicode text: a lone surrogate at character 3"),
+    ("text \udfff", ValueError, "the text is not valid Unicode text"),
     (42, TypeError, "prompt"),
 ])
 def test_bad_prompts_are_refused_and_the_session_is_intact(llm, prompt, error, match):

@@ -4,6 +4,7 @@ uvicorn server over the tiny Qwen3 package on the CPU."""
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,3 +119,100 @@ def test_cli_takes_a_body_limit(tmp_path: Path) -> None:
     add_arguments(parser)
     assert parser.parse_args(["p.pt2", "--max-body-bytes", "2MiB"]).max_body_bytes == 2 << 20
     assert parser.parse_args(["p.pt2"]).max_body_bytes is None
+
+
+KEY = "abuse-key-77"
+
+
+@pytest.fixture(scope="module")
+def guarded(llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A server with an API key and a session dir."""
+    folder = tmp_path_factory.mktemp("sessions")
+    with running(create_app(llm, api_key=KEY, session_dir=folder)) as url:
+        yield url, folder
+
+
+def test_errors_are_bounded_and_say_what_is_wrong(http: httpx.Client) -> None:
+    """Each refusal a clean 4xx with its code; none echoes a huge input
+    whole (at most about 1 KB of message)."""
+    response = http.post("/v1/chat/completions", json={**_chat("hi"), "model": "m" * 50_000})
+    assert len(_error(response, 404, "model_not_found")) <= 1100 and len(response.content) < 2000
+    response = http.post("/v1/chat/completions", json={**_chat("hi"), "session_id": "s" * 50_000})
+    assert response.status_code == 400 and len(response.content) < 2000
+    # Bad UTF-8 in the body: malformed JSON, said so.
+    bad = b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    assert "malformed JSON body: not UTF-8 text" in _error(http.post("/v1/chat/completions", content=bad,
+                                                headers={"Content-Type": "application/json"}), 400, "invalid_json")
+    # NaN (Python's JSON reader takes it): not a finite number.
+    nan = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    message = _error(http.post("/v1/chat/completions", content=nan, headers={"Content-Type": "application/json"}),
+                     400, "invalid_value")
+    assert message.startswith("temperature:") and "finite number" in message
+    # A lone surrogate (a \ud800 escape): not text a tokenizer takes.
+    lone = b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
+    message = _error(http.post("/v1/chat/completions", content=lone, headers={"Content-Type": "application/json"}),
+                     400, "invalid_value")
+    assert "not valid Unicode text: a lone surrogate at character 1" in message
+    lone_prompt = b'{"prompt": "\\udfff", "max_tokens": 2}'
+    assert "lone surrogate" in _error(http.post("/v1/completions", content=lone_prompt,
+                                                headers={"Content-Type": "application/json"}), 400, "invalid_value")
+    _serves(http)
+
+
+def test_the_bearer_scheme_is_case_insensitive(guarded: tuple[str, Path]) -> None:
+    url, _ = guarded
+    for header in (f"Bearer {KEY}", f"bearer {KEY}", f"BEARER {KEY}"):
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": header}).status_code == 200, header
+    for header in (f"Bearer {KEY}x", f"Basic {KEY}", KEY, f"bearer{KEY}"):
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": header}).status_code == 401, header
+
+
+def test_session_file_errors_name_the_file_not_the_server_path(guarded: tuple[str, Path], llm: LLM) -> None:
+    import os
+
+    url, folder = guarded
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
+        assert http.post("/v1/chat/completions", json={**_chat("Hello"), "session_id": "s1"}).status_code == 200
+        os.mkfifo(folder / "pipe")
+        message = _error(http.post("/v1/sessions/s1/save", json={"name": "pipe"}), 400, "invalid_session_file")
+        assert message.startswith("cannot save the session as 'pipe': ") and str(folder) not in message
+        (folder / "junk").write_bytes(b"AISSTATE" + b"\0" * 100)
+        message = _error(http.post("/v1/sessions/load", json={"name": "junk"}), 400, "invalid_session_file")
+        assert message.startswith("cannot load the session file 'junk': ") and str(folder) not in message
+        # A chat saved under a name, and another chat saved under that name + ".tokens.json": both load as saved.
+        assert http.post("/v1/chat/completions", json={**_chat("Other words"), "session_id": "s2"}).status_code == 200
+        assert http.post("/v1/sessions/s1/save", json={"name": "col"}).status_code == 200
+        assert http.post("/v1/sessions/s2/save", json={"name": "col.tokens.json"}).status_code == 200
+        one = http.post("/v1/sessions/load", json={"name": "col"}).json()
+        two = http.post("/v1/sessions/load", json={"name": "col.tokens.json"}).json()
+        assert one["tokens"] == http.get("/v1/sessions/s1").json()["tokens"]
+        assert two["tokens"] == http.get("/v1/sessions/s2").json()["tokens"]
+
+
+def test_an_unexpected_error_is_one_500_logged_once(llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    """A bug's 500 carries the error's kind and a reference into the log, not
+    its message (server paths, C++ sources); the log has its traceback once."""
+
+    class Broken:
+        def __init__(self, inner: LLM) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._inner, name)
+
+        def stats(self) -> dict[str, object]:
+            raise RuntimeError("/secret/path/wrapper.so failed at csrc/core/runner.cc:123")
+
+    server_log = logging.getLogger("uvicorn.error")  # (configured as the server starts; not propagated)
+    with caplog.at_level("ERROR"), running(create_app(Broken(llm))) as url:  # type: ignore[arg-type]
+        server_log.addHandler(caplog.handler)
+        try:
+            response = httpx.get(f"{url}/metrics")
+        finally:
+            server_log.removeHandler(caplog.handler)
+    message = _error(response, 500, "internal_error")
+    assert "RuntimeError" in message and "/secret" not in message and "runner.cc" not in message
+    reference = message.split("reference ")[1].split(" ")[0]
+    logged = [r for r in caplog.records if r.exc_info is not None]
+    assert len(logged) == 1 and reference in logged[0].getMessage(), [r.getMessage() for r in caplog.records]

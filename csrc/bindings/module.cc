@@ -177,10 +177,26 @@ ProxyCall PythonProxyCall(py::function call) {
   };
 }
 
+// Characters of an error message at most (as aoti_sessions._words.bounded):
+// a message quoting a huge input (a name, a pattern) keeps its start and end.
+constexpr size_t kMaxMessage = 1024;
+
+std::string Bounded(const char* message) {
+  std::string text(message);
+  if (text.size() <= kMaxMessage) return text;
+  // Cut between UTF-8 sequences, never inside one (continuation bytes are 10xxxxxx).
+  auto continues = [&](size_t at) { return (static_cast<unsigned char>(text[at]) & 0xC0) == 0x80; };
+  size_t head = kMaxMessage * 2 / 3, tail_at = text.size() - kMaxMessage / 4;
+  while (head > 0 && continues(head)) --head;
+  while (tail_at < text.size() && continues(tail_at)) ++tail_at;
+  return text.substr(0, head) + "...[" + std::to_string(tail_at - head) + " bytes left out]..." +
+         text.substr(tail_at);
+}
+
 // Raises the Python exception aoti_sessions.errors maps `kind` to.
 void Raise(const std::string& kind, const char* message) {
   py::object cls = py::module_::import("aoti_sessions.errors").attr("core_error")(kind);
-  PyErr_SetString(cls.ptr(), message);
+  PyErr_SetString(cls.ptr(), Bounded(message).c_str());
 }
 
 // Every exception leaving C++: the core's by kind; host memory exhaustion as

@@ -18,7 +18,7 @@ from ._graphs import TorchGraphHost
 from ._methods import ModelSource, describe, method_source, resolve_methods
 from ._session import Closable, MethodCall, Session, from_handles, to_handles
 from ._signature import signature
-from ._words import first_names
+from ._words import first_names, shown
 from .errors import PackageError
 
 __all__ = ["Engine", "Session"]
@@ -76,6 +76,25 @@ def _graph_mode(value: object) -> _core.GraphMode:
     if isinstance(value, bool) or value == "auto":
         return _GRAPH_MODES[value]
     raise ValueError(f"cuda_graphs must be 'auto', True or False, got {value!r}")
+
+
+def _device(device: object) -> torch.device:
+    """The engine's device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a
+    torch.device of those kinds (ValueError / TypeError otherwise, before
+    torch is asked)."""
+    if isinstance(device, torch.device):
+        parsed = device
+    elif isinstance(device, str):
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {shown(device)}") from None
+    else:
+        raise TypeError(f"device must be a str ('cpu', 'cuda', 'cuda:N') or a torch.device, got "
+                        f"{type(device).__name__}")
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"aoti_sessions runs models on 'cpu' or 'cuda', not {parsed.type!r}")
+    return parsed
 
 
 def _options(device: str, mutable: Sequence[str] | None, max_sessions: object, memory_budget: object,
@@ -179,7 +198,7 @@ class Engine(Closable):
         cuda_graphs: bool | str = "auto",
         graph_output_views: bool = False,
     ) -> None:
-        self._device = torch.device(device)
+        self._device = _device(device)
         if self._device.type == "cuda" and self._device.index is None and torch.cuda.is_available():
             self._device = torch.device("cuda", torch.cuda.current_device())
         options = _options(str(self._device), mutable, max_sessions, memory_budget, host_budget, idle_timeout,
@@ -305,7 +324,7 @@ class Engine(Closable):
     def _call(self, method: str) -> MethodCall:
         call = self._methods.get(method)
         if call is None:
-            raise ValueError(f"unknown method {method!r}; this engine has: {', '.join(self._methods)}")
+            raise ValueError(f"unknown method {shown(method)}; this engine has: {', '.join(self._methods)}")
         return call
 
     def weights(self) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _core
+from ._words import shown
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -244,7 +245,7 @@ class Session(Closable):
         call = self._engine._methods.get(method)
         if call is None:
             raise ValueError(
-                f"unknown method {method!r}; this engine has: {', '.join(self._engine._methods)}"
+                f"unknown method {shown(method)}; this engine has: {', '.join(self._engine._methods)}"
             )
         return self._run(call, args, kwargs)
 

@@ -22,6 +22,16 @@ class ContextLengthError(ValueError):
     """A prompt longer than the context."""
 
 
+def _check_unicode(text: str, what: str) -> None:
+    """Refuses text that is not valid Unicode (a lone surrogate, which JSON's
+    \\ud800 escapes can make): a tokenizer cannot take it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid Unicode text: a lone surrogate at character {e.start}") from None
+
+
 class Prompts:
     """A package's tokenizer, generation config and limits."""
 
@@ -52,6 +62,7 @@ class Prompts:
         """``text`` as token ids (with the tokenizer's special tokens, as HF does)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        _check_unicode(text, "the text")
         return [int(t) for t in self.tokenizer.encode(text)]
 
     def chat_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -60,8 +71,10 @@ class Prompts:
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
         for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
-                raise ValueError(f"messages[{i}] must have a string 'role' and a 'content'")
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must have a string 'role' and a string 'content'")
+            _check_unicode(m["content"], f"messages[{i}]['content']")
+            _check_unicode(m["role"], f"messages[{i}]['role']")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.name} has no chat template; send a text prompt instead")
         try:

@@ -19,7 +19,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _errors
-from ._errors import APIError, error_response, runtime_error, sse_error
+from ._errors import APIError, error_response, runtime_error, sse_error, unexpected
 from ._generate import DONE, Job
 from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._protocol import SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ForkRequest, LoadRequest, SaveRequest
@@ -208,8 +208,7 @@ async def _events(job: Job, request: Request, retry_after: int) -> AsyncGenerato
     except Exception as e:  # the stream has begun: the error goes in it
         error = e if isinstance(e, APIError) else runtime_error(e, retry_after)
         if error is None:
-            log.exception("generation failed")
-            error = APIError(500, f"generation failed: {type(e).__name__}: {e}", "internal_error")
+            error = unexpected("in a streamed generation", e)
         yield sse_error(error)
         return
     if job.cancelled:
@@ -297,6 +296,9 @@ class _Guard:
     def _authorized(self, scope: Scope) -> bool:
         assert self.expected is not None
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        # The scheme is case-insensitive (RFC 7235): "bearer KEY" is "Bearer KEY".
+        scheme, _, credentials = given.partition(b" ")
+        given = b"Bearer " + credentials.lstrip(b" ") if scheme.lower() == b"bearer" else given
         return hmac.compare_digest(given, self.expected)  # constant time: the key cannot be guessed bytewise
 
     def _endpoint(self, scope: Scope) -> str:
@@ -310,12 +312,12 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status, started = 500, False
 
         async def send_counted(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
         try:
@@ -326,6 +328,14 @@ class _Guard:
                 response = error_response(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send_counted)
             else:
-                await self.app(scope, receive, send_counted)
+                try:
+                    await self.app(scope, receive, send_counted)
+                except Exception as exc:  # noqa: BLE001 - every request gets an answer, every error one log line
+                    if started:
+                        log.error("unexpected error on %s %s after its answer began", scope["method"],
+                                  scope["path"], exc_info=exc)
+                        return
+                    error = unexpected(f"on {scope['method']} {scope['path']}", exc)
+                    await error_response(error.status, error.message, error.code)(scope, receive, send_counted)
         finally:
             self.metrics.requests.inc(endpoint=self._endpoint(scope), status=str(status))

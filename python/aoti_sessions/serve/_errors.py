@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from .._words import bounded
 from ..errors import CapacityError, EngineProcessError, SessionBusyError, SessionFileError, SessionFileNotFoundError
 
 log = logging.getLogger("aoti_sessions.serve")
@@ -59,8 +61,10 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body; the message bounded (one quoting a huge input
+    keeps its start and end)."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": bounded(message), "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
@@ -147,6 +151,10 @@ def install(app: FastAPI, retry_after: int = 1) -> None:
         if exc.status_code == 405:
             message = f"method {request.method} not allowed on {request.url.path}"
             return error_response(405, message, "method_not_allowed", headers=exc.headers)
+        if exc.status_code == 400:  # FastAPI's only one: a body it could not parse
+            cause = exc.__cause__
+            why = "not UTF-8 text" if isinstance(cause, UnicodeDecodeError) else "it could not be parsed"
+            return error_response(400, f"malformed JSON body: {why}", "invalid_json")
         return error_response(exc.status_code, str(exc.detail), None, headers=exc.headers)
 
     async def on_runtime(request: Request, exc: Exception) -> JSONResponse:
@@ -156,15 +164,28 @@ def install(app: FastAPI, retry_after: int = 1) -> None:
         return error_response(error.status, error.message, error.code, error.param, error.headers)
 
     async def on_other(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "internal_error")
+        error = unexpected(f"on {request.method} {request.url.path}", exc)
+        return error_response(error.status, error.message, error.code)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
     for kind in (CapacityError, SessionBusyError, SessionFileError, EngineProcessError):
         app.add_exception_handler(kind, on_runtime)
-    app.add_exception_handler(Exception, on_other)
+    # Anything else is answered by the app's outermost middleware
+    # (unexpected()): an Exception handler here would run in Starlette's
+    # error middleware, which raises the error on to the server after it
+    # answers, and the server logs it a second time.
+
+
+def unexpected(where: str, exc: BaseException) -> APIError:
+    """The 500 for an error nobody expected: its traceback to the log, once,
+    under a reference; the client gets the error's kind and the reference,
+    no server internals (paths, C++ sources)."""
+    reference = f"{time.time_ns():x}"
+    log.error("unexpected error %s (reference %s)", where, reference, exc_info=exc)
+    return APIError(500, f"internal server error ({type(exc).__name__}; reference {reference} in the server's "
+                         "log)", "internal_error")
 
 
 def sse_error(error: APIError) -> bytes:

@@ -14,8 +14,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from ..errors import SessionFileError, SessionFileNotFoundError
 from ._errors import APIError
 
 if TYPE_CHECKING:
@@ -180,16 +181,31 @@ class Registry:
     async def save(self, session_id: str, name: str) -> Path:
         path = self.file(name)
         async with self._held(session_id) as (_, session):
-            await in_thread(lambda: session.save(path))
+            with self._file_errors("save the session as", name, path):
+                await in_thread(lambda: session.save(path))
         return path
 
     async def load(self, name: str, session_id: str | None) -> Entry:
         path = self.file(name)
         if not path.is_file():
             raise APIError(404, f"no session file {name!r}", "file_not_found", "name")
-        entry = await self._add(session_id or new_id(), lambda: self.llm.load_session(path))
+        with self._file_errors("load the session file", name, path):
+            entry = await self._add(session_id or new_id(), lambda: self.llm.load_session(path))
         entry.busy = False
         return entry
+
+    @contextmanager
+    def _file_errors(self, doing: str, name: str, path: Path) -> Iterator[None]:
+        """A session file's failure as a 400 that names the file as the
+        client did: no server path in the answer."""
+        try:
+            yield
+        except SessionFileError as e:
+            assert self.session_dir is not None
+            message = str(e).replace(str(path), repr(name)).replace(str(self.session_dir), "--session-dir")
+            if isinstance(e, SessionFileNotFoundError):
+                raise APIError(404, f"no session file {name!r}", "file_not_found", "name") from e
+            raise APIError(400, f"cannot {doing} {name!r}: {message}", "invalid_session_file", "name") from e
 
     async def close(self) -> None:
         """Closes every session (the server is stopping)."""
