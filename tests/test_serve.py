@@ -4,6 +4,7 @@ the ``openai`` client and httpx, checked against the eager transformers model.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -469,38 +470,55 @@ def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_
                f"sys.exit(main(['serve', {str(package)!r}]))")
     result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True)
     assert result.returncode == 2 and "aoti-sessions[serve]" in result.stderr, result.stderr
-    # The real command: a server on a free port, with a key.
+    # The real command: a server on a free port, with a key, stopped with
+    # Ctrl+C (SIGINT to its process group: the engine process too), then
+    # with SIGTERM; the sessions it held are served on by the next start.
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "session_id": "cli",
+            "temperature": 0}
+    with _cli_server(package, device, tmp_path, "first", signal.SIGINT) as http:
+        reply = http.post("/v1/chat/completions", json=body).json()
+        assert reply["usage"]["completion_tokens"] <= 3 and reply["session_id"] == "cli"
+        assert http.post("/v1/sessions/cli/save", json={"name": "cli"}).status_code == 200
+        assert (tmp_path / "sessions" / "cli").is_file()
+        assert http.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
+    started = (tmp_path / "first.log").read_text()
+    assert f" on {device}" in started and ", 1 CPU thread for its kernels" in started, started
+    assert "limits: sessions 3, session state 0.1 GiB" in started, started
+    assert "parked 1 sessions in" in started and (tmp_path / "sessions" / ".live" / "cli").is_file(), started
+    follow = {**body, "messages": [*body["messages"], reply["choices"][0]["message"], {"role": "user", "content": "Go on"}]}
+    with _cli_server(package, device, tmp_path, "second", signal.SIGTERM) as http:
+        again = http.post("/v1/chat/completions", json=follow).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again
+    assert "parked 1 sessions in" in (tmp_path / "second.log").read_text()
+
+
+@contextlib.contextmanager
+def _cli_server(package: Path, device: str, tmp_path: Path, name: str, stop: int) -> Iterator[httpx.Client]:
+    """``aoti-sessions serve`` on a free port (log: NAME.log), stopped with
+    ``stop`` sent to its process group."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "AOTI_SESSIONS_API_KEY": KEY}
-    log = (tmp_path / "server.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
-                                "--device", device, "--max-sessions", "3", "--memory-budget", "64MiB", "--session-dir",
-                                str(tmp_path / "sessions"), "--threads", "1"],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60) as http:
-            def up() -> bool:
-                assert process.poll() is None, (tmp_path / "server.log").read_text()
-                try:
-                    return http.get("/health").status_code == 200
-                except httpx.TransportError:
-                    return False
-            wait_until(up, timeout=120, what="the server to start")
-            body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "session_id": "cli"}
-            reply = http.post("/v1/chat/completions", json=body).json()
-            assert reply["usage"]["completion_tokens"] <= 3 and reply["session_id"] == "cli"
-            assert http.post("/v1/sessions/cli/save", json={"name": "cli"}).status_code == 200
-            assert (tmp_path / "sessions" / "cli").is_file()
-            assert http.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
-    finally:
-        process.terminate()
-        process.wait(60)
-        log.close()
-    started = (tmp_path / "server.log").read_text()
-    assert f" on {device}" in started and ", 1 CPU thread for its kernels" in started, started
+    with (tmp_path / f"{name}.log").open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
+                                    "--device", device, "--max-sessions", "3", "--memory-budget", "64MiB",
+                                    "--session-dir", str(tmp_path / "sessions"), "--threads", "1"],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60) as http:
+                def up() -> bool:
+                    assert process.poll() is None, (tmp_path / f"{name}.log").read_text()
+                    try:
+                        return http.get("/health").status_code == 200
+                    except httpx.TransportError:
+                        return False
+                wait_until(up, timeout=120, what="the server to start")
+                yield http
+        finally:
+            os.killpg(process.pid, stop)
+            assert process.wait(60) is not None
 
 
 def test_cli_threads_default_and_refusals() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from aoti_sessions.llm import LLM
 from aoti_sessions.serve import create_app
-from aoti_sessions.serve._app import MIN_BODY_LIMIT, default_body_limit
+from aoti_sessions.serve._limits import MIN_BODY_LIMIT, default_body_limit
 from llm_models import llm_package
 from serving import running
 
@@ -115,10 +115,26 @@ def test_cli_takes_a_body_limit(tmp_path: Path) -> None:
 
     from aoti_sessions.serve._cli import add_arguments
 
+    from aoti_sessions.serve._cli import describe_limits
+    from aoti_sessions.serve._limits import default_budgets
+
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args(["p.pt2", "--max-body-bytes", "2MiB"]).max_body_bytes == 2 << 20
-    assert parser.parse_args(["p.pt2"]).max_body_bytes is None
+    defaults = parser.parse_args(["p.pt2"])
+    assert defaults.max_body_bytes is None and defaults.session_ttl == 3600 and defaults.persist_sessions is None
+    assert parser.parse_args(["p.pt2", "--session-ttl", "none"]).session_ttl is None
+    assert parser.parse_args(["p.pt2", "--host-budget", "1G"]).host_budget == 10**9
+    for bad in (["--session-ttl", "0"], ["--session-ttl", "inf"], ["--rewind-checkpoints", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["p.pt2", *bad])
+    # Sessions are bounded by memory by default: on the CPU half of what is
+    # available for state, a quarter for offloaded sessions; on CUDA the device bounds state.
+    assert default_budgets("cpu", 8 << 30) == (4 << 30, 2 << 30)
+    assert default_budgets("cuda:0", 8 << 30) == (None, 2 << 30)
+    line = describe_limits(parser.parse_args(["p.pt2", "--session-dir", str(tmp_path)]), 4 << 30, 2 << 30)
+    assert line == (f"sessions bounded by memory, session state 4.0 GiB, offloaded 2.0 GiB, idle sessions parked "
+                    f"after 3600 s, parked to {tmp_path}/.live, bodies up to 32 bytes a context token")
 
 
 KEY = "abuse-key-77"
@@ -216,3 +232,62 @@ def test_an_unexpected_error_is_one_500_logged_once(llm: LLM, caplog: pytest.Log
     reference = message.split("reference ")[1].split(" ")[0]
     logged = [r for r in caplog.records if r.exc_info is not None]
     assert len(logged) == 1 and reference in logged[0].getMessage(), [r.getMessage() for r in caplog.records]
+
+
+def test_idle_sessions_are_parked_and_come_back(llm: LLM, tmp_path: Path) -> None:
+    """Past the TTL a named session is saved (persistence: a session dir)
+    and closed: it holds no memory; the next request naming it brings it back
+    with its cache (cached_tokens). Without a session dir it is closed: the
+    id starts afresh. A stopping server parks every named session; the next
+    server serves them on."""
+    with running(create_app(llm, session_dir=tmp_path, session_ttl=0.3)) as url, \
+            httpx.Client(base_url=url, timeout=60) as http:
+        first = http.post("/v1/chat/completions", json={**_chat("Hello there"), "session_id": "chat:1"}).json()
+        history = [{"role": "user", "content": "Hello there"},
+                   {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                   {"role": "user", "content": "And then?"}]
+        live = llm.stats()["live_sessions"]
+        _wait(lambda: (tmp_path / ".live" / "chat:1").is_file(), "the session to be parked")
+        _wait(lambda: llm.stats()["live_sessions"] == live - 1, "the parked session to be closed")
+        assert http.get("/v1/sessions").json()["data"] == []
+        again = http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2, "temperature": 0,
+                                                         "session_id": "chat:1"}).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its cache came back
+        assert not (tmp_path / ".live" / "chat:1").exists()
+        metrics = http.get("/metrics").text
+        assert "aoti_sessions_sessions_expired_total 1" in metrics
+        assert "aoti_sessions_sessions_unparked_total 1" in metrics
+    # The server stopped: the session was parked; a new server brings it back.
+    assert (tmp_path / ".live" / "chat:1").is_file()
+    with running(create_app(llm, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        described = http.get("/v1/sessions/chat:1").json()
+        assert described["id"] == "chat:1" and described["tokens"] > 0
+        assert http.delete("/v1/sessions/chat:1").status_code == 200
+    assert not (tmp_path / ".live" / "chat:1").exists()
+    # No session dir: closed at the TTL, nothing kept.
+    with running(create_app(llm, session_ttl=0.3)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        assert http.post("/v1/chat/completions", json={**_chat("Hi"), "session_id": "gone"}).status_code == 200
+        _wait(lambda: http.get("/v1/sessions").json()["data"] == [], "the session to be closed")
+        assert http.get("/v1/sessions/gone").status_code == 404
+    with pytest.raises(ValueError, match="session_ttl must be a number of seconds > 0"):
+        create_app(llm, session_ttl=0)
+    with pytest.raises(ValueError, match="persist_sessions needs a session_dir"):
+        create_app(llm, persist_sessions=True)
+
+
+def test_a_parked_file_that_cannot_load_is_set_aside(llm: LLM, tmp_path: Path) -> None:
+    (tmp_path / ".live").mkdir()
+    (tmp_path / ".live" / "broken").write_bytes(b"AISSTATE" + b"\0" * 40)
+    with running(create_app(llm, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        response = http.post("/v1/chat/completions", json={**_chat("Hi"), "session_id": "broken"})
+        assert response.status_code == 200 and response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (tmp_path / ".live" / "broken.bad").is_file()
+
+
+def _wait(condition: object, what: str, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

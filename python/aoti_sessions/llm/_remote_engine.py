@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import signal
 import sys
 import threading
 from collections import deque
@@ -61,6 +62,11 @@ def child_main(conn: Connection, package: str, device: str, threads: int | None,
     told to close or until the other end goes."""
     from ._llm import LLM
 
+    # The parent decides when this process ends (it closes the pipe): a
+    # Ctrl+C or SIGTERM meant for the server (its process group) must not
+    # take the sessions away before the server has saved them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         llm = LLM(package, device=device, threads=threads, **options)

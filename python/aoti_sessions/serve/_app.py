@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _errors
 from ._errors import APIError, error_response, runtime_error, sse_error, unexpected
 from ._generate import DONE, Job
+from ._limits import DEFAULT_SESSION_TTL, default_body_limit
 from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._protocol import SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ForkRequest, LoadRequest, SaveRequest
 from ._sessions import Registry
@@ -31,17 +32,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("aoti_sessions.serve")
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 OPEN_PATHS = ("/health",)  # answered without the API key
-MIN_BODY_LIMIT = 1 << 20  # the default request body limit: 32 bytes a token of the context, at least this
-
-
-def default_body_limit(max_context: int) -> int:
-    """The request body limit when none is set: room for a whole context of
-    text (32 bytes a token: JSON-escaped text, chat framing), at least 1 MiB."""
-    return max(MIN_BODY_LIMIT, 32 * max_context)
 
 
 def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
-               model_name: str | None = None, retry_after: int = 1, max_body_bytes: int | None = None) -> FastAPI:
+               model_name: str | None = None, retry_after: int = 1, max_body_bytes: int | None = None,
+               session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None) -> FastAPI:
     """An OpenAI-compatible server of ``llm``'s sessions.
 
     Args:
@@ -56,6 +51,11 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         max_body_bytes: a request body longer than this is answered 413
             before it is read whole (default: :func:`default_body_limit` of
             the model's context).
+        session_ttl: seconds a named session may sit unused; then it is
+            parked (saved, with persistence on, and closed). None: never.
+        persist_sessions: park sessions in ``session_dir/.live`` (at their
+            TTL and when the server stops) and bring them back when a request
+            names them (default: on where there is a session dir).
 
     A generation request names its session with ``session_id`` in the body or
     an ``X-Session-ID`` header; an id the server does not know yet is created
@@ -66,13 +66,29 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
                                        or max_body_bytes < 1):
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     body_limit = max_body_bytes if max_body_bytes is not None else default_body_limit(llm.max_context)
-    registry = Registry(llm, session_dir)
+    if session_ttl is not None and not (isinstance(session_ttl, (int, float)) and not isinstance(session_ttl, bool)
+                                        and 0 < session_ttl < float("inf")):
+        raise ValueError(f"session_ttl must be a number of seconds > 0 (or None: never), got {session_ttl!r}")
+    if persist_sessions and session_dir is None:
+        raise ValueError("persist_sessions needs a session_dir to keep them in")
+    persist = session_dir is not None if persist_sessions is None else bool(persist_sessions)
+    registry = Registry(llm, session_dir, ttl=session_ttl, persist=persist)
     metrics = ServerMetrics(llm.stats, lambda: len(registry), lambda: registry.throwaway)
+    metrics.registry.gauge("aoti_sessions_sessions_expired_total",
+                           "Named sessions parked (saved with persistence on, then closed) after their TTL.",
+                           lambda: float(registry.expired), kind="counter")
+    metrics.registry.gauge("aoti_sessions_sessions_unparked_total",
+                           "Parked sessions brought back by a request naming them.",
+                           lambda: float(registry.unparked), kind="counter")
     model = model_name or llm.name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
+        async with anyio.create_task_group() as tasks:
+            if session_ttl is not None:
+                tasks.start_soon(_sweep, registry, min(60.0, session_ttl / 4))
+            yield
+            tasks.cancel_scope.cancel()
         await registry.close()
 
     # strict_content_type=False: a JSON body sent without a Content-Type is read as JSON.
@@ -158,7 +174,7 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
 
     @app.get("/v1/sessions/{session_id}")
     async def session(session_id: str) -> dict[str, Any]:
-        return registry.get(session_id).describe()
+        return (await registry.lookup(session_id)).describe()
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete(session_id: str) -> dict[str, Any]:
@@ -179,6 +195,16 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         return {"id": session_id, "object": "session.saved", "name": body.name, "bytes": path.stat().st_size}
 
     return app
+
+
+async def _sweep(registry: Registry, every: float) -> None:
+    """Parks the sessions idle past their TTL, every ``every`` seconds."""
+    while True:
+        await anyio.sleep(every)
+        try:
+            await registry.expire_idle()
+        except Exception:  # noqa: BLE001 - the sweep goes on
+            log.exception("parking idle sessions failed")
 
 
 def _check_model(name: str, model: str) -> None:

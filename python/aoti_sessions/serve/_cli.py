@@ -11,6 +11,8 @@ import re
 import sys
 from pathlib import Path
 
+from ._limits import DEFAULT_SESSION_TTL, available_memory, default_budgets
+
 log = logging.getLogger("aoti_sessions.serve")
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -46,9 +48,13 @@ def _count(text: str) -> int:
 
 def _seconds(text: str) -> float:
     value = float(text)
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
     return value
+
+
+def _seconds_or_none(text: str) -> float | None:
+    return None if text.strip().lower() in ("none", "never") else _seconds(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,8 +67,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions", type=_positive, help="at most this many sessions (more: 429)")
     parser.add_argument("--memory-budget", type=byte_size,
                         help="device bytes for session state (e.g. 8GiB); beyond it idle sessions go to host memory")
+    parser.add_argument("--host-budget", type=byte_size,
+                        help="bytes of host memory for sessions offloaded from the device (default: a quarter of "
+                             "the memory available at start)")
     parser.add_argument("--idle-timeout", type=_seconds, help="seconds after which an idle session goes to host memory")
+    parser.add_argument("--session-ttl", type=_seconds_or_none, default=DEFAULT_SESSION_TTL,
+                        help="seconds a named session may sit unused before it is parked: saved to SESSION_DIR/.live "
+                             "(with --session-dir) and closed; 'none': never (default %(default)g)")
     parser.add_argument("--session-dir", help="folder of session files for save and load (default: off)")
+    parser.add_argument("--persist-sessions", action=argparse.BooleanOptionalAction, default=None,
+                        help="park named sessions in SESSION_DIR/.live when their TTL ends and when the server stops "
+                             "(SIGTERM), and bring them back when a request names them (default: on with "
+                             "--session-dir)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the model and its step loop in a process of their own, HTTP and tokenizing in "
@@ -77,6 +93,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="threads for the model's CPU kernels (torch.set_num_threads); default on a CPU "
                              "device: one fewer than the CPUs this process may use (at least 1), leaving one to "
                              "the server's own work; on CUDA: torch's default")
+
+
+def describe_limits(args: argparse.Namespace, memory_budget: int | None, host_budget: int) -> str:
+    """The server's limits in one line, for the log at start."""
+    gib = 1 << 30
+    persist = args.persist_sessions if args.persist_sessions is not None else args.session_dir is not None
+    return ", ".join([
+        f"sessions {args.max_sessions or 'bounded by memory'}",
+        f"session state {memory_budget / gib:.1f} GiB" if memory_budget is not None else "session state: the device's",
+        f"offloaded {host_budget / gib:.1f} GiB",
+        f"idle sessions parked after {args.session_ttl:g} s" if args.session_ttl is not None else "no session TTL",
+        f"parked to {args.session_dir}/.live" if persist else "parked = closed (no --session-dir)",
+        f"bodies up to {args.max_body_bytes} bytes" if args.max_body_bytes else "bodies up to 32 bytes a context token",
+    ])
 
 
 def compute_threads(requested: int | None, device: str) -> int | None:
@@ -105,8 +135,14 @@ def run(args: argparse.Namespace) -> int:
         Path(args.session_dir).mkdir(parents=True, exist_ok=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
-    engine_options = {k: v for k, v in (("max_sessions", args.max_sessions), ("memory_budget", args.memory_budget),
-                                        ("idle_timeout", args.idle_timeout),
+    if args.persist_sessions and args.session_dir is None:
+        print("aoti-sessions serve: --persist-sessions needs --session-dir", file=sys.stderr)
+        return 2
+    memory_budget, host_budget = default_budgets(args.device, available_memory())
+    memory_budget = args.memory_budget if args.memory_budget is not None else memory_budget
+    host_budget = args.host_budget if args.host_budget is not None else host_budget
+    engine_options = {k: v for k, v in (("max_sessions", args.max_sessions), ("memory_budget", memory_budget),
+                                        ("host_budget", host_budget), ("idle_timeout", args.idle_timeout),
                                         ("rewind_checkpoints", args.rewind_checkpoints)) if v is not None}
     # The model's kernels and the server's event loop share the CPUs: a
     # parallel kernel waits for its slowest thread, so one the loop preempts
@@ -120,8 +156,11 @@ def run(args: argparse.Namespace) -> int:
                                                        **engine_options)
     kernels = f", {threads} CPU thread{'s' if threads != 1 else ''} for its kernels" if threads is not None else ""
     print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
+    print(f"aoti-sessions serve: limits: {describe_limits(args, memory_budget, host_budget)}", file=sys.stderr,
+          flush=True)
     try:
-        app = create_app(llm, api_key=args.api_key, session_dir=args.session_dir, max_body_bytes=args.max_body_bytes)
+        app = create_app(llm, api_key=args.api_key, session_dir=args.session_dir, max_body_bytes=args.max_body_bytes,
+                         session_ttl=args.session_ttl, persist_sessions=args.persist_sessions)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         llm.close()

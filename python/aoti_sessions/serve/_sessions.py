@@ -6,10 +6,16 @@ lock; the runtime's calls that may take a while (creating a session, which can
 wait for an eviction, forking, saving, loading, closing) run in worker
 threads, shielded from cancellation so that a client hanging up cannot leak a
 session half made.
+
+A named session unused for ``ttl`` seconds is parked: with persistence (a
+session dir), saved to ``SESSION_DIR/.live/ID`` and closed; without, closed.
+A stopping server parks every named session the same way. A request naming a
+parked session's id brings it back from its file, whatever the endpoint.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -30,6 +36,9 @@ if TYPE_CHECKING:
     from ..llm import LLM, ChatSession, RemoteLLM, RemoteSession
 
 T = TypeVar("T")
+
+log = logging.getLogger("aoti_sessions.serve")
+PARKED_DIR = ".live"  # in --session-dir: parked sessions (a name no client's file can take)
 
 # A session file's name: a plain, visible file name inside --session-dir (short
 # enough for the writer's temporary name beside it).
@@ -70,11 +79,19 @@ class Entry:
 class Registry:
     """Named sessions, plus the throwaway ones of requests that name none."""
 
-    def __init__(self, llm: LLM | RemoteLLM, session_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, llm: LLM | RemoteLLM, session_dir: str | os.PathLike[str] | None = None, *,
+                 ttl: float | None = None, persist: bool = False) -> None:
         self.llm = llm
         self.session_dir = Path(session_dir).resolve() if session_dir is not None else None
         self._entries: dict[str, Entry] = {}
         self.throwaway = 0  # throwaway sessions alive now
+        self.ttl = ttl
+        self.parked: Path | None = None  # where parked sessions go (persistence on)
+        if persist and self.session_dir is not None:
+            self.parked = self.session_dir / PARKED_DIR
+            self.parked.mkdir(exist_ok=True)
+        self.expired = 0    # sessions parked or closed for their TTL
+        self.unparked = 0   # parked sessions brought back
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -82,11 +99,77 @@ class Registry:
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
-    def get(self, session_id: str) -> Entry:
+    def _missing(self, session_id: str) -> APIError:
+        return APIError(404, f"no session {session_id!r}", "session_not_found", "session_id")
+
+    async def lookup(self, session_id: str) -> Entry:
+        """The named session (brought back if parked), or 404."""
         entry = self._entries.get(session_id)
         if entry is None:
-            raise APIError(404, f"no session {session_id!r}", "session_not_found", "session_id")
+            entry = await self._unpark(session_id)
+            if entry is None:
+                raise self._missing(session_id)
+            entry.busy = False
         return entry
+
+    def _parked_file(self, session_id: str) -> Path | None:
+        """Where session ``session_id`` is parked, if it is."""
+        if self.parked is None:
+            return None
+        path = self.parked / session_id
+        return path if path.is_file() else None
+
+    async def _unpark(self, session_id: str) -> Entry | None:
+        """A parked session back in memory, held; its file goes. None if it
+        is not parked, or its file cannot be loaded (set aside as NAME.bad,
+        with a log line: the id then starts afresh)."""
+        path = self._parked_file(session_id)
+        if path is None:
+            return None
+        try:
+            entry = await self._add(session_id, lambda: self.llm.load_session(path))
+        except SessionFileError as e:
+            log.warning("parked session %r cannot be loaded (%s); set aside as %s.bad", session_id, e, path.name)
+            os.replace(path, path.with_name(path.name + ".bad"))
+            return None
+        path.unlink(missing_ok=True)  # in memory again; parked anew when it goes
+        self.unparked += 1
+        return entry
+
+    async def _park(self, entry: Entry, why: str) -> bool:
+        """Saves a held named session to its parked file (persistence on)
+        and closes it; out of the table. Whether it was saved: a failed save
+        is logged, and the session closed all the same."""
+        assert entry.id is not None and entry.session is not None
+        session = entry.session
+        saved = False
+        if self.parked is not None:
+            path = self.parked / entry.id
+            try:
+                await in_thread(lambda: session.save(path))
+                saved = True
+            except Exception as e:  # noqa: BLE001 - one session's failure must not stop the others'
+                log.warning("session %r could not be parked (%s): %s; it is closed", entry.id, why, e)
+        self._entries.pop(entry.id, None)
+        entry.session = None
+        try:
+            await in_thread(session.close)
+        except Exception as e:  # noqa: BLE001 - (its engine gone: nothing left to free)
+            log.warning("session %r: closing it failed: %s", entry.id, e)
+        return saved
+
+    async def expire_idle(self) -> int:
+        """Parks every named session unused for ``ttl`` seconds (not one a
+        request holds); returns how many."""
+        if self.ttl is None:
+            return 0
+        cutoff = time.time() - self.ttl
+        idle = [e for e in self._entries.values() if not e.busy and e.session is not None and e.last_used < cutoff]
+        for entry in idle:
+            entry.busy = True
+            await self._park(entry, f"idle for {self.ttl:g} s")
+            self.expired += 1
+        return len(idle)
 
     def _take(self, entry: Entry) -> Entry:
         if entry.busy:
@@ -108,8 +191,11 @@ class Registry:
         existing = self._entries.get(session_id)
         if existing is not None:
             return self._take(existing)
+        parked = await self._unpark(session_id)
+        if parked is not None:
+            return parked
         if not create:
-            self.get(session_id)  # raises the 404
+            raise self._missing(session_id)
         return await self._add(session_id, self.llm.new_session)
 
     async def _add(self, session_id: str, make: Callable[[], ChatSession | RemoteSession]) -> Entry:
@@ -137,7 +223,10 @@ class Registry:
             await in_thread(session.close)
 
     async def delete(self, session_id: str) -> None:
-        entry = self._take(self.get(session_id))
+        if session_id not in self._entries and (parked := self._parked_file(session_id)) is not None:
+            parked.unlink(missing_ok=True)
+            return
+        entry = self._take(await self.lookup(session_id))
         try:
             assert entry.session is not None
             await in_thread(entry.session.close)
@@ -147,7 +236,7 @@ class Registry:
     @asynccontextmanager
     async def _held(self, session_id: str) -> AsyncIterator[tuple[Entry, ChatSession | RemoteSession]]:
         """The named session, held for one operation (409 while a request holds it)."""
-        entry = self._take(self.get(session_id))
+        entry = self._take(await self.lookup(session_id))
         try:
             assert entry.session is not None
             yield entry, entry.session
@@ -208,8 +297,18 @@ class Registry:
             raise APIError(400, f"cannot {doing} {name!r}: {message}", "invalid_session_file", "name") from e
 
     async def close(self) -> None:
-        """Closes every session (the server is stopping)."""
-        entries, self._entries = list(self._entries.values()), {}
+        """The server is stopping: parks every named session (saved, with
+        persistence on), closes the rest."""
+        entries = list(self._entries.values())
+        parked = 0
         for entry in entries:
-            if entry.session is not None:
+            if entry.session is None:
+                continue
+            if entry.id is not None and self.parked is not None:
+                parked += await self._park(entry, "the server is stopping")
+            else:
                 await in_thread(entry.session.close)
+        self._entries = {}
+        if parked:
+            log.info("parked %d sessions in %s: a server started with this --session-dir serves them on",
+                     parked, self.parked)

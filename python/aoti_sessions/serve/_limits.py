@@ -1,0 +1,36 @@
+"""The server's limits and their defaults (README "Running it safely"), in
+one place the command line reads without importing the server."""
+
+from __future__ import annotations
+
+import os
+
+MIN_BODY_LIMIT = 1 << 20  # the default request body limit: 32 bytes a token of the context, at least this
+DEFAULT_SESSION_TTL = 3600.0  # seconds a named session may sit unused before it is parked
+
+
+def default_body_limit(max_context: int) -> int:
+    """The request body limit when none is set: room for a whole context of
+    text (32 bytes a token: JSON-escaped text, chat framing), at least 1 MiB."""
+    return max(MIN_BODY_LIMIT, 32 * max_context)
+
+
+def available_memory() -> int:
+    """Bytes of host memory available for new allocations (MemAvailable), or
+    the physical memory where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_budgets(device: str, available: int) -> tuple[int | None, int]:
+    """memory_budget and host_budget where none is given: on a CPU device
+    (where session state is host memory) half of ``available``; on CUDA no
+    device budget (the device's own memory bounds it); offloaded sessions a
+    quarter of ``available`` either way."""
+    return (available // 2 if device.startswith("cpu") else None), available // 4
