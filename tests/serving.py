@@ -16,13 +16,14 @@ import uvicorn
 
 
 @contextmanager
-def running(app: Any) -> Iterator[str]:
-    """Serves ``app`` until the block ends; yields its base URL."""
+def running(app: Any, config: uvicorn.Config | None = None) -> Iterator[str]:
+    """Serves ``app`` (with ``config``, if given: its host and port unused)
+    until the block ends; yields its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(config or uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -134,7 +134,8 @@ def test_cli_takes_a_body_limit(tmp_path: Path) -> None:
     assert default_budgets("cuda:0", 8 << 30) == (None, 2 << 30)
     line = describe_limits(parser.parse_args(["p.pt2", "--session-dir", str(tmp_path)]), 4 << 30, 2 << 30)
     assert line == (f"sessions bounded by memory, session state 4.0 GiB, offloaded 2.0 GiB, idle sessions parked "
-                    f"after 3600 s, parked to {tmp_path}/.live, bodies up to 32 bytes a context token")
+                    f"after 3600 s, parked to {tmp_path}/.live, bodies up to 32 bytes a context token, "
+                    f"1000 connections, request head in 10 s, body in 30 s")
 
 
 KEY = "abuse-key-77"
@@ -291,3 +292,48 @@ def _wait(condition: object, what: str, timeout: float = 30.0) -> None:
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def test_slow_clients_and_too_many_connections(llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that sends half a request head is disconnected after the
+    head timeout; one whose body stalls gets 408 after the body timeout;
+    past the connection limit requests get 503; the server serves on, and
+    overload is logged once, not once a connection."""
+    import time
+
+    from aoti_sessions.serve._http import server_config
+
+    app = create_app(llm, body_timeout=0.5)
+    config = server_config(app, "127.0.0.1", 0, max_connections=4, header_timeout=0.5, log_level="warning",
+                           lifespan="on")
+    with caplog.at_level("WARNING", logger="aoti_sessions.serve"), running(app, config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        half_heads = []
+        for _ in range(3):
+            raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+            raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+            half_heads.append(raw)
+        started = time.monotonic()
+        for raw in half_heads:
+            assert raw.recv(100) == b""  # closed by the server
+            raw.close()
+        assert time.monotonic() - started < 8
+        closed = [r for r in caplog.records if "request head did not arrive" in r.getMessage()]
+        assert len(closed) == 1, [r.getMessage() for r in closed]  # three closed, one line
+        # A body that stalls: 408.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"messages\":")
+            assert raw.recv(4096).startswith(b"HTTP/1.1 408 ")
+        # At the connection limit: 503 for the next, until one goes.
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+        time.sleep(0.2)
+        try:
+            assert httpx.get(f"{url}/health").status_code == 503
+        finally:
+            for raw in held:
+                raw.close()
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/health").status_code == 200
+        with httpx.Client(base_url=url, timeout=60) as http:
+            _serves(http)

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _errors
 from ._errors import APIError, error_response, runtime_error, sse_error, unexpected
 from ._generate import DONE, Job
-from ._limits import DEFAULT_SESSION_TTL, default_body_limit
+from ._limits import DEFAULT_BODY_TIMEOUT, DEFAULT_SESSION_TTL, default_body_limit
 from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._protocol import SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ForkRequest, LoadRequest, SaveRequest
 from ._sessions import Registry
@@ -36,7 +36,8 @@ OPEN_PATHS = ("/health",)  # answered without the API key
 
 def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
                model_name: str | None = None, retry_after: int = 1, max_body_bytes: int | None = None,
-               session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None) -> FastAPI:
+               session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """An OpenAI-compatible server of ``llm``'s sessions.
 
     Args:
@@ -56,6 +57,8 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         persist_sessions: park sessions in ``session_dir/.live`` (at their
             TTL and when the server stops) and bring them back when a request
             names them (default: on where there is a session dir).
+        body_timeout: seconds a request's body may take to arrive whole
+            (408 after that).
 
     A generation request names its session with ``session_id`` in the body or
     an ``X-Session-ID`` header; an id the server does not know yet is created
@@ -69,6 +72,8 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
     if session_ttl is not None and not (isinstance(session_ttl, (int, float)) and not isinstance(session_ttl, bool)
                                         and 0 < session_ttl < float("inf")):
         raise ValueError(f"session_ttl must be a number of seconds > 0 (or None: never), got {session_ttl!r}")
+    if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < 1e9:
+        raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
     if persist_sessions and session_dir is None:
         raise ValueError("persist_sessions needs a session_dir to keep them in")
     persist = session_dir is not None if persist_sessions is None else bool(persist_sessions)
@@ -95,7 +100,7 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
     app = FastAPI(title="aoti-sessions", lifespan=lifespan, strict_content_type=False)
     app.state.registry, app.state.metrics, app.state.llm = registry, metrics, llm
     _errors.install(app, retry_after)
-    app.add_middleware(_BodyLimit, limit=body_limit)  # inside the guard: a client without the key sends no body
+    app.add_middleware(_BodyLimit, limit=body_limit, timeout=body_timeout)  # inside the guard: a client without the key sends no body
     app.add_middleware(_Guard, api_key=api_key, metrics=metrics, routes=app.router)
 
     @app.get("/health", response_model=None)
@@ -268,10 +273,11 @@ class _Stream(StreamingResponse):
 class _BodyLimit:
     """Reads each request's body, up to ``limit`` bytes, before the app sees
     it: one declared longer (Content-Length) or found longer as it arrives is
-    answered 413 at once, never held whole."""
+    answered 413 at once, never held whole; one not whole within ``timeout``
+    seconds, 408."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, timeout: float) -> None:
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -281,19 +287,26 @@ class _BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await self._refuse(scope, receive, send)
             return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before its body was whole: nothing to answer
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        chunks: list[bytes] = []
+        size = 0
+        with anyio.move_on_after(self.timeout) as deadline:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # the client left before its body was whole: nothing to answer
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.limit:
+                    await self._refuse(scope, receive, send)
+                    return
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        if deadline.cancelled_caught:
+            response = error_response(408, f"the request body did not arrive whole within {self.timeout:g} s",
+                                      "request_timeout", headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
         body, handed = b"".join(chunks), False
 
         async def replay() -> Message:

@@ -11,7 +11,8 @@ import re
 import sys
 from pathlib import Path
 
-from ._limits import DEFAULT_SESSION_TTL, available_memory, default_budgets
+from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_SESSION_TTL,
+                      available_memory, default_budgets)
 
 log = logging.getLogger("aoti_sessions.serve")
 
@@ -86,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=byte_size,
                         help="a request body longer than this is answered 413 unread (default: 32 bytes a token "
                              "of the model's context, at least 1MiB)")
+    parser.add_argument("--max-connections", type=_positive, default=DEFAULT_MAX_CONNECTIONS,
+                        help="connections (or requests in flight) at once; more are answered 503 (default "
+                             "%(default)s; the open-file limit is raised to room for them)")
+    parser.add_argument("--header-timeout", type=_seconds, default=DEFAULT_HEADER_TIMEOUT,
+                        help="seconds for a request's head to arrive whole, else the connection is closed (default "
+                             "%(default)g)")
+    parser.add_argument("--body-timeout", type=_seconds, default=DEFAULT_BODY_TIMEOUT,
+                        help="seconds for a request's body to arrive whole, else 408 (default %(default)g)")
     parser.add_argument("--rewind-checkpoints", type=_count,
                         help="models with recurrent state (hybrid): turns back a chat can rewind without feeding "
                              "its history again, each one slot of recurrent state per session (default 1)")
@@ -106,6 +115,8 @@ def describe_limits(args: argparse.Namespace, memory_budget: int | None, host_bu
         f"idle sessions parked after {args.session_ttl:g} s" if args.session_ttl is not None else "no session TTL",
         f"parked to {args.session_dir}/.live" if persist else "parked = closed (no --session-dir)",
         f"bodies up to {args.max_body_bytes} bytes" if args.max_body_bytes else "bodies up to 32 bytes a context token",
+        f"{args.max_connections} connections",
+        f"request head in {args.header_timeout:g} s, body in {args.body_timeout:g} s",
     ])
 
 
@@ -159,9 +170,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"aoti-sessions serve: limits: {describe_limits(args, memory_budget, host_budget)}", file=sys.stderr,
           flush=True)
     try:
+        from ._http import server_config
+
         app = create_app(llm, api_key=args.api_key, session_dir=args.session_dir, max_body_bytes=args.max_body_bytes,
-                         session_ttl=args.session_ttl, persist_sessions=args.persist_sessions)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+                         session_ttl=args.session_ttl, persist_sessions=args.persist_sessions,
+                         body_timeout=args.body_timeout)
+        uvicorn.Server(server_config(app, args.host, args.port, max_connections=args.max_connections,
+                                     header_timeout=args.header_timeout, log_level="info")).run()
     finally:
         llm.close()
     return 0

@@ -7,6 +7,9 @@ import os
 
 MIN_BODY_LIMIT = 1 << 20  # the default request body limit: 32 bytes a token of the context, at least this
 DEFAULT_SESSION_TTL = 3600.0  # seconds a named session may sit unused before it is parked
+DEFAULT_MAX_CONNECTIONS = 1000  # connections (or requests in flight) at once; more are answered 503
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's head to arrive whole
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request's body to arrive whole (408 otherwise)
 
 
 def default_body_limit(max_context: int) -> int:
