@@ -23,7 +23,8 @@ from ._errors import APIError, error_response, runtime_error, sse_error, unexpec
 from ._generate import DONE, Job
 from ._limits import DEFAULT_BODY_TIMEOUT, DEFAULT_SESSION_TTL, default_body_limit
 from ._metrics import CONTENT_TYPE, ServerMetrics
-from ._protocol import SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ForkRequest, LoadRequest, SaveRequest
+from ._protocol import (SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ErrorBody, ForkRequest, LoadRequest,
+                        SaveRequest)
 from ._sessions import Registry
 
 if TYPE_CHECKING:
@@ -97,7 +98,15 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         await registry.close()
 
     # strict_content_type=False: a JSON body sent without a Content-Type is read as JSON.
-    app = FastAPI(title="aoti-sessions", lifespan=lifespan, strict_content_type=False)
+    # Every error a route may answer, documented in the OpenAPI schema with its body.
+    errors: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorBody, "description": what} for status, what in (
+            (400, "A request the server refuses, saying why"), (401, "No or a wrong API key"),
+            (404, "No such session, model, file or path"), (408, "The body did not arrive in time"),
+            (409, "The session is busy, or the id is taken"), (413, "The body is over the limit"),
+            (429, "No room for another session now (Retry-After)"), (500, "An unexpected error"),
+            (503, "The model is unavailable, or the server is at its connection limit"))}
+    app = FastAPI(title="aoti-sessions", lifespan=lifespan, strict_content_type=False, responses=errors)
     app.state.registry, app.state.metrics, app.state.llm = registry, metrics, llm
     _errors.install(app, retry_after)
     app.add_middleware(_BodyLimit, limit=body_limit, timeout=body_timeout)  # inside the guard: a client without the key sends no body
@@ -109,7 +118,9 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition"}})
     async def prometheus() -> Response:
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -159,12 +170,12 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             raise
         return _Stream(_events(job, request, retry_after), cleanup, headers)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATED)
     async def chat(request: Request, body: ChatRequest,
                    x_session_id: str | None = Header(default=None)) -> Response:
         return await generate(request, body, x_session_id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATED)
     async def complete(request: Request, body: CompletionRequest,
                        x_session_id: str | None = Header(default=None)) -> Response:
         return await generate(request, body, x_session_id)
@@ -200,6 +211,12 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         return {"id": session_id, "object": "session.saved", "name": body.name, "bytes": path.stat().st_size}
 
     return app
+
+
+# A generation's answer: one JSON object, or with "stream": true server-sent events.
+_GENERATED: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The completion, or (stream) its chunks as server-sent events",
+    "content": {"application/json": {}, "text/event-stream": {}}}}
 
 
 async def _sweep(registry: Registry, every: float) -> None:

@@ -145,13 +145,31 @@ class CompletionRequest(_Generate):
         return "max_tokens", self.max_tokens
 
 
+# A session file's name, as the server checks it (documented in the schema;
+# the registry's own check says what is wrong with another).
+FILE_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$"
+
+
 class SaveRequest(_Strict):
-    name: str
+    name: str = Field(json_schema_extra={"pattern": FILE_NAME_PATTERN})
 
 
 class LoadRequest(_Strict):
-    name: str
+    name: str = Field(json_schema_extra={"pattern": FILE_NAME_PATTERN})
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error's body (OpenAI's shape): serve/_errors.py."""
+
+    error: ErrorDetail
 
 
 class ForkRequest(_Strict):

@@ -31,6 +31,7 @@ import anyio.to_thread
 
 from ..errors import SessionFileError, SessionFileNotFoundError
 from ._errors import APIError
+from ._protocol import FILE_NAME_PATTERN, SESSION_ID_PATTERN
 
 if TYPE_CHECKING:
     from ..llm import LLM, ChatSession, RemoteLLM, RemoteSession
@@ -42,7 +43,8 @@ PARKED_DIR = ".live"  # in --session-dir: parked sessions (a name no client's fi
 
 # A session file's name: a plain, visible file name inside --session-dir (short
 # enough for the writer's temporary name beside it).
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+_FILE_NAME = re.compile(FILE_NAME_PATTERN)
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
 
 
 async def in_thread(call: Callable[[], T]) -> T:
@@ -113,8 +115,9 @@ class Registry:
         return entry
 
     def _parked_file(self, session_id: str) -> Path | None:
-        """Where session ``session_id`` is parked, if it is."""
-        if self.parked is None:
+        """Where session ``session_id`` is parked, if it is (an id no client
+        could create never is)."""
+        if self.parked is None or not _SESSION_ID.fullmatch(session_id):
             return None
         path = self.parked / session_id
         return path if path.is_file() else None
