@@ -337,3 +337,53 @@ def test_slow_clients_and_too_many_connections(llm: LLM, caplog: pytest.LogCaptu
         assert httpx.get(f"{url}/health").status_code == 200
         with httpx.Client(base_url=url, timeout=60) as http:
             _serves(http)
+
+
+def test_a_flood_of_connections_past_the_open_file_limit(tmp_path: Path) -> None:
+    """The real command with 200 open files at most (hard limit) and 600
+    connections each holding half a request head: it says once that fewer
+    connections fit than --max-connections, logs no traceback, and serves
+    the next request."""
+    import resource
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    package = llm_package("qwen3", max_cache_len=CONTEXT)
+    with (tmp_path / "server.log").open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port), "--threads", "1",
+             "--no-engine-process"], stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)))
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            held = []
+            for _ in range(600):
+                try:
+                    raw = socket.create_connection(("127.0.0.1", port), timeout=2)
+                    raw.sendall(b"GET /health HTTP/1.1\r\nHo")
+                    held.append(raw)
+                except OSError:
+                    pass
+            time.sleep(1)
+            for raw in held:
+                raw.close()
+            time.sleep(0.5)
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        finally:
+            server.terminate()
+            server.wait(60)
+    text = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert text.count("open files are limited to 200 (ulimit -Hn): fewer than 1000 connections fit") == 1, text
+    assert len(text.splitlines()) < 40, text[-3000:]
