@@ -193,6 +193,13 @@ std::string Bounded(const char* message) {
          text.substr(tail_at);
 }
 
+// A session's getter that may wait (for a run in flight), as a property's
+// function that releases the GIL meanwhile.
+template <typename Result>
+py::cpp_function Released(Result (Session::*getter)()) {
+  return py::cpp_function(getter, py::call_guard<py::gil_scoped_release>());
+}
+
 // Raises the Python exception aoti_sessions.errors maps `kind` to.
 void Raise(const std::string& kind, const char* message) {
   py::object cls = py::module_::import("aoti_sessions.errors").attr("core_error")(kind);
@@ -469,13 +476,9 @@ void BindSession(py::module_& m) {
           },
           py::arg("fqns"), py::arg("sources"), py::arg("stream") = 0,
           "Replaces every buffer at once: sources[i] is the new value of fqns[i].")
-      .def_property_readonly(
-          "length",
-          [](Session& s) {
-            py::gil_scoped_release release;  // waits for a run of this session in flight
-            return s.length();
-          },
-          "Positions the session holds (pooled state; 0 without).")
+      // (Each waits for a run of this session in flight: the GIL is released.)
+      .def_property_readonly("length", Released(&Session::length),
+                             "Positions the session holds (pooled state; 0 without).")
       .def(
           "truncate",
           [](Session& s, int64_t length, uintptr_t stream) { s.Truncate(length, ToStream(stream)); },
@@ -485,13 +488,8 @@ void BindSession(py::module_& m) {
           [](Session& s, int64_t keep, uintptr_t stream) { s.Checkpoint(keep, ToStream(stream)); },
           py::arg("keep"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
           "Keeps a copy of the slot state at the session's length (Truncate rewinds there).")
-      .def_property_readonly(
-          "checkpoints",
-          [](Session& s) {
-            py::gil_scoped_release release;  // waits for a run of this session in flight
-            return s.Checkpoints();
-          },
-          "The lengths the session has checkpoints at, ascending.")
+      .def_property_readonly("checkpoints", Released(&Session::Checkpoints),
+                             "The lengths the session has checkpoints at, ascending.")
       .def(
           "read_pool",
           [](Session& s, uintptr_t stream) {
