@@ -363,8 +363,38 @@ class PagedLM(torch.nn.Module):
                slot_ids: torch.Tensor | None = None, conv: torch.Tensor | None = None,
                recurrent: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, 1]: one new position for each of B sessions; logits [B, V]."""
-        return self._run(input_ids, kv, page_table, positions, self.kernel, slot_ids,
-                         self._slots(slot_ids, conv, recurrent))
+        with _batched_experts(self.model):
+            return self._run(input_ids, kv, page_table, positions, self.kernel, slot_ids,
+                             self._slots(slot_ids, conv, recurrent))
+
+
+@contextmanager
+def _batched_experts(model: PreTrainedModel) -> Iterator[None]:
+    """A decode step's MoE experts as transformers' ``batched_mm`` (each
+    token's experts' weights gathered, one batched matmul), where the
+    model's own choice would be its grouped-mm fallback: a custom op that
+    reads the token counts per expert on the host, which a CUDA graph
+    cannot capture. A step decodes a few tokens, so gathering their experts
+    costs about what reading them does. (bfloat16 weights keep torch's
+    grouped mm, which needs no host.)"""
+    configs = {id(m.config): m.config for m in model.modules()
+               if hasattr(m, "has_gate") and hasattr(getattr(m, "config", None), "_experts_implementation_internal")
+               and _expert_weights(m).dtype != torch.bfloat16}
+    saved = {key: c._experts_implementation_internal for key, c in configs.items()}
+    for c in configs.values():
+        c._experts_implementation_internal = "batched_mm"
+    try:
+        yield
+    finally:
+        for key, c in configs.items():
+            c._experts_implementation_internal = saved[key]
+
+
+def _expert_weights(experts: torch.nn.Module) -> torch.Tensor:
+    """An experts module's first projection (gate and up, or up alone)."""
+    weights = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    assert isinstance(weights, torch.Tensor)
+    return weights
 
 
 @contextmanager
