@@ -377,9 +377,10 @@ def _batched_experts(model: PreTrainedModel) -> Iterator[None]:
     cannot capture. A step decodes a few tokens, so gathering their experts
     costs about what reading them does. (bfloat16 weights keep torch's
     grouped mm, which needs no host.)"""
-    configs = {id(m.config): m.config for m in model.modules()
-               if hasattr(m, "has_gate") and hasattr(getattr(m, "config", None), "_experts_implementation_internal")
-               and _expert_weights(m).dtype != torch.bfloat16}
+    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules()
+                               if hasattr(m, "has_gate")
+                               and hasattr(getattr(m, "config", None), "_experts_implementation_internal")
+                               and _expert_weights(m).dtype != torch.bfloat16}
     saved = {key: c._experts_implementation_internal for key, c in configs.items()}
     for c in configs.values():
         c._experts_implementation_internal = "batched_mm"
