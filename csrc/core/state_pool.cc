@@ -134,8 +134,7 @@ int32_t StatePool::TakeSlot(StreamHandle stream) {
     ZeroUnits(PoolKind::kSlots, taken, stream);
   } catch (...) {
     MutexLock lock(mutex_);
-    slots_.free.emplace_back(taken[0], stream);
-    --slots_used_;
+    FreeSlot(taken[0], stream);
     throw;
   }
   return taken[0];
@@ -164,10 +163,14 @@ void StatePool::Release(PoolShare& share, StreamHandle stream) {
   ReleaseCheckpoints(share, 0, share.checkpoints.size(), stream);
   if (share.slot >= 0) {
     MutexLock lock(mutex_);
-    slots_.free.emplace_back(share.slot, stream);
-    --slots_used_;
+    FreeSlot(share.slot, stream);
   }
   share.slot = -1;
+}
+
+void StatePool::FreeSlot(int32_t slot, StreamHandle stream) {
+  slots_.free.emplace_back(slot, stream);
+  --slots_used_;
 }
 
 int64_t StatePool::ReleaseCheckpoints(PoolShare& share, size_t first, size_t last,
@@ -178,10 +181,7 @@ int64_t StatePool::ReleaseCheckpoints(PoolShare& share, size_t first, size_t las
   const auto end = share.checkpoints.begin() + static_cast<std::ptrdiff_t>(last);
   {
     MutexLock lock(mutex_);
-    for (auto it = begin; it != end; ++it) {
-      slots_.free.emplace_back(it->slot, stream);
-      --slots_used_;
-    }
+    for (auto it = begin; it != end; ++it) FreeSlot(it->slot, stream);
   }
   share.checkpoints.erase(begin, end);
   return static_cast<int64_t>((last - first) * layout_.slot_bytes);

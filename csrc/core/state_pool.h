@@ -147,6 +147,8 @@ class StatePool {
   // Grows the kind's units to at least `want` (doubling), moving the memory.
   void Grow(PoolKind kind, int64_t want, StreamHandle stream) EXCLUDES(memory_mutex_, mutex_);
   void NoteStream(StreamHandle stream) EXCLUDES(mutex_);
+  // Puts a slot a share owned back among the free ones (free once `stream`'s work is done).
+  void FreeSlot(int32_t slot, StreamHandle stream) REQUIRES(mutex_);
   // Zeroes units of `kind` on `stream` (memory lock held shared).
   void ZeroUnits(PoolKind kind, const std::vector<int32_t>& units, StreamHandle stream)
       REQUIRES_SHARED(memory_mutex_);

@@ -40,6 +40,7 @@ __all__ = ["LLM", "ChatSession", "Prompt", "ContextLengthError"]
 # kept them in a file beside it, PATH + LEGACY_HISTORY_SUFFIX: still read.)
 TOKENS_FORMAT = "aoti_sessions.llm.tokens"
 LEGACY_HISTORY_SUFFIX = ".tokens.json"
+MAX_LEGACY_HISTORY = 16 << 20  # bytes of such a file read at most
 
 
 log = logging.getLogger("aoti_sessions.llm")
@@ -64,9 +65,6 @@ def _read_legacy_history(where: str) -> object:
         return json.loads(data) if len(data) <= MAX_LEGACY_HISTORY else None
     except ValueError:
         return None
-
-
-MAX_LEGACY_HISTORY = 16 << 20
 
 
 def usable_cpus() -> int:

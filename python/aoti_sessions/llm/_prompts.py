@@ -87,6 +87,11 @@ class Prompts:
         # As apply_chat_template(tokenize=True) encodes it (the template wrote the special tokens).
         return self._pieces.encode(text)
 
+    def _check_tokens(self, count: int) -> None:
+        """Refuses a prompt of ``count`` tokens that the context cannot hold."""
+        if count > self.max_context:
+            raise ContextLengthError(f"the prompt has {count} tokens; the context holds {self.max_context}")
+
     def _check_length(self, chars: int) -> None:
         """Refuses, before tokenizing, text of ``chars`` characters that
         makes more tokens than the context holds whatever they are."""
@@ -105,8 +110,7 @@ class Prompts:
             self._check_length(sum(len(c) for c in contents if isinstance(c, str)))
             ids = self.chat_tokens(prompt)  # type: ignore[arg-type]
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
-            if len(prompt) > self.max_context:
-                raise ContextLengthError(f"the prompt has {len(prompt)} tokens; the context holds {self.max_context}")
+            self._check_tokens(len(prompt))  # (before each id is checked)
             ids = list(prompt)  # type: ignore[arg-type]
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.spec.vocab_size:
@@ -115,6 +119,5 @@ class Prompts:
             raise TypeError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
-        if len(ids) > self.max_context:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
+        self._check_tokens(len(ids))
         return ids

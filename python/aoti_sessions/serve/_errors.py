@@ -159,13 +159,8 @@ def install(app: FastAPI, retry_after: int = 1) -> None:
 
     async def on_runtime(request: Request, exc: Exception) -> JSONResponse:
         error = runtime_error(exc, retry_after)
-        if error is None:
-            return await on_other(request, exc)
+        assert error is not None  # (runtime_error answers each kind registered below)
         return error_response(error.status, error.message, error.code, error.param, error.headers)
-
-    async def on_other(request: Request, exc: Exception) -> JSONResponse:
-        error = unexpected(f"on {request.method} {request.url.path}", exc)
-        return error_response(error.status, error.message, error.code)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

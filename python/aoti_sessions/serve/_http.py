@@ -26,7 +26,6 @@ class _HeadDeadline(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     ``head_timeout`` seconds after it opened (or after the last response)."""
 
     head_timeout = DEFAULT_HEADER_TIMEOUT
-    closed_late = 0  # connections closed so (all of them: metrics, tests)
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -57,7 +56,6 @@ class _HeadDeadline(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     def _head_late(self) -> None:
         self._head_timer = None
         if getattr(self, "cycle", None) is self._awaited and not self.transport.is_closing():
-            type(self).closed_late += 1
             log.warning("closed a connection whose request head did not arrive within %g s", self.head_timeout)
             self.transport.close()
 
