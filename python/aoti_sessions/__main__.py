@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--device", default="cpu")
     from .serve._cli import add_arguments as add_serve_arguments
 
-    add_serve_arguments(commands.add_parser("serve", help="serve an LLM package over an OpenAI-compatible HTTP API"))
+    from .cluster._cli import add_arguments as add_cluster_arguments
+
+    serve = commands.add_parser("serve", help="serve an LLM package over an OpenAI-compatible HTTP API")
+    add_serve_arguments(serve)
+    add_cluster_arguments(serve)
     from .llm._export_cli import add_arguments as add_export_arguments, run as run_export
 
     add_export_arguments(commands.add_parser("export", help="compile a saved transformers causal LM into an LLM package"))
@@ -41,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import Error
 
     try:
+        if args.command == "serve" and args.replicas is not None:
+            from .cluster._cli import run as run_cluster
+
+            return run_cluster(args)
         if args.command == "serve":
             from .serve._cli import run as run_serve
 

@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,7 @@ OPEN_PATHS = ("/health",)  # answered without the API key
 def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
                model_name: str | None = None, retry_after: int = 1, max_body_bytes: int | None = None,
                session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, checkpoint_sessions: bool = False) -> FastAPI:
     """An OpenAI-compatible server of ``llm``'s sessions.
 
     Args:
@@ -60,6 +60,10 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             names them (default: on where there is a session dir).
         body_timeout: seconds a request's body may take to arrive whole
             (408 after that).
+        checkpoint_sessions: after every change to a named session, write
+            it to its parked file in the background, and serve a session
+            whose file another server changed from that file (servers sharing
+            ``session_dir``: the replicas of :mod:`aoti_sessions.cluster`).
 
     A generation request names its session with ``session_id`` in the body or
     an ``X-Session-ID`` header; an id the server does not know yet is created
@@ -75,17 +79,28 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         raise ValueError(f"session_ttl must be a number of seconds > 0 (or None: never), got {session_ttl!r}")
     if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < 1e9:
         raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
-    if persist_sessions and session_dir is None:
-        raise ValueError("persist_sessions needs a session_dir to keep them in")
+    if (persist_sessions or checkpoint_sessions) and session_dir is None:
+        raise ValueError("persist_sessions and checkpoint_sessions need a session_dir to keep them in")
     persist = session_dir is not None if persist_sessions is None else bool(persist_sessions)
-    registry = Registry(llm, session_dir, ttl=session_ttl, persist=persist)
+    registry = Registry(llm, session_dir, ttl=session_ttl, persist=persist, checkpoint=checkpoint_sessions)
     metrics = ServerMetrics(llm.stats, lambda: len(registry), lambda: registry.throwaway)
-    metrics.registry.gauge("aoti_sessions_sessions_expired_total",
-                           "Named sessions parked (saved with persistence on, then closed) after their TTL.",
-                           lambda: float(registry.expired), kind="counter")
-    metrics.registry.gauge("aoti_sessions_sessions_unparked_total",
-                           "Parked sessions brought back by a request naming them.",
-                           lambda: float(registry.unparked), kind="counter")
+    counters: tuple[tuple[str, str, Callable[[], float]], ...] = (
+            ("sessions_expired_total", "Named sessions parked (saved with persistence on, then closed) after their TTL.",
+             lambda: float(registry.expired)),
+            ("sessions_unparked_total", "Parked sessions brought back by a request naming them.",
+             lambda: float(registry.unparked)),
+            ("checkpoints_total", "Checkpoint writes of named sessions (with checkpoints on).",
+             lambda: float(registry.checkpoints)),
+            ("checkpoint_failures_total", "Checkpoint writes that failed (logged).",
+             lambda: float(registry.checkpoint_failures)),
+            ("checkpoint_seconds_total", "Seconds spent writing checkpoints, off the request path.",
+             lambda: float(registry.checkpoint_seconds)),
+            ("checkpoint_wait_seconds_total", "Seconds requests waited for their session's checkpoint write.",
+             lambda: float(registry.checkpoint_wait_seconds)),
+            ("sessions_superseded_total", "Session copies dropped because another server changed their checkpoint.",
+             lambda: float(registry.superseded)))
+    for name, what, read in counters:
+        metrics.registry.gauge(f"aoti_sessions_{name}", what, read, kind="counter")
     model = model_name or llm.name
 
     @asynccontextmanager
@@ -342,6 +357,23 @@ class _BodyLimit:
         await response(scope, receive, send)
 
 
+def authorized(headers: Iterable[tuple[bytes, bytes]], expected: bytes) -> bool:
+    """Whether a request's (lower-case) headers carry ``Authorization:
+    Bearer KEY`` equal to ``expected`` (``b"Bearer KEY"``)."""
+    given = next((v for k, v in headers if k == b"authorization"), b"")
+    # The scheme is case-insensitive (RFC 7235): "bearer KEY" is "Bearer KEY".
+    scheme, _, credentials = given.partition(b" ")
+    given = b"Bearer " + credentials.lstrip(b" ") if scheme.lower() == b"bearer" else given
+    return hmac.compare_digest(given, expected)  # constant time: the key cannot be guessed bytewise
+
+
+def unauthorized(headers: Iterable[tuple[bytes, bytes]]) -> JSONResponse:
+    """The 401 of a request without the right API key."""
+    missing = not any(k == b"authorization" for k, _ in headers)
+    message = "no API key: send it as 'Authorization: Bearer KEY'" if missing else "incorrect API key"
+    return error_response(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
 class _Guard:
     """Outermost layer: the API key check, and the request count by route and status."""
 
@@ -351,11 +383,7 @@ class _Guard:
 
     def _authorized(self, scope: Scope) -> bool:
         assert self.expected is not None
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        # The scheme is case-insensitive (RFC 7235): "bearer KEY" is "Bearer KEY".
-        scheme, _, credentials = given.partition(b" ")
-        given = b"Bearer " + credentials.lstrip(b" ") if scheme.lower() == b"bearer" else given
-        return hmac.compare_digest(given, self.expected)  # constant time: the key cannot be guessed bytewise
+        return authorized(scope["headers"], self.expected)
 
     def _endpoint(self, scope: Scope) -> str:
         for route in self.routes.routes:
@@ -378,11 +406,7 @@ class _Guard:
 
         try:
             if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-                missing = not any(k == b"authorization" for k, _ in scope["headers"])
-                message = ("no API key: send it as 'Authorization: Bearer KEY'" if missing
-                           else "incorrect API key")
-                response = error_response(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send_counted)
+                await unauthorized(scope["headers"])(scope, receive, send_counted)
             else:
                 try:
                     await self.app(scope, receive, send_counted)

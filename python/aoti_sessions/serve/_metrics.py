@@ -28,7 +28,7 @@ def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str
     return "{" + ",".join(pairs) + "}" if pairs else ""
 
 
-def _number(value: float) -> str:
+def format_number(value: float) -> str:
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     return repr(int(value)) if float(value).is_integer() else repr(float(value))
@@ -77,7 +77,7 @@ class Counter(_Metric):
     def samples(self) -> Iterable[str]:
         with self._lock:
             items = sorted(self._values.items())
-        return [f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in items]
+        return [f"{self.name}{_labels(self.label_names, k)} {format_number(v)}" for k, v in items]
 
 
 class Gauge(_Metric):
@@ -94,7 +94,7 @@ class Gauge(_Metric):
     def samples(self) -> Iterable[str]:
         values = self._read()
         items = sorted(values.items()) if isinstance(values, dict) else [((), values)]
-        return [f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in items]
+        return [f"{self.name}{_labels(self.label_names, k)} {format_number(v)}" for k, v in items]
 
 
 class Histogram(_Metric):
@@ -126,8 +126,8 @@ class Histogram(_Metric):
         lines, running = [], 0
         for bound, n in zip((*self.buckets, math.inf), counts):
             running += n
-            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {running}')
-        lines += [f"{self.name}_sum {_number(total)}", f"{self.name}_count {running}"]
+            lines.append(f'{self.name}_bucket{{le="{format_number(bound)}"}} {running}')
+        lines += [f"{self.name}_sum {format_number(total)}", f"{self.name}_count {running}"]
         return lines
 
 

@@ -11,10 +11,20 @@ A named session unused for ``ttl`` seconds is parked: with persistence (a
 session dir), saved to ``SESSION_DIR/.live/ID`` and closed; without, closed.
 A stopping server parks every named session the same way. A request naming a
 parked session's id brings it back from its file, whatever the endpoint.
+
+With checkpoints on (servers that share a session dir, e.g. the replicas of a
+cluster), every change to a named session (a turn, a reset, a fork, a load)
+is also written to its parked file once the request ends, in the background:
+the session stays in memory, and its next request waits for the write only if
+it comes before the write is done. The file is then the session's truth
+across processes: a server that finds it changed since its own write (another
+server served the session meanwhile) drops its copy and loads the file; one
+that finds it gone (deleted elsewhere) drops its copy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -69,6 +79,8 @@ class Entry:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     tokens: int = 0  # in the cache, as of the last step when busy
+    writing: asyncio.Event | None = None  # set when its checkpoint write ends
+    written: tuple[int, int, int] | None = None  # its checkpoint file as this server last wrote or read it
 
     def describe(self) -> dict[str, Any]:
         resident = self.session is not None  # a busy session is on the device (or on its way)
@@ -82,7 +94,7 @@ class Registry:
     """Named sessions, plus the throwaway ones of requests that name none."""
 
     def __init__(self, llm: LLM | RemoteLLM, session_dir: str | os.PathLike[str] | None = None, *,
-                 ttl: float | None = None, persist: bool = False) -> None:
+                 ttl: float | None = None, persist: bool = False, checkpoint: bool = False) -> None:
         self.llm = llm
         self.session_dir = Path(session_dir).resolve() if session_dir is not None else None
         self._entries: dict[str, Entry] = {}
@@ -92,8 +104,17 @@ class Registry:
         if persist and self.session_dir is not None:
             self.parked = self.session_dir / PARKED_DIR
             self.parked.mkdir(exist_ok=True)
+        if checkpoint and self.parked is None:
+            raise ValueError("checkpoints need persistence: a session dir to keep them in")
+        self.checkpoint = checkpoint
         self.expired = 0    # sessions parked or closed for their TTL
         self.unparked = 0   # parked sessions brought back
+        self.checkpoints = 0  # checkpoint writes done
+        self.checkpoint_failures = 0
+        self.checkpoint_seconds = 0.0  # spent writing them (in the background)
+        self.checkpoint_wait_seconds = 0.0  # requests spent waiting for a write to end
+        self.superseded = 0  # copies dropped: their checkpoint changed or went elsewhere
+        self._writes: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,7 +127,7 @@ class Registry:
 
     async def lookup(self, session_id: str) -> Entry:
         """The named session (brought back if parked), or 404."""
-        entry = self._entries.get(session_id)
+        entry = await self._current(self._entries.get(session_id))
         if entry is None:
             entry = await self._unpark(session_id)
             if entry is None:
@@ -129,15 +150,68 @@ class Registry:
         path = self._parked_file(session_id)
         if path is None:
             return None
+        written = _signature(path)
         try:
             entry = await self._add(session_id, lambda: self.llm.load_session(path))
         except SessionFileError as e:
             log.warning("parked session %r cannot be loaded (%s); set aside as %s.bad", session_id, e, path.name)
             os.replace(path, path.with_name(path.name + ".bad"))
             return None
-        path.unlink(missing_ok=True)  # in memory again; parked anew when it goes
+        if self.checkpoint:
+            entry.written = written  # the checkpoint stays: it is the session's truth
+        else:
+            path.unlink(missing_ok=True)  # in memory again; parked anew when it goes
         self.unparked += 1
         return entry
+
+    async def _current(self, entry: Entry | None) -> Entry | None:
+        """``entry`` once its checkpoint write (if any) has ended; with
+        checkpoints, None when its file changed or went since this server
+        wrote or read it (the stale copy is closed and out of the table)."""
+        if entry is None:
+            return None
+        if entry.writing is not None:
+            started = time.perf_counter()
+            while entry.writing is not None:
+                await entry.writing.wait()
+            self.checkpoint_wait_seconds += time.perf_counter() - started
+        if not self.checkpoint or entry.busy or entry.id is None or entry.session is None:
+            return entry
+        assert self.parked is not None
+        if _signature(self.parked / entry.id) == entry.written:
+            return entry
+        log.info("session %r changed elsewhere since this server last wrote it: its copy here is dropped", entry.id)
+        session, entry.session = entry.session, None
+        self._entries.pop(entry.id, None)
+        self.superseded += 1
+        await in_thread(session.close)
+        return None
+
+    def checkpoint_soon(self, entry: Entry) -> None:
+        """With checkpoints: writes named ``entry``'s state to its parked
+        file in the background (the next request for it waits for the write)."""
+        if not self.checkpoint or entry.id is None or entry.session is None or entry.writing is not None:
+            return
+        entry.writing = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(self._write(entry))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write(self, entry: Entry) -> None:
+        assert self.parked is not None and entry.id is not None and entry.session is not None
+        path, session, started = self.parked / entry.id, entry.session, time.perf_counter()
+        try:
+            await in_thread(lambda: session.save(path))
+            entry.written = _signature(path)
+            self.checkpoints += 1
+        except Exception as e:  # noqa: BLE001 - the session serves on; its last good checkpoint stays
+            self.checkpoint_failures += 1
+            log.warning("session %r: writing its checkpoint failed: %s", entry.id, e)
+        finally:
+            self.checkpoint_seconds += time.perf_counter() - started
+            done, entry.writing = entry.writing, None
+            assert done is not None
+            done.set()
 
     async def _park(self, entry: Entry, why: str) -> bool:
         """Saves a held named session to its parked file (persistence on)
@@ -167,7 +241,8 @@ class Registry:
         if self.ttl is None:
             return 0
         cutoff = time.time() - self.ttl
-        idle = [e for e in self._entries.values() if not e.busy and e.session is not None and e.last_used < cutoff]
+        idle = [e for e in self._entries.values()
+                if not e.busy and e.writing is None and e.session is not None and e.last_used < cutoff]
         for entry in idle:
             entry.busy = True
             await self._park(entry, f"idle for {self.ttl:g} s")
@@ -191,7 +266,7 @@ class Registry:
             entry.session = await in_thread(self.llm.new_session)
             self.throwaway += 1
             return entry
-        existing = self._entries.get(session_id)
+        existing = await self._current(self._entries.get(session_id))
         if existing is not None:
             return self._take(existing)
         parked = await self._unpark(session_id)
@@ -219,6 +294,7 @@ class Registry:
         entry.last_used = time.time()
         if entry.id is not None:
             entry.busy = False
+            self.checkpoint_soon(entry)
             return
         session, entry.session = entry.session, None
         if session is not None:
@@ -235,6 +311,8 @@ class Registry:
             await in_thread(entry.session.close)
         finally:
             del self._entries[session_id]
+            if self.checkpoint and (parked := self._parked_file(session_id)) is not None:
+                parked.unlink(missing_ok=True)  # (else another server would bring it back)
 
     @asynccontextmanager
     async def _held(self, session_id: str) -> AsyncIterator[tuple[Entry, ChatSession | RemoteSession]]:
@@ -249,12 +327,14 @@ class Registry:
     async def reset(self, session_id: str) -> Entry:
         async with self._held(session_id) as (entry, session):
             await in_thread(session.reset)
+        self.checkpoint_soon(entry)
         return entry
 
     async def fork(self, session_id: str, new_session_id: str | None) -> Entry:
         async with self._held(session_id) as (_, session):
             child = await self._add(new_session_id or new_id(), session.fork)
         child.busy = False
+        self.checkpoint_soon(child)
         return child
 
     def file(self, name: str) -> Path:
@@ -284,6 +364,7 @@ class Registry:
         with self._file_errors("load the session file", name, path):
             entry = await self._add(session_id or new_id(), lambda: self.llm.load_session(path))
         entry.busy = False
+        self.checkpoint_soon(entry)
         return entry
 
     @contextmanager
@@ -302,6 +383,8 @@ class Registry:
     async def close(self) -> None:
         """The server is stopping: parks every named session (saved, with
         persistence on), closes the rest."""
+        while self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
         entries = list(self._entries.values())
         parked = 0
         for entry in entries:
@@ -315,3 +398,13 @@ class Registry:
         if parked:
             log.info("parked %d sessions in %s: a server started with this --session-dir serves them on",
                      parked, self.parked)
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    """What tells one write of a file from another (each write is a new file
+    renamed into place): inode, size, modification time; None if absent."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns

@@ -1,0 +1,66 @@
+"""The cluster as a Ray Serve application: the ingress deployment in front
+of the engine replicas' deployment, routed by :class:`SessionRouter`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ._ingress import Ingress
+from ._replica import Replica
+from ._router import SessionRouter
+
+ROUTING_STATS_PERIOD_S = 0.5  # how often each replica tells the router what it holds
+
+
+def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, device: str = "cpu",
+        threads: int | None = None, api_key: str | None = None, engine: dict[str, Any] | None = None,
+        server: dict[str, Any] | None = None, cpus_per_replica: float = 1.0, max_ongoing_requests: int = 1024,
+        max_body_bytes: int = 64 << 20, loopback: bool = False) -> Any:
+    """The application of ``replicas`` engines of ``package``.
+
+    Args:
+        session_dir: a folder every replica reads and writes (on many
+            machines, shared storage): session files, and the checkpoints
+            sessions survive a replica's loss by.
+        device: ``cpu`` or ``cuda``; on CUDA each replica takes one GPU.
+        threads: the model's CPU threads per replica.
+        api_key: the key every endpoint but ``/health`` wants.
+        engine: the engine's options (``max_sessions``, ``memory_budget``,
+            ``host_budget``, ``idle_timeout``, ``rewind_checkpoints``).
+        server: :func:`aoti_sessions.serve.create_app`'s options.
+        loopback: the cluster is local and talks on 127.0.0.1 only (see
+            :mod:`aoti_sessions.cluster._local`).
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+    if not Path(package).exists():
+        raise FileNotFoundError(f"no LLM package at {package}")
+    folder = Path(session_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    gpu = device.startswith("cuda")
+    routing: dict[str, Any] = {"request_router_class": SessionRouter,
+                               "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
+    engines = serve.deployment(
+        name="engine", num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0 if gpu else cpus_per_replica, "num_gpus": 1 if gpu else 0},
+        request_router_config=RequestRouterConfig(**routing),
+        health_check_period_s=2.0, graceful_shutdown_timeout_s=120.0)(Replica)
+    front = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=100_000,
+                             ray_actor_options={"num_cpus": 0})(Ingress)
+    bound = engines.bind(str(Path(package).resolve()), session_dir=str(folder.resolve()), device=device,
+                         threads=threads, engine=engine, server=server, loopback=loopback)
+    return front.bind(bound, api_key=api_key, max_body_bytes=max_body_bytes, loopback=loopback)
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """``serve run aoti_sessions.cluster:build_app package=P session_dir=D
+    replicas=N device=cuda``: :func:`app` of those arguments."""
+    options = dict(args)
+    for name in ("replicas", "threads"):
+        if name in options:
+            options[name] = int(options[name])
+    return app(options.pop("package"), session_dir=options.pop("session_dir"), **options)

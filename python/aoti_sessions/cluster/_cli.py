@@ -1,0 +1,84 @@
+"""``aoti-sessions serve PACKAGE --replicas N [--ray-address ADDR]``: the
+server on a Ray Serve cluster. Without ``--ray-address`` it starts a local
+cluster on 127.0.0.1 (this machine's CPUs or GPUs); with one it joins that
+cluster, whose replicas must all reach ``--session-dir``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+
+from ..serve._limits import available_memory, default_budgets
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=_positive,
+                        help="serve on a Ray Serve cluster of this many engine replicas (one GPU each with --device "
+                             "cuda), sessions routed to the replica that holds them and checkpointed to "
+                             "--session-dir after every turn (needs the [cluster] extra)")
+    parser.add_argument("--ray-address",
+                        help="with --replicas: the Ray cluster to join (auto, ray://HOST:PORT); default: start a "
+                             "local one on 127.0.0.1")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import ray  # noqa: F401
+        from ray import serve
+    except ImportError:
+        print("aoti-sessions serve --replicas needs Ray Serve: pip install 'aoti-sessions[cluster]'", file=sys.stderr)
+        return 2
+    local = args.ray_address is None
+    if not local and args.session_dir is None:
+        print("aoti-sessions serve: --ray-address needs --session-dir, a folder every replica's machine reaches "
+              "(shared storage): sessions are checkpointed there to survive a replica", file=sys.stderr)
+        return 2
+    session_dir = args.session_dir or tempfile.mkdtemp(prefix="aoti-sessions-cluster-")
+    replicas, cpu = args.replicas, args.device.startswith("cpu")
+    from ..llm._llm import usable_cpus
+    from . import _local
+    from ._app import app
+
+    memory_budget, host_budget = default_budgets(args.device, available_memory() // (replicas if local else 1))
+    engine = {k: v for k, v in (("max_sessions", args.max_sessions),
+                                ("memory_budget", args.memory_budget or memory_budget),
+                                ("host_budget", args.host_budget or host_budget), ("idle_timeout", args.idle_timeout),
+                                ("rewind_checkpoints", args.rewind_checkpoints)) if v is not None}
+    threads = args.threads or (max(1, (usable_cpus() - 1) // replicas) if cpu and local else None)
+    server = {"session_ttl": args.session_ttl, "body_timeout": args.body_timeout,
+              "max_body_bytes": args.max_body_bytes}
+    if local:
+        _local.start(num_gpus=None if cpu else replicas)
+    else:
+        ray.init(address=args.ray_address, log_to_driver=False)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"aoti-sessions serve: listening on {args.host} without an API key: anyone who can reach it can use it",
+              file=sys.stderr)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app(args.package, replicas=replicas, session_dir=session_dir, device=args.device, threads=threads,
+                      api_key=args.api_key, engine=engine, server=server, loopback=local),
+                  name="aoti-sessions", route_prefix="/")
+        print(f"aoti-sessions serve: {replicas} replicas of {args.package} on {args.device}, at "
+              f"http://{args.host}:{args.port}; sessions checkpointed to {session_dir}"
+              + ("; Ray dashboard http://127.0.0.1:8265" if local else ""), file=sys.stderr, flush=True)
+        stop.wait()
+        print("aoti-sessions serve: stopping: every replica parks its sessions in the session dir", file=sys.stderr,
+              flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,221 @@
+"""The cluster's front door: Ray Serve's HTTP proxy hands it every request;
+it finds the session a request is for and passes the request whole to the
+replica the session router picks, answering with that replica's answer.
+
+A request names its session as one server reads it: an ``X-Session-ID``
+header, ``session_id`` in a generation's or a load's JSON body, or the path
+of a ``/v1/sessions/{id}`` endpoint. ``GET /v1/sessions`` and ``/metrics``
+are the whole cluster's (every replica asked); ``/health`` is the
+ingress's own. When a replica dies with a request on its way, the request
+goes to another replica (which brings the session back from its checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..serve._app import authorized, unauthorized
+from ..serve._errors import error_response
+from ..serve._metrics import CONTENT_TYPE, Registry
+from . import _local
+from ._metrics import merge
+from ._replica import REPLICA_HEADER
+from ._affinity import AFFINITY
+from ._router import TARGET
+
+log = logging.getLogger("aoti_sessions.cluster")
+_BODY_NAMES_SESSION = ("/v1/chat/completions", "/v1/completions", "/v1/sessions/load")
+_SESSIONS = "/v1/sessions/"
+_HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
+
+
+def session_of(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> str | None:
+    """The session a request is for, as the server that answers it reads it
+    (None: any replica may answer)."""
+    header = next((v for k, v in headers if k == b"x-session-id"), None)
+    if header is not None:
+        return header.decode("latin-1")
+    if path.startswith(_SESSIONS) and path != "/v1/sessions/load":
+        return path[len(_SESSIONS):].split("/", 1)[0] or None
+    if method == "POST" and path in _BODY_NAMES_SESSION and body:
+        try:
+            value = json.loads(body).get("session_id")
+        except (ValueError, AttributeError):
+            return None  # the replica says what is wrong with it
+        return value if isinstance(value, str) else None
+    return None
+
+
+def _replica_gone(error: BaseException) -> bool:
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return isinstance(error, (RayActorError, ActorUnavailableError))
+
+
+class Ingress:
+    def __init__(self, replicas: Any, *, api_key: str | None = None, retry_for: float = 60.0,
+                 max_body_bytes: int = 64 << 20, loopback: bool = False) -> None:
+        if loopback:
+            _local.keep_replica_on_loopback()
+        self.replicas = replicas  # the engine replicas' deployment handle
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.retry_for, self.max_body_bytes = retry_for, max_body_bytes
+        self.metrics = Registry()
+        self.requests = self.metrics.counter("aoti_sessions_cluster_requests_total",
+                                             "Requests the ingress answered, by status.", ("status",))
+        self.retries = self.metrics.counter("aoti_sessions_cluster_retries_total",
+                                            "Requests sent again because their replica was gone.")
+        self.metrics.gauge("aoti_sessions_cluster_replicas", "Engine replicas the router sees.",
+                           lambda: float(len(AFFINITY.replicas())))
+
+    async def __call__(self, request: Request) -> Response:
+        response = await self._answer(request)
+        self.requests.inc(status=str(response.status_code))
+        return response
+
+    async def _answer(self, request: Request) -> Response:
+        method, path = request.method, request.scope["path"]
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):  # (an application under a route prefix)
+            path = path[len(root):] or "/"
+        headers = [(k.lower(), v) for k, v in request.headers.raw]
+        if path == "/health":
+            return await self._health()
+        if self.expected is not None and not authorized(headers, self.expected):
+            return unauthorized(headers)
+        body = await self._body(request)
+        if body is None:
+            return error_response(413, f"the request body is over the cluster's limit of {self.max_body_bytes} "
+                                       "bytes", "request_too_large", headers={"Connection": "close"})
+        forwarded = {"method": method, "path": path, "query": request.url.query.encode(), "headers": headers,
+                     "body": body}
+        if method == "GET" and path == "/metrics":
+            return await self._metrics()
+        if method == "GET" and path == "/v1/sessions":
+            return await self._sessions()
+        return await self._forward(forwarded, session_of(method, path, headers, body))
+
+    async def _body(self, request: Request) -> bytes | None:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _replica_ids(self) -> tuple[str, ...]:
+        """The replicas alive (the router learns them with its first request)."""
+        if not AFFINITY.replicas():
+            await self.replicas.options(stream=False).record_routing_stats.remote()
+        return AFFINITY.replicas()
+
+    async def _health(self) -> Response:
+        replicas = await self._replica_ids()
+        status = 200 if replicas else 503
+        return JSONResponse({"status": "ok" if replicas else "unavailable", "replicas": len(replicas)},
+                            status_code=status)
+
+    async def _open(self, request: dict[str, Any], session_id: str | None) -> tuple[Any, dict[str, Any]]:
+        """A replica's answer stream and its head; a replica that dies
+        before answering is forgotten and the request sent again."""
+        deadline, attempt = time.monotonic() + self.retry_for, 0
+        options: dict[str, Any] = {"stream": True}
+        if session_id:
+            options["session_id"] = session_id
+        while True:
+            stream = self.replicas.options(**options).call.remote(request)
+            try:
+                return stream, await stream.__anext__()
+            except Exception as e:
+                if not _replica_gone(e) or time.monotonic() > deadline:
+                    raise
+                owner = AFFINITY.owner(session_id) if session_id else None
+                log.warning("replica %s was gone (%s); sending the request to another", owner or "?",
+                            type(e).__name__)
+                if owner is not None:
+                    AFFINITY.gone(owner)
+                self.retries.inc()
+                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+                attempt += 1
+
+    async def _forward(self, request: dict[str, Any], session_id: str | None) -> Response:
+        try:
+            stream, head = await self._open(request, session_id)
+        except Exception as e:  # noqa: BLE001 - every request gets an answer
+            log.error("no replica could answer %s %s", request["method"], request["path"], exc_info=e)
+            if _replica_gone(e):
+                return error_response(503, "no replica of the model is available now", "engine_unavailable")
+            return error_response(500, f"the replica failed: {type(e).__name__}", "internal_error")
+        status, headers = head["status"], [h for h in head["headers"] if h[0] not in _HOP_HEADERS]
+        replica = next((v.decode() for k, v in headers if k == REPLICA_HEADER), None)
+        if session_id and replica and 200 <= status < 300:
+            AFFINITY.pin(session_id, replica)
+        elif session_id and status == 429:
+            AFFINITY.forget(session_id)  # (placed on a full replica: the next try is placed again)
+        if any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers):
+            response: Response = StreamingResponse(_chunks(stream), status_code=status)
+            response.raw_headers = headers
+            return response
+        body = b"".join([chunk async for chunk in stream])
+        self._learn(request, session_id, status, body, replica)
+        response = Response(body, status_code=status)
+        response.raw_headers = headers + [(b"content-length", str(len(body)).encode())]
+        return response
+
+    def _learn(self, request: dict[str, Any], session_id: str | None, status: int, body: bytes,
+               replica: str | None) -> None:
+        """Sessions an answer made or ended: a fork's or a load's new id is
+        pinned to the replica that holds it; a deleted one is forgotten."""
+        if status != 200 or replica is None:
+            return
+        method, path = request["method"], request["path"]
+        if method == "DELETE" and session_id:
+            AFFINITY.forget(session_id)
+        elif method == "POST" and (path == "/v1/sessions/load" or path.endswith("/fork")):
+            made = json.loads(body).get("id")
+            if isinstance(made, str):
+                AFFINITY.pin(made, replica)
+
+    async def _each_replica(self, method: str) -> dict[str, Any]:
+        """``method()`` of every replica: replica id -> result (a replica gone
+        meanwhile is left out). One at a time: the calls of one request share
+        its id, by which Serve's router matches a choice to its request."""
+        out = {}
+        for rid in await self._replica_ids():
+            try:
+                out[rid] = await getattr(self.replicas.options(stream=False), method).remote(**{TARGET: rid})
+            except Exception as e:  # noqa: BLE001 - the others still answer
+                log.warning("replica %s did not answer %s: %s", rid, method, e)
+        return out
+
+    async def _sessions(self) -> Response:
+        answers = await self._each_replica("listing")
+        newest: dict[str, dict[str, Any]] = {}
+        for rid, listed in answers.items():
+            for entry in listed:
+                entry["replica"] = rid
+                known = newest.get(entry["id"])
+                if known is None or entry["last_used"] >= known["last_used"]:
+                    newest[entry["id"]] = entry  # (a stale copy elsewhere is dropped at its next use)
+        return JSONResponse({"object": "list", "data": sorted(newest.values(), key=lambda e: e["created"])})
+
+    async def _metrics(self) -> Response:
+        texts = await self._each_replica("metrics")
+        return Response(merge(texts) + self.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _chunks(stream: Any) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        stream.cancel()  # the client hung up: the replica's generation stops

@@ -1,0 +1,277 @@
+"""The server on a local Ray Serve cluster (``aoti_sessions.cluster``): CPU
+replicas of the tiny compiled Qwen3 package, on 127.0.0.1 only, driven over
+HTTP as clients drive it, against one server's replies to the same chats."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from aoti_sessions.llm import LLM
+from aoti_sessions.serve import create_app
+from llm_models import llm_package
+from serving import metrics, running, wait_until
+
+if importlib.util.find_spec("ray") is None:  # (not imported here: the cluster imports it, on loopback)
+    pytest.skip("the [cluster] extra (ray[serve]) is not installed", allow_module_level=True)
+
+CONTEXT = 512
+TOKENS = 8
+TURNS = ["Hello, who are you?", "Tell me about the sea.", "And the mountains?", "Thanks, bye."]
+KEY = "cluster-key-7d2e"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def package() -> Path:
+    return llm_package("qwen3", device="cpu", max_cache_len=CONTEXT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A local Ray cluster with Serve's HTTP proxy on a free port; yields the port."""
+    from aoti_sessions.cluster import _local
+
+    _local.start(num_cpus=2)
+    import ray
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture
+def deploy(cluster: int, package: Path, tmp_path: Path) -> Iterator[Any]:
+    """Deploys an application of ``package`` (session dir: the test's tmp
+    folder) under ``/NAME``; deleted when the test ends."""
+    from ray import serve
+
+    from aoti_sessions.cluster import app
+
+    names = set()
+
+    def run(name: str, replicas: int, **options: Any) -> None:
+        names.add(name)
+        serve.run(app(package, replicas=replicas, session_dir=tmp_path, threads=1, loopback=True, api_key=KEY,
+                      cpus_per_replica=0.25, **options), name=name, route_prefix=f"/{name}")
+
+    yield run
+    for name in names:
+        serve.delete(name)
+
+
+def client(port: int, name: str) -> httpx.Client:
+    return httpx.Client(base_url=f"http://127.0.0.1:{port}/{name}", headers=AUTH, timeout=120)
+
+
+def turn(http: httpx.Client, messages: list[dict[str, str]], session: str, header: bool = False) -> dict[str, Any]:
+    """One greedy turn; the session named in the body (as OpenAI's
+    ``extra_body`` sends it) or, with ``header``, by ``X-Session-ID``."""
+    body: dict[str, Any] = {"messages": messages, "max_tokens": TOKENS, "temperature": 0}
+    headers = {"X-Session-ID": session} if header else {}
+    if not header:
+        body["session_id"] = session
+    response = http.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def converse(http: httpx.Client, session: str, turns: list[str], header: bool = False,
+             history: list[dict[str, str]] | None = None) -> tuple[list[str], list[int]]:
+    """Turns on ``session`` (continuing ``history``, which grows); the
+    replies and each turn's cached prompt tokens."""
+    messages = history if history is not None else []
+    replies, cached = [], []
+    for user in turns:
+        messages.append({"role": "user", "content": user})
+        answer = turn(http, messages, session, header)
+        replies.append(answer["choices"][0]["message"]["content"])
+        cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+        messages.append({"role": "assistant", "content": replies[-1]})
+    return replies, cached
+
+
+@pytest.fixture(scope="module")
+def reference(package: Path) -> Any:
+    """One server's replies (no cluster): chat index -> its turns' replies."""
+    with LLM(package, "cpu", threads=1) as llm, running(create_app(llm)) as url, \
+            httpx.Client(base_url=url, timeout=120) as http:
+        # Chat i opens with its own line, so the chats differ.
+        return [converse(http, f"ref-{i}", [f"Chat number {i}.", *TURNS])[0] for i in range(40)]
+
+
+def _replica_of(http: httpx.Client) -> dict[str, str]:
+    listed = http.get("/v1/sessions")
+    assert listed.status_code == 200, listed.text
+    return {s["id"]: s["replica"] for s in listed.json()["data"]}
+
+
+def test_affinity_40_chats_reuse_their_cache(cluster: int, deploy: Any, tmp_path: Path, reference: Any) -> None:
+    deploy("affinity", replicas=2)
+    with client(cluster, "affinity") as http:
+        def chat(i: int) -> tuple[list[str], list[int]]:
+            return converse(http, f"chat-{i}", [f"Chat number {i}.", *TURNS[:2]], header=i % 2 == 1)
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(chat, range(40)))
+        for i, (replies, cached) in enumerate(results):
+            assert replies == reference[i][:3], i
+            assert cached[0] == 0 and all(c > 0 for c in cached[1:]), (i, cached)  # every follow-up reused its cache
+        holders = _replica_of(http)
+        assert set(holders) == {f"chat-{i}" for i in range(40)}
+        counts = sorted(list(holders.values()).count(r) for r in set(holders.values()))
+        assert len(counts) == 2 and counts[0] >= 12, counts  # both replicas hold chats
+        seen = metrics(http)
+        assert seen['aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="200"}'] == 120
+        assert seen["aoti_sessions_cluster_replicas"] == 2
+        per_replica = [v for k, v in seen.items() if k.startswith("aoti_sessions_checkpoints_total{replica=")]
+        assert len(per_replica) == 2 and sum(per_replica) == seen["aoti_sessions_checkpoints_total"] > 0
+        assert http.get("/v1/sessions", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http.get("/health", headers={"Authorization": ""}).json() == {"status": "ok", "replicas": 2}
+
+
+def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_path: Path,
+                                                reference: Any) -> None:
+    deploy("failover", replicas=2)
+    with client(cluster, "failover") as http:
+        histories: dict[int, list[dict[str, str]]] = {i: [] for i in range(8)}
+        for i, history in histories.items():
+            replies, _ = converse(http, f"f-{i}", [f"Chat number {i}.", TURNS[0]], history=history)
+            assert replies == reference[i][:2]
+        holders = _replica_of(http)
+        victim = holders["f-0"]
+        moved = [i for i in histories if holders[f"f-{i}"] == victim]
+        import ray
+
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::failover#engine#{victim}", namespace="serve"), no_restart=True)
+        for i, history in histories.items():  # every chat goes on, the victim's from their checkpoints
+            replies, cached = converse(http, f"f-{i}", TURNS[1:3], history=history)
+            assert replies == reference[i][2:4], i
+            assert cached[0] > 0, (i, cached)  # the checkpoint's cache, not the history prefilled again
+        after = _replica_of(http)
+        assert all(after[f"f-{i}"] != victim for i in moved) and moved
+        seen = metrics(http)
+        assert seen["aoti_sessions_sessions_unparked_total"] >= len(moved)
+
+
+def test_full_cluster_answers_429_and_places_by_room(cluster: int, deploy: Any, tmp_path: Path) -> None:
+    deploy("full", replicas=2, engine={"max_sessions": 2})
+    with client(cluster, "full") as http:
+        for i in range(4):  # two per replica: placement fills the one with room
+            turn(http, [{"role": "user", "content": "Hi"}], f"p-{i}")
+        assert sorted(list(_replica_of(http).values()).count(r) for r in set(_replica_of(http).values())) == [2, 2]
+        refused = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                          "max_tokens": 2, "session_id": "p-4"})
+        assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1, refused.text
+        assert refused.json()["error"]["code"] == "capacity"
+        assert http.delete("/v1/sessions/p-1").status_code == 200
+        assert not (tmp_path / ".live" / "p-1").exists()
+        time.sleep(1.5)  # the replicas' next report
+        turn(http, [{"role": "user", "content": "Hi"}], "p-4")
+
+
+def test_scale_down_moves_the_leaving_replicas_sessions(cluster: int, deploy: Any, tmp_path: Path,
+                                                        reference: Any) -> None:
+    deploy("scale", replicas=2)
+    with client(cluster, "scale") as http:
+        histories: dict[int, list[dict[str, str]]] = {i: [] for i in range(6)}
+        for i, history in histories.items():
+            converse(http, f"s-{i}", [f"Chat number {i}.", TURNS[0]], history=history)
+        assert len(set(_replica_of(http).values())) == 2
+        deploy("scale", replicas=1)
+        wait_until(lambda: http.get("/health").json().get("replicas") == 1, timeout=120, what="one replica")
+        for i, history in histories.items():
+            replies, cached = converse(http, f"s-{i}", [TURNS[1]], history=history)
+            assert replies == reference[i][2:3] and cached[0] > 0, (i, cached)
+        assert len(set(_replica_of(http).values())) == 1
+
+
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo.extend(parents.get(pid, []))
+    return out
+
+
+def _socket_inodes(pids: set[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    return inodes
+
+
+def _address(hex_address: str) -> str:
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        return f"{socket.inet_ntop(socket.AF_INET, raw[::-1])}:{int(port, 16)}"
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return f"[{socket.inet_ntop(socket.AF_INET6, words)}]:{int(port, 16)}"
+
+
+def _on_loopback(address: str, remote: bool) -> bool:
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    if remote and port == "0" and host in ("0.0.0.0", "::"):
+        return True  # not connected
+    return host.startswith("127.") or host == "::1" or host.startswith("::ffff:127.")
+
+
+def test_every_cluster_socket_is_on_loopback(cluster: int, deploy: Any, tmp_path: Path) -> None:
+    """Every socket the cluster's processes (this one and all it started:
+    Ray's, Serve's, the replicas') hold listens on, or connects to, 127.0.0.1."""
+    deploy("loopback", replicas=2)
+    with client(cluster, "loopback") as http:
+        converse(http, "l-0", TURNS[:2])
+        pids = _descendants(os.getpid())
+        inodes = _socket_inodes(pids)
+        assert len(pids) > 5 and inodes  # Ray's processes, with their sockets
+        checked, wrong = 0, []
+        for table in ("tcp", "tcp6", "udp", "udp6"):
+            with open(f"/proc/net/{table}") as f:
+                for row in f.read().splitlines()[1:]:
+                    fields = row.split()
+                    if fields[9] not in inodes:
+                        continue
+                    local, remote = _address(fields[1]), _address(fields[2])
+                    checked += 1
+                    if not (_on_loopback(local, False) and _on_loopback(remote, True)):
+                        wrong.append(f"{table} {local} -> {remote}")
+        assert checked > 10 and not wrong, wrong
