@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 import threading
+from typing import Any
 
 from ..serve._limits import available_memory, default_budgets
 
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         print("aoti-sessions serve: stopping: every replica parks its sessions in the session dir", file=sys.stderr,
               flush=True)
     finally:
-        serve.shutdown()
+        stop_serve: Any = serve.shutdown  # (untyped)
+        stop_serve()
         ray.shutdown()
     return 0
