@@ -37,21 +37,30 @@ _SESSIONS = "/v1/sessions/"
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 
 
-def session_of(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> str | None:
+def session_of(method: str, path: str, headers: list[tuple[bytes, bytes]], body: dict[str, Any] | None) -> str | None:
     """The session a request is for, as the server that answers it reads it
-    (None: any replica may answer)."""
+    (None: any replica may answer); ``body``: its JSON object, if one."""
     header = next((v for k, v in headers if k == b"x-session-id"), None)
     if header is not None:
         return header.decode("latin-1")
     if path.startswith(_SESSIONS) and path != "/v1/sessions/load":
         return path[len(_SESSIONS):].split("/", 1)[0] or None
-    if method == "POST" and path in _BODY_NAMES_SESSION and body:
-        try:
-            value = json.loads(body).get("session_id")
-        except (ValueError, AttributeError):
-            return None  # the replica says what is wrong with it
+    if method == "POST" and path in _BODY_NAMES_SESSION and body is not None:
+        value = body.get("session_id")
         return value if isinstance(value, str) else None
     return None
+
+
+def json_object(body: bytes) -> dict[str, Any] | None:
+    """A request body's JSON object; None for anything else (the replica
+    says what is wrong with it)."""
+    if not body:
+        return None
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _replica_gone(error: BaseException) -> bool:
@@ -101,7 +110,9 @@ class Ingress:
             return await self._metrics()
         if method == "GET" and path == "/v1/sessions":
             return await self._sessions()
-        return await self._forward(forwarded, session_of(method, path, headers, body))
+        parsed = json_object(body) if method == "POST" else None
+        streamed = parsed is not None and parsed.get("stream") is True
+        return await self._forward(forwarded, session_of(method, path, headers, parsed), streamed)
 
     async def _body(self, request: Request) -> bytes | None:
         chunks, size = [], 0
@@ -124,17 +135,21 @@ class Ingress:
         return JSONResponse({"status": "ok" if replicas else "unavailable", "replicas": len(replicas)},
                             status_code=status)
 
-    async def _open(self, request: dict[str, Any], session_id: str | None) -> tuple[Any, dict[str, Any]]:
-        """A replica's answer stream and its head; a replica that dies
-        before answering is forgotten and the request sent again."""
+    async def _send(self, request: dict[str, Any], session_id: str | None, streamed: bool) -> tuple[Any, Any]:
+        """A replica's answer: its head, and its body, or (``streamed``) the
+        stream of its chunks. A replica that dies before answering is
+        forgotten and the request sent again."""
         deadline, attempt = time.monotonic() + self.retry_for, 0
-        options: dict[str, Any] = {"stream": True}
+        options: dict[str, Any] = {"stream": streamed}
         if session_id:
             options["session_id"] = session_id
         while True:
-            stream = self.replicas.options(**options).call.remote(request)
             try:
-                return stream, await stream.__anext__()
+                if streamed:
+                    stream = self.replicas.options(**options).call.remote(request)
+                    return await stream.__anext__(), stream
+                answer = await self.replicas.options(**options).answer.remote(request)
+                return answer, answer["body"]
             except Exception as e:
                 if not _replica_gone(e) or time.monotonic() > deadline:
                     raise
@@ -147,9 +162,9 @@ class Ingress:
                 await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
                 attempt += 1
 
-    async def _forward(self, request: dict[str, Any], session_id: str | None) -> Response:
+    async def _forward(self, request: dict[str, Any], session_id: str | None, streamed: bool) -> Response:
         try:
-            stream, head = await self._open(request, session_id)
+            head, rest = await self._send(request, session_id, streamed)
         except Exception as e:  # noqa: BLE001 - every request gets an answer
             log.error("no replica could answer %s %s", request["method"], request["path"], exc_info=e)
             if _replica_gone(e):
@@ -161,11 +176,11 @@ class Ingress:
             AFFINITY.pin(session_id, replica)
         elif session_id and status == 429:
             AFFINITY.forget(session_id)  # (placed on a full replica: the next try is placed again)
-        if any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers):
-            response: Response = StreamingResponse(_chunks(stream), status_code=status)
+        if streamed and any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers):
+            response: Response = StreamingResponse(_chunks(rest), status_code=status)
             response.raw_headers = headers
             return response
-        body = b"".join([chunk async for chunk in stream])
+        body = b"".join([chunk async for chunk in rest]) if streamed else rest
         self._learn(request, session_id, status, body, replica)
         response = Response(body, status_code=status)
         response.raw_headers = headers + [(b"content-length", str(len(body)).encode())]

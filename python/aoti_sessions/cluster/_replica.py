@@ -58,6 +58,18 @@ class Replica:
                 item["headers"].append((REPLICA_HEADER, self.id.encode()))
             yield item
 
+    async def answer(self, request: _asgi.Request) -> dict[str, Any]:
+        """The answer to one HTTP request whole: its head (naming this
+        replica) and ``body`` (one round trip, for answers not streamed)."""
+        head: dict[str, Any] = {}
+        chunks = []
+        async for item in self.call(request):
+            if isinstance(item, dict):
+                head = item
+            else:
+                chunks.append(item)
+        return {**head, "body": b"".join(chunks)}
+
     def _addressed(self, replica: str | None) -> None:
         if replica is not None and replica != self.id:
             raise LookupError(f"replica {replica} is gone (this is {self.id})")

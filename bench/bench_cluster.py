@@ -1,0 +1,216 @@
+"""The server on a Ray Serve cluster against one server (issue 21).
+
+    python bench/bench_cluster.py [--device cpu|cuda] [--rounds 3] [--chats 32] [--turns 3] [--tokens 32]
+                                  [--replicas 1,2] [--affinity-replicas 2,4]
+
+Serves bench_serve's model (exported once, cached) three ways at once, each on
+127.0.0.1: ``aoti-sessions serve`` alone (one process, ``--no-engine-process``:
+the engine beside HTTP, as a replica runs it), and local clusters of each
+``--replicas`` count (``aoti_sessions.cluster``; CPU replicas take the
+threads the single server gets; CUDA replicas take one GPU each). Per round,
+interleaved:
+
+- overhead: one chat at a time, ``--turns`` turns of ``--tokens`` tokens
+  (non-streamed): seconds per generated token, the cluster of one replica
+  against the server alone (routing: Serve's proxy, the ingress, the router,
+  the replica's in-process call, and the checkpoint after every turn);
+- throughput: ``--chats`` chats at once, each ``--turns`` turns: generated
+  tokens/s of each cluster, and the largest against the one-replica cluster;
+- checkpoint cost on the request path: the seconds requests waited for a
+  checkpoint write (the replicas' ``checkpoint_wait_seconds_total``) against
+  the turns' own seconds; and the writes' time off the path.
+
+Then affinity: 40 chats of 3 turns on clusters of ``--affinity-replicas``
+replicas; the share of follow-up turns that reused their session's cache
+(``cached_tokens > 0``). Writes bench/RESULTS_cluster_<device>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_serve  # noqa: E402  (its model, server start and helpers)
+
+import httpx  # noqa: E402
+
+from serving import metrics  # noqa: E402
+
+
+def message(chat: int, turn: int) -> str:
+    return f"Chat {chat}, turn {turn}: tell me more about the river and the old mill by the bridge."
+
+
+async def chat(client: httpx.AsyncClient, chat_id: int, turns: int, tokens: int, tag: str,
+               log: list[tuple[float, int, int, int]]) -> None:
+    """One chat's turns (non-streamed); each turn's (seconds, generated, cached, turn) goes to ``log``."""
+    messages: list[dict[str, str]] = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": message(chat_id, turn)})
+        started = time.perf_counter()
+        response = await client.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+            "session_id": f"{tag}-{chat_id}"})
+        if response.status_code != 200:
+            raise RuntimeError(f"{tag}: {response.status_code} {response.text[:300]}")
+        body = response.json()
+        usage = body["usage"]
+        log.append((time.perf_counter() - started, usage["completion_tokens"],
+                    usage["prompt_tokens_details"]["cached_tokens"], turn))
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+
+
+def run(base: str, chats: int, turns: int, tokens: int, tag: str) -> tuple[float, list[tuple[float, int, int, int]]]:
+    """``chats`` chats at once; wall seconds and every turn's record."""
+    log: list[tuple[float, int, int, int]] = []
+
+    async def main() -> float:
+        limits = httpx.Limits(max_connections=chats + 4)
+        async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+            started = time.perf_counter()
+            await asyncio.gather(*[chat(client, i, turns, tokens, tag, log) for i in range(chats)])
+            return time.perf_counter() - started
+
+    return asyncio.run(main()), log
+
+
+def spread(xs: list[float], digits: int = 3) -> str:
+    return f"{min(xs):.{digits}f} / {statistics.median(xs):.{digits}f} / {max(xs):.{digits}f}"
+
+
+def cluster_counters(base: str) -> dict[str, float]:
+    with httpx.Client(base_url=base, timeout=60) as http:
+        seen = metrics(http)
+    return {k: seen.get(k, 0.0) for k in ("aoti_sessions_checkpoint_wait_seconds_total",
+                                          "aoti_sessions_checkpoint_seconds_total",
+                                          "aoti_sessions_checkpoints_total")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chats", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--affinity-replicas", default="2,4")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of each engine (CPU device)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cpu = args.device.startswith("cpu")
+    counts = [int(n) for n in args.replicas.split(",")]
+    affinity_counts = [int(n) for n in args.affinity_replicas.split(",")]
+    package = bench_serve.bench_package(args.device)
+    work = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    lines = [f"# Cluster against one server ({args.device})", "",
+             f"`python bench/bench_cluster.py --device {args.device} --rounds {args.rounds} --chats {args.chats} "
+             f"--turns {args.turns} --tokens {args.tokens} --replicas {args.replicas} "
+             f"--affinity-replicas {args.affinity_replicas}`", "",
+             f"Model: bench_serve's ({package.name}); {os.cpu_count()} CPUs; every server on 127.0.0.1.", ""]
+    if not cpu:
+        import torch
+
+        lines += [f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}", ""]
+
+    port = bench_serve.free_port()
+    single = bench_serve.start_server(package, args.device, port, work / "single.log",
+                                      args.threads if cpu else None, ["--no-engine-process"])
+    from aoti_sessions.cluster import _local
+
+    _local.start(num_cpus=os.cpu_count(), num_gpus=None if cpu else max(counts + affinity_counts))
+    from ray import serve
+
+    from aoti_sessions.cluster import app
+
+    serve_port = bench_serve.free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
+
+    def deploy(n: int, name: str) -> str:
+        serve.run(app(package, replicas=n, session_dir=work / name, device=args.device,
+                      threads=args.threads if cpu else None, cpus_per_replica=0.01, loopback=True,
+                      engine={"max_sessions": 512}), name=name, route_prefix=f"/{name}")
+        return f"http://127.0.0.1:{serve_port}/{name}"
+
+    single_base = f"http://127.0.0.1:{port}"
+    overhead: list[float] = []
+    per_token: dict[str, list[float]] = {"single": [], f"r{counts[0]}": []}
+    rates: dict[int, list[float]] = {n: [] for n in counts}
+    waits: dict[int, list[float]] = {n: [] for n in counts}
+    writes: dict[int, list[float]] = {n: [] for n in counts}
+    try:
+        run(single_base, 2, 2, 4, "warm")
+        # One cluster at a time (on GPUs, each replica holds one), its rounds;
+        # the first one's rounds interleaved with the server alone's.
+        for n in counts:
+            base = deploy(n, f"r{n}")
+            run(base, 2, 2, 4, "warm")
+            for r in range(args.rounds):
+                if n == counts[0]:  # overhead: one chat at a time
+                    seconds = {}
+                    for name, url in (("single", single_base), (f"r{n}", base)):
+                        wall, log = run(url, 1, args.turns, args.tokens, f"o{r}-{name}")
+                        seconds[name] = wall / sum(t[1] for t in log)
+                        per_token[name].append(seconds[name] * 1e3)
+                    overhead.append(seconds[f"r{n}"] / seconds["single"])
+                before = cluster_counters(base)  # throughput, and what checkpoints cost on the way
+                wall, log = run(base, args.chats, args.turns, args.tokens, f"t{r}")
+                after = cluster_counters(base)
+                rates[n].append(sum(t[1] for t in log) / wall)
+                waited = after["aoti_sessions_checkpoint_wait_seconds_total"] - \
+                    before["aoti_sessions_checkpoint_wait_seconds_total"]
+                waits[n].append(100 * waited / sum(t[0] for t in log))
+                written = after["aoti_sessions_checkpoints_total"] - before["aoti_sessions_checkpoints_total"]
+                writes[n].append(1e3 * (after["aoti_sessions_checkpoint_seconds_total"]
+                                        - before["aoti_sessions_checkpoint_seconds_total"]) / max(1.0, written))
+                print(f"{n} replicas, round {r}: {rates[n][-1]:.0f} tokens/s"
+                      + (f", overhead {overhead[-1]:.3f}x" if n == counts[0] else ""), flush=True)
+            serve.delete(f"r{n}")
+        lines += ["## Routing overhead per generated token (one chat at a time)", "",
+                  "| server | ms per generated token (min / median / max) |", "|---|---|"]
+        lines += [f"| {'aoti-sessions serve alone' if k == 'single' else k[1:] + ' replica cluster'} | "
+                  f"{spread(v)} |" for k, v in per_token.items() if v]
+        lines += ["", f"Cluster of {counts[0]} against the server alone, per round: {spread(overhead)} x "
+                      f"(median overhead {100 * (statistics.median(overhead) - 1):.1f}%).", "",
+                  f"## Throughput, {args.chats} chats at once ({args.turns} turns of {args.tokens} tokens)", "",
+                  "| replicas | generated tokens/s (min / median / max) | checkpoint wait, % of turn time | "
+                  "checkpoint write, ms each (off the request path) |", "|---:|---|---|---|"]
+        lines += [f"| {n} | {spread(rates[n], 0)} | {spread(waits[n], 3)} | {spread(writes[n], 2)} |" for n in counts]
+        if len(counts) > 1:
+            lines += ["", f"{counts[-1]} replicas against {counts[0]}, median tokens/s: "
+                          f"{statistics.median(rates[counts[-1]]) / statistics.median(rates[counts[0]]):.2f} x "
+                          f"(worst round of {counts[-1]} against best of {counts[0]}: "
+                          f"{min(rates[counts[-1]]) / max(rates[counts[0]]):.2f} x)."]
+        lines += ["", "## Affinity: 40 chats x 3 turns", "",
+                  "| replicas | follow-up turns | reused their cache (cached_tokens > 0) |", "|---:|---:|---:|"]
+        for n in affinity_counts:
+            base = deploy(n, f"a{n}")
+            _, log = run(base, 40, 3, 8, "aff")
+            follow_ups = [r for r in log if r[3] > 0]
+            reused = sum(1 for r in follow_ups if r[2] > 0)
+            lines.append(f"| {n} | {len(follow_ups)} | {reused} ({100 * reused / len(follow_ups):.0f}%) |")
+            serve.delete(f"a{n}")
+    finally:
+        serve.shutdown()
+        import ray
+
+        ray.shutdown()
+        single.terminate()
+        single.wait(60)
+    out = Path(args.out or ROOT / "bench" / f"RESULTS_cluster_{args.device.split(':')[0]}.md")
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
