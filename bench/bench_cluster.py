@@ -3,22 +3,22 @@
     python bench/bench_cluster.py [--device cpu|cuda] [--rounds 3] [--chats 32] [--turns 3] [--tokens 32]
                                   [--replicas 1,2] [--affinity-replicas 2,4]
 
-Serves bench_serve's model (exported once, cached) three ways at once, each on
-127.0.0.1: ``aoti-sessions serve`` alone (one process, ``--no-engine-process``:
-the engine beside HTTP, as a replica runs it), and local clusters of each
-``--replicas`` count (``aoti_sessions.cluster``; CPU replicas take the
-threads the single server gets; CUDA replicas take one GPU each). Per round,
-interleaved:
+Serves bench_serve's model (exported once, cached) on 127.0.0.1:
+``aoti-sessions serve`` alone (one process, ``--no-engine-process``: the
+engine beside HTTP, as a replica runs it) and ``aoti-sessions serve
+--replicas N`` for each ``--replicas`` count, one cluster at a time (each
+its own local Ray cluster; CPU replicas take the threads the single server
+gets, CUDA replicas one GPU each). Per round:
 
-- overhead: one chat at a time, ``--turns`` turns of ``--tokens`` tokens
-  (non-streamed): seconds per generated token, the cluster of one replica
-  against the server alone (routing: Serve's proxy, the ingress, the router,
-  the replica's in-process call, and the checkpoint after every turn);
+- overhead (the first count's rounds, interleaved with the server alone):
+  one chat at a time, ``--turns`` turns of ``--tokens`` tokens (not
+  streamed): seconds per generated token against the server alone (routing:
+  the front, the router, the replica's call, the checkpoint after each turn);
 - throughput: ``--chats`` chats at once, each ``--turns`` turns: generated
-  tokens/s of each cluster, and the largest against the one-replica cluster;
+  tokens/s of each cluster, and the largest count against the first;
 - checkpoint cost on the request path: the seconds requests waited for a
   checkpoint write (the replicas' ``checkpoint_wait_seconds_total``) against
-  the turns' own seconds; and the writes' time off the path.
+  the turns' own seconds; and the writes' time, off the path.
 
 Then affinity: 40 chats of 3 turns on clusters of ``--affinity-replicas``
 replicas; the share of follow-up turns that reused their session's cache
@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -96,6 +98,37 @@ def cluster_counters(base: str) -> dict[str, float]:
                                           "aoti_sessions_checkpoints_total")}
 
 
+@contextlib.contextmanager
+def cluster(package: Path, args: argparse.Namespace, replicas: int, work: Path) -> Iterator[str]:
+    """``aoti-sessions serve --replicas N`` (its own local Ray cluster) on a
+    free port until the block ends; yields its base URL."""
+    port = bench_serve.free_port()
+    log = work / f"cluster-{replicas}.log"
+    threads = ["--threads", str(args.threads)] if args.device.startswith("cpu") else []
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--replicas",
+                                 str(replicas), "--port", str(port), "--device", args.device, "--max-sessions", "512",
+                                 "--session-dir", str(work / f"sessions-{replicas}"), *threads],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster did not start: {log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=5).json().get("replicas") == replicas:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        run(base, 2, 2, 4, "warm")
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -126,22 +159,6 @@ def main() -> None:
     port = bench_serve.free_port()
     single = bench_serve.start_server(package, args.device, port, work / "single.log",
                                       args.threads if cpu else None, ["--no-engine-process"])
-    from aoti_sessions.cluster import _local
-
-    _local.start(num_cpus=os.cpu_count(), num_gpus=None if cpu else max(counts + affinity_counts))
-    from ray import serve
-
-    from aoti_sessions.cluster import app
-
-    serve_port = bench_serve.free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
-
-    def deploy(n: int, name: str) -> str:
-        serve.run(app(package, replicas=n, session_dir=work / name, device=args.device,
-                      threads=args.threads if cpu else None, cpus_per_replica=0.01, loopback=True,
-                      engine={"max_sessions": 512}), name=name, route_prefix=f"/{name}")
-        return f"http://127.0.0.1:{serve_port}/{name}"
-
     single_base = f"http://127.0.0.1:{port}"
     overhead: list[float] = []
     per_token: dict[str, list[float]] = {"single": [], f"r{counts[0]}": []}
@@ -153,29 +170,27 @@ def main() -> None:
         # One cluster at a time (on GPUs, each replica holds one), its rounds;
         # the first one's rounds interleaved with the server alone's.
         for n in counts:
-            base = deploy(n, f"r{n}")
-            run(base, 2, 2, 4, "warm")
-            for r in range(args.rounds):
-                if n == counts[0]:  # overhead: one chat at a time
-                    seconds = {}
-                    for name, url in (("single", single_base), (f"r{n}", base)):
-                        wall, log = run(url, 1, args.turns, args.tokens, f"o{r}-{name}")
-                        seconds[name] = wall / sum(t[1] for t in log)
-                        per_token[name].append(seconds[name] * 1e3)
-                    overhead.append(seconds[f"r{n}"] / seconds["single"])
-                before = cluster_counters(base)  # throughput, and what checkpoints cost on the way
-                wall, log = run(base, args.chats, args.turns, args.tokens, f"t{r}")
-                after = cluster_counters(base)
-                rates[n].append(sum(t[1] for t in log) / wall)
-                waited = after["aoti_sessions_checkpoint_wait_seconds_total"] - \
-                    before["aoti_sessions_checkpoint_wait_seconds_total"]
-                waits[n].append(100 * waited / sum(t[0] for t in log))
-                written = after["aoti_sessions_checkpoints_total"] - before["aoti_sessions_checkpoints_total"]
-                writes[n].append(1e3 * (after["aoti_sessions_checkpoint_seconds_total"]
-                                        - before["aoti_sessions_checkpoint_seconds_total"]) / max(1.0, written))
-                print(f"{n} replicas, round {r}: {rates[n][-1]:.0f} tokens/s"
-                      + (f", overhead {overhead[-1]:.3f}x" if n == counts[0] else ""), flush=True)
-            serve.delete(f"r{n}")
+            with cluster(package, args, n, work) as base:
+                for r in range(args.rounds):
+                    if n == counts[0]:  # overhead: one chat at a time
+                        seconds = {}
+                        for name, url in (("single", single_base), (f"r{n}", base)):
+                            wall, log = run(url, 1, args.turns, args.tokens, f"o{r}-{name}")
+                            seconds[name] = wall / sum(t[1] for t in log)
+                            per_token[name].append(seconds[name] * 1e3)
+                        overhead.append(seconds[f"r{n}"] / seconds["single"])
+                    before = cluster_counters(base)  # throughput, and what checkpoints cost on the way
+                    wall, log = run(base, args.chats, args.turns, args.tokens, f"t{r}")
+                    after = cluster_counters(base)
+                    rates[n].append(sum(t[1] for t in log) / wall)
+                    waited = after["aoti_sessions_checkpoint_wait_seconds_total"] - \
+                        before["aoti_sessions_checkpoint_wait_seconds_total"]
+                    waits[n].append(100 * waited / sum(t[0] for t in log))
+                    written = after["aoti_sessions_checkpoints_total"] - before["aoti_sessions_checkpoints_total"]
+                    writes[n].append(1e3 * (after["aoti_sessions_checkpoint_seconds_total"]
+                                            - before["aoti_sessions_checkpoint_seconds_total"]) / max(1.0, written))
+                    print(f"{n} replicas, round {r}: {rates[n][-1]:.0f} tokens/s"
+                          + (f", overhead {overhead[-1]:.3f}x" if n == counts[0] else ""), flush=True)
         lines += ["## Routing overhead per generated token (one chat at a time)", "",
                   "| server | ms per generated token (min / median / max) |", "|---|---|"]
         lines += [f"| {'aoti-sessions serve alone' if k == 'single' else k[1:] + ' replica cluster'} | "
@@ -194,17 +209,12 @@ def main() -> None:
         lines += ["", "## Affinity: 40 chats x 3 turns", "",
                   "| replicas | follow-up turns | reused their cache (cached_tokens > 0) |", "|---:|---:|---:|"]
         for n in affinity_counts:
-            base = deploy(n, f"a{n}")
-            _, log = run(base, 40, 3, 8, "aff")
-            follow_ups = [r for r in log if r[3] > 0]
-            reused = sum(1 for r in follow_ups if r[2] > 0)
+            with cluster(package, args, n, work) as base:
+                _, log = run(base, 40, 3, 8, "aff")
+            follow_ups = [t for t in log if t[3] > 0]
+            reused = sum(1 for t in follow_ups if t[2] > 0)
             lines.append(f"| {n} | {len(follow_ups)} | {reused} ({100 * reused / len(follow_ups):.0f}%) |")
-            serve.delete(f"a{n}")
     finally:
-        serve.shutdown()
-        import ray
-
-        ray.shutdown()
         single.terminate()
         single.wait(60)
     out = Path(args.out or ROOT / "bench" / f"RESULTS_cluster_{args.device.split(':')[0]}.md")

@@ -13,11 +13,39 @@ from ._router import SessionRouter
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica tells the router what it holds
 
 
+def engines(package: str | Path, *, replicas: int = 2, session_dir: str | Path, device: str = "cpu",
+            threads: int | None = None, engine: dict[str, Any] | None = None, server: dict[str, Any] | None = None,
+            cpus_per_replica: float = 1.0, max_ongoing_requests: int = 1024, loopback: bool = False) -> Any:
+    """The engine replicas' deployment, bound: what the ingress (a Serve
+    deployment, :func:`app`, or the command line's own HTTP front) routes to.
+    Arguments as :func:`app`'s."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+    if not Path(package).exists():
+        raise FileNotFoundError(f"no LLM package at {package}")
+    folder = Path(session_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    gpu = device.startswith("cuda")
+    routing: dict[str, Any] = {"request_router_class": SessionRouter,
+                               "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
+    deployment = serve.deployment(
+        name="engine", num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0 if gpu else cpus_per_replica, "num_gpus": 1 if gpu else 0},
+        request_router_config=RequestRouterConfig(**routing),
+        health_check_period_s=2.0, graceful_shutdown_timeout_s=120.0)(Replica)
+    return deployment.bind(str(Path(package).resolve()), session_dir=str(folder.resolve()), device=device,
+                           threads=threads, engine=engine, server=server, loopback=loopback)
+
+
 def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, device: str = "cpu",
         threads: int | None = None, api_key: str | None = None, engine: dict[str, Any] | None = None,
         server: dict[str, Any] | None = None, cpus_per_replica: float = 1.0, max_ongoing_requests: int = 1024,
         max_body_bytes: int = 64 << 20, loopback: bool = False) -> Any:
-    """The application of ``replicas`` engines of ``package``.
+    """The application of ``replicas`` engines of ``package`` behind an
+    ingress deployment (Serve's HTTP proxy in front).
 
     Args:
         session_dir: a folder every replica reads and writes (on many
@@ -33,26 +61,12 @@ def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, devi
             :mod:`aoti_sessions.cluster._local`).
     """
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
-    if not Path(package).exists():
-        raise FileNotFoundError(f"no LLM package at {package}")
-    folder = Path(session_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    gpu = device.startswith("cuda")
-    routing: dict[str, Any] = {"request_router_class": SessionRouter,
-                               "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
-    engines = serve.deployment(
-        name="engine", num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0 if gpu else cpus_per_replica, "num_gpus": 1 if gpu else 0},
-        request_router_config=RequestRouterConfig(**routing),
-        health_check_period_s=2.0, graceful_shutdown_timeout_s=120.0)(Replica)
+    bound = engines(package, replicas=replicas, session_dir=session_dir, device=device, threads=threads,
+                    engine=engine, server=server, cpus_per_replica=cpus_per_replica,
+                    max_ongoing_requests=max_ongoing_requests, loopback=loopback)
     front = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=100_000,
                              ray_actor_options={"num_cpus": 0})(Ingress)
-    bound = engines.bind(str(Path(package).resolve()), session_dir=str(folder.resolve()), device=device,
-                         threads=threads, engine=engine, server=server, loopback=loopback)
     return front.bind(bound, api_key=api_key, max_body_bytes=max_body_bytes, loopback=loopback)
 
 

@@ -6,13 +6,13 @@ cluster, whose replicas must all reach ``--session-dir``."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import tempfile
-import threading
 from typing import Any
 
 from ..serve._limits import available_memory, default_budgets
+
+MAX_BODY_BYTES = 64 << 20  # the front's limit; each replica checks its own (by the model's context)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     replicas, cpu = args.replicas, args.device.startswith("cpu")
     from ..llm._llm import usable_cpus
     from . import _local
-    from ._app import app
+    from ._app import engines
+    from ._front import serve_front
 
     memory_budget, host_budget = default_budgets(args.device, available_memory() // (replicas if local else 1))
     engine = {k: v for k, v in (("max_sessions", args.max_sessions),
@@ -65,18 +66,17 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"aoti-sessions serve: listening on {args.host} without an API key: anyone who can reach it can use it",
               file=sys.stderr)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(app(args.package, replicas=replicas, session_dir=session_dir, device=args.device, threads=threads,
-                      api_key=args.api_key, engine=engine, server=server, loopback=local),
-                  name="aoti-sessions", route_prefix="/")
+        serve.start(http_options={"location": "NoServer"})  # the front below answers HTTP
+        replicas_handle = serve.run(engines(args.package, replicas=replicas, session_dir=session_dir,
+                                            device=args.device, threads=threads, engine=engine, server=server,
+                                            loopback=local), name="aoti-sessions", route_prefix=None)
         print(f"aoti-sessions serve: {replicas} replicas of {args.package} on {args.device}, at "
               f"http://{args.host}:{args.port}; sessions checkpointed to {session_dir}"
               + ("; Ray dashboard http://127.0.0.1:8265" if local else ""), file=sys.stderr, flush=True)
-        stop.wait()
+        serve_front(replicas_handle, args.host, args.port, api_key=args.api_key,
+                    max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES, max_connections=args.max_connections,
+                    header_timeout=args.header_timeout)
         print("aoti-sessions serve: stopping: every replica parks its sessions in the session dir", file=sys.stderr,
               flush=True)
     finally:
