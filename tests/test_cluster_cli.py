@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from llm_models import llm_package
 from serving import wait_until
@@ -84,3 +85,8 @@ def test_cli_replicas_refusals(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--replicas", "0"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "must be at least 1" in result.stderr, result.stderr
+    if not torch.cuda.is_available():  # (on a GPU machine: more replicas than GPUs)
+        result = subprocess.run([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--replicas", "2",
+                                 "--device", "cuda"], capture_output=True, text=True)
+        assert result.returncode == 2 and "2 replicas need 2 GPUs (one each); this machine has 0" in result.stderr, \
+            result.stderr

@@ -59,6 +59,16 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or (max(1, (usable_cpus() - 1) // replicas) if cpu and local else None)
     server = {"session_ttl": args.session_ttl, "body_timeout": args.body_timeout,
               "max_body_bytes": args.max_body_bytes}
+    cpus_per_replica = 1.0
+    if local and cpu:  # a local cluster's CPUs shared by its replicas (each runs `threads` kernels)
+        cpus_per_replica = min(1.0, usable_cpus() / replicas)
+    if local and not cpu:
+        import torch
+
+        if torch.cuda.device_count() < replicas:
+            print(f"aoti-sessions serve: {replicas} replicas need {replicas} GPUs (one each); this machine has "
+                  f"{torch.cuda.device_count()}", file=sys.stderr)
+            return 2
     if local:
         _local.start(num_gpus=None if cpu else replicas)
     else:
@@ -70,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         serve.start(http_options={"location": "NoServer"})  # the front below answers HTTP
         replicas_handle = serve.run(engines(args.package, replicas=replicas, session_dir=session_dir,
                                             device=args.device, threads=threads, engine=engine, server=server,
-                                            loopback=local), name="aoti-sessions", route_prefix=None)
+                                            cpus_per_replica=cpus_per_replica, loopback=local),
+                                    name="aoti-sessions", route_prefix=None)
         print(f"aoti-sessions serve: {replicas} replicas of {args.package} on {args.device}, at "
               f"http://{args.host}:{args.port}; sessions checkpointed to {session_dir}"
               + ("; Ray dashboard http://127.0.0.1:8265" if local else ""), file=sys.stderr, flush=True)
