@@ -161,6 +161,7 @@ def main() -> None:
                                       args.threads if cpu else None, ["--no-engine-process"])
     single_base = f"http://127.0.0.1:{port}"
     overhead: list[float] = []
+    sequential_waits: list[float] = []  # checkpoint wait, % of the cluster's turn time, one chat at a time
     per_token: dict[str, list[float]] = {"single": [], f"r{counts[0]}": []}
     rates: dict[int, list[float]] = {n: [] for n in counts}
     waits: dict[int, list[float]] = {n: [] for n in counts}
@@ -175,9 +176,14 @@ def main() -> None:
                     if n == counts[0]:  # overhead: one chat at a time
                         seconds = {}
                         for name, url in (("single", single_base), (f"r{n}", base)):
+                            before = cluster_counters(base)
                             wall, log = run(url, 1, args.turns, args.tokens, f"o{r}-{name}")
                             seconds[name] = wall / sum(t[1] for t in log)
                             per_token[name].append(seconds[name] * 1e3)
+                        after = cluster_counters(base)
+                        sequential_waits.append(100 * (after["aoti_sessions_checkpoint_wait_seconds_total"] -
+                                                       before["aoti_sessions_checkpoint_wait_seconds_total"])
+                                                / sum(t[0] for t in log))
                         overhead.append(seconds[f"r{n}"] / seconds["single"])
                     before = cluster_counters(base)  # throughput, and what checkpoints cost on the way
                     wall, log = run(base, args.chats, args.turns, args.tokens, f"t{r}")
@@ -196,7 +202,8 @@ def main() -> None:
         lines += [f"| {'aoti-sessions serve alone' if k == 'single' else k[1:] + ' replica cluster'} | "
                   f"{spread(v)} |" for k, v in per_token.items() if v]
         lines += ["", f"Cluster of {counts[0]} against the server alone, per round: {spread(overhead)} x "
-                      f"(median overhead {100 * (statistics.median(overhead) - 1):.1f}%).", "",
+                      f"(median overhead {100 * (statistics.median(overhead) - 1):.1f}%); of its turns' time, "
+                      f"waiting for a checkpoint write: {spread(sequential_waits)} %.", "",
                   f"## Throughput, {args.chats} chats at once ({args.turns} turns of {args.tokens} tokens)", "",
                   "| replicas | generated tokens/s (min / median / max) | checkpoint wait, % of turn time | "
                   "checkpoint write, ms each (off the request path) |", "|---:|---|---|---|"]

@@ -158,6 +158,9 @@ def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_p
         for i, history in histories.items():
             replies, _ = converse(http, f"f-{i}", [f"Chat number {i}.", TURNS[0]], history=history)
             assert replies == reference[i][:2]
+        # (each chat's last turn is checkpointed once it has been left alone a moment)
+        wait_until(lambda: all((tmp_path / ".live" / f"f-{i}").is_file() for i in histories), timeout=30,
+                   what="the checkpoints")
         holders = _replica_of(http)
         victim = holders["f-0"]
         moved = [i for i in histories if holders[f"f-{i}"] == victim]
@@ -254,10 +257,17 @@ def _on_loopback(address: str, remote: bool) -> bool:
     return host.startswith("127.") or host == "::1" or host.startswith("::ffff:127.")
 
 
-def test_every_cluster_socket_is_on_loopback(cluster: int, deploy: Any, tmp_path: Path) -> None:
+def test_every_cluster_socket_is_on_loopback(cluster: int, package: Path, tmp_path: Path) -> None:
     """Every socket the cluster's processes (this one and all it started:
-    Ray's, Serve's, the replicas') hold listens on, or connects to, 127.0.0.1."""
-    deploy("loopback", replicas=2)
+    Ray's, Serve's, the replicas') hold listens on, or connects to, 127.0.0.1.
+    Deployed as ``serve run aoti_sessions.cluster:build_app`` does, from text."""
+    from ray import serve
+
+    from aoti_sessions.cluster import build_app
+
+    serve.run(build_app({"package": str(package), "session_dir": str(tmp_path), "replicas": "2", "threads": "1",
+                         "cpus_per_replica": "0.25", "api_key": KEY, "loopback": True}),
+              name="loopback", route_prefix="/loopback")
     with client(cluster, "loopback") as http:
         converse(http, "l-0", TURNS[:2])
         pids = _descendants(os.getpid())
@@ -275,3 +285,4 @@ def test_every_cluster_socket_is_on_loopback(cluster: int, deploy: Any, tmp_path
                     if not (_on_loopback(local, False) and _on_loopback(remote, True)):
                         wrong.append(f"{table} {local} -> {remote}")
         assert checked > 10 and not wrong, wrong
+    serve.delete("loopback")

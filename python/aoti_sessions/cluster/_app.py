@@ -74,7 +74,8 @@ def build_app(args: dict[str, Any]) -> Any:
     """``serve run aoti_sessions.cluster:build_app package=P session_dir=D
     replicas=N device=cuda``: :func:`app` of those arguments."""
     options = dict(args)
-    for name in ("replicas", "threads"):
+    for name, kind in (("replicas", int), ("threads", int), ("cpus_per_replica", float),
+                       ("max_ongoing_requests", int), ("max_body_bytes", int)):
         if name in options:
-            options[name] = int(options[name])
+            options[name] = kind(options[name])
     return app(options.pop("package"), session_dir=options.pop("session_dir"), **options)

@@ -79,8 +79,9 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         raise ValueError(f"session_ttl must be a number of seconds > 0 (or None: never), got {session_ttl!r}")
     if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < 1e9:
         raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
-    if (persist_sessions or checkpoint_sessions) and session_dir is None:
-        raise ValueError("persist_sessions and checkpoint_sessions need a session_dir to keep them in")
+    for name, wanted in (("persist_sessions", persist_sessions), ("checkpoint_sessions", checkpoint_sessions)):
+        if wanted and session_dir is None:
+            raise ValueError(f"{name} needs a session_dir to keep them in")
     persist = session_dir is not None if persist_sessions is None else bool(persist_sessions)
     registry = Registry(llm, session_dir, ttl=session_ttl, persist=persist, checkpoint=checkpoint_sessions)
     metrics = ServerMetrics(llm.stats, lambda: len(registry), lambda: registry.throwaway)

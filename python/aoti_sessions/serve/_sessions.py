@@ -14,9 +14,10 @@ parked session's id brings it back from its file, whatever the endpoint.
 
 With checkpoints on (servers that share a session dir, e.g. the replicas of a
 cluster), every change to a named session (a turn, a reset, a fork, a load)
-is also written to its parked file once the request ends, in the background:
-the session stays in memory, and its next request waits for the write only if
-it comes before the write is done. The file is then the session's truth
+is also written to its parked file in the background, once the session has
+been left alone for ``CHECKPOINT_DELAY_S`` (a burst of turns, as an agent's
+tool calls make, is written once, after it): the session stays in memory, and
+a request waits for a write only if one is under way when it comes. The file is then the session's truth
 across processes: a server that finds it changed since its own write (another
 server served the session meanwhile) drops its copy and loads the file; one
 that finds it gone (deleted elsewhere) drops its copy.
@@ -50,6 +51,7 @@ T = TypeVar("T")
 
 log = logging.getLogger("aoti_sessions.serve")
 PARKED_DIR = ".live"  # in --session-dir: parked sessions (a name no client's file can take)
+CHECKPOINT_DELAY_S = 0.05  # a session's checkpoint is written once it has been left alone this long
 
 # A session file's name: a plain, visible file name inside --session-dir (short
 # enough for the writer's temporary name beside it).
@@ -80,6 +82,7 @@ class Entry:
     last_used: float = field(default_factory=time.time)
     tokens: int = 0  # in the cache, as of the last step when busy
     writing: asyncio.Event | None = None  # set when its checkpoint write ends
+    changes: int = 0  # changes made to it (each to be checkpointed)
     written: tuple[int, int, int] | None = None  # its checkpoint file as this server last wrote or read it
 
     def describe(self) -> dict[str, Any]:
@@ -188,14 +191,25 @@ class Registry:
         return None
 
     def checkpoint_soon(self, entry: Entry) -> None:
-        """With checkpoints: writes named ``entry``'s state to its parked
-        file in the background (the next request for it waits for the write)."""
-        if not self.checkpoint or entry.id is None or entry.session is None or entry.writing is not None:
+        """With checkpoints: named ``entry`` changed; its state is written to
+        its parked file in the background once it has been left alone for
+        ``CHECKPOINT_DELAY_S`` (a change meanwhile writes it after that one)."""
+        if not self.checkpoint or entry.id is None or entry.session is None:
             return
-        entry.writing = asyncio.Event()
-        task = asyncio.get_running_loop().create_task(self._write(entry))
+        entry.changes += 1
+        task = asyncio.get_running_loop().create_task(self._write_later(entry, entry.changes))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+
+    async def _write_later(self, entry: Entry, change: int) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_DELAY_S)
+            if entry.changes != change or entry.session is None or self._entries.get(entry.id or "") is not entry:
+                return  # changed again (that change writes it), or gone
+            if not entry.busy and entry.writing is None:
+                break  # (held by a request that does not change it, a save: after it)
+        entry.writing = asyncio.Event()
+        await self._write(entry)
 
     async def _write(self, entry: Entry) -> None:
         assert self.parked is not None and entry.id is not None and entry.session is not None
