@@ -97,7 +97,8 @@ class Replica:
         if budget:
             fractions.append(stats["live_bytes"] / budget)
         return {"sessions": [e.id for e in registry.entries() if e.id is not None],
-                "fullness": max(fractions), "room": max(fractions) < 1.0}
+                "fullness": max(fractions), "room": max(fractions) < 1.0,
+                "capacity": self.engine_options.get("max_sessions")}
 
     def check_health(self) -> None:
         if not self.llm.alive:

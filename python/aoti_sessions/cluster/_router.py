@@ -45,7 +45,11 @@ def _placement(replica: RunningReplica, key: str) -> tuple[float, int, bytes]:
     stats = replica.routing_stats or {}
     rid = replica.replica_id.unique_id
     held = max(len(stats.get("sessions", ())), _affinity.AFFINITY.load(rid))
-    return fullness(stats), held, _tiebreak(key, rid)
+    full = fullness(stats)  # (as of its last report)
+    capacity = stats.get("capacity")
+    if capacity:  # the sessions placed since then count too
+        full = max(full, min(1.0, held / capacity))
+    return full, held, _tiebreak(key, rid)
 
 
 class SessionRouter(ConsistentHashRouter):
