@@ -10,10 +10,13 @@ engine beside HTTP, as a replica runs it) and ``aoti-sessions serve
 its own local Ray cluster; CPU replicas take the threads the single server
 gets, CUDA replicas one GPU each). Per round:
 
-- overhead (the first count's rounds, interleaved with the server alone):
-  one chat at a time, ``--turns`` turns of ``--tokens`` tokens (not
-  streamed): seconds per generated token against the server alone (routing:
+- overhead (the first count's rounds): one chat on the cluster and one on
+  the server alone, turn by turn in lockstep, ``--turns`` turns of
+  ``--tokens`` tokens (not streamed): seconds per generated token against
+  the server alone, and each turn's added milliseconds (routing:
   the front, the router, the replica's call, the checkpoint after each turn);
+  first on a cluster of Serve's default settings, then of ours
+  (``cluster/_env.py``: Serve's throughput-optimized mode);
 - throughput: ``--chats`` chats at once, each ``--turns`` turns: generated
   tokens/s of each cluster, and the largest count against the first;
 - checkpoint cost on the request path: the seconds requests waited for a
@@ -53,23 +56,29 @@ def message(chat: int, turn: int) -> str:
     return f"Chat {chat}, turn {turn}: tell me more about the river and the old mill by the bridge."
 
 
+async def one_turn(client: httpx.AsyncClient, messages: list[dict[str, str]], chat_id: int, turn: int, tokens: int,
+                   session: str, log: list[tuple[float, int, int, int]]) -> None:
+    """One turn of a chat (non-streamed); its (seconds, generated, cached,
+    turn) goes to ``log``, the reply to ``messages``."""
+    messages.append({"role": "user", "content": message(chat_id, turn)})
+    started = time.perf_counter()
+    response = await client.post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "session_id": session})
+    if response.status_code != 200:
+        raise RuntimeError(f"{session}: {response.status_code} {response.text[:300]}")
+    body = response.json()
+    usage = body["usage"]
+    log.append((time.perf_counter() - started, usage["completion_tokens"],
+                usage["prompt_tokens_details"]["cached_tokens"], turn))
+    messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+
+
 async def chat(client: httpx.AsyncClient, chat_id: int, turns: int, tokens: int, tag: str,
                log: list[tuple[float, int, int, int]]) -> None:
-    """One chat's turns (non-streamed); each turn's (seconds, generated, cached, turn) goes to ``log``."""
+    """One chat's turns; each turn's record goes to ``log``."""
     messages: list[dict[str, str]] = []
     for turn in range(turns):
-        messages.append({"role": "user", "content": message(chat_id, turn)})
-        started = time.perf_counter()
-        response = await client.post("/v1/chat/completions", json={
-            "messages": messages, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
-            "session_id": f"{tag}-{chat_id}"})
-        if response.status_code != 200:
-            raise RuntimeError(f"{tag}: {response.status_code} {response.text[:300]}")
-        body = response.json()
-        usage = body["usage"]
-        log.append((time.perf_counter() - started, usage["completion_tokens"],
-                    usage["prompt_tokens_details"]["cached_tokens"], turn))
-        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        await one_turn(client, messages, chat_id, turn, tokens, f"{tag}-{chat_id}", log)
 
 
 def run(base: str, chats: int, turns: int, tokens: int, tag: str) -> tuple[float, list[tuple[float, int, int, int]]]:
@@ -86,6 +95,30 @@ def run(base: str, chats: int, turns: int, tokens: int, tag: str) -> tuple[float
     return asyncio.run(main()), log
 
 
+def lockstep(bases: dict[str, str], turns: int, tokens: int, tag: str) -> dict[str, list[float]]:
+    """One chat on each server, turn by turn in turn (server A's turn 1, B's
+    turn 1, A's turn 2, ...): each server's seconds per turn, so that the
+    machine's drift between the two is shared."""
+    logs: dict[str, list[tuple[float, int, int, int]]] = {name: [] for name in bases}
+    messages: dict[str, list[dict[str, str]]] = {name: [] for name in bases}
+
+    async def main() -> None:
+        clients = {name: httpx.AsyncClient(base_url=url, timeout=600) for name, url in bases.items()}
+        try:
+            for turn in range(turns):
+                for name, client in clients.items():
+                    await one_turn(client, messages[name], 0, turn, tokens, f"{tag}-{name}", logs[name])
+        finally:
+            for client in clients.values():
+                await client.aclose()
+
+    asyncio.run(main())
+    for name, log in logs.items():
+        if any(t[1] != tokens for t in log):
+            raise RuntimeError(f"{name}: a turn generated other than {tokens} tokens")
+    return {name: [t[0] for t in log] for name, log in logs.items()}
+
+
 def spread(xs: list[float], digits: int = 3) -> str:
     return f"{min(xs):.{digits}f} / {statistics.median(xs):.{digits}f} / {max(xs):.{digits}f}"
 
@@ -99,17 +132,20 @@ def cluster_counters(base: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def cluster(package: Path, args: argparse.Namespace, replicas: int, work: Path) -> Iterator[str]:
+def cluster(package: Path, args: argparse.Namespace, replicas: int, work: Path,
+            env: dict[str, str] | None = None) -> Iterator[str]:
     """``aoti-sessions serve --replicas N`` (its own local Ray cluster) on a
-    free port until the block ends; yields its base URL."""
+    free port until the block ends, ``env`` added to its environment; yields
+    its base URL."""
     port = bench_serve.free_port()
-    log = work / f"cluster-{replicas}.log"
+    log = work / f"cluster-{replicas}{'-env' if env else ''}.log"
     threads = ["--threads", str(args.threads)] if args.device.startswith("cpu") else []
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--replicas",
                                  str(replicas), "--port", str(port), "--device", args.device, "--max-sessions", "512",
                                  "--session-dir", str(work / f"sessions-{replicas}"), *threads],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -160,31 +196,43 @@ def main() -> None:
     single = bench_serve.start_server(package, args.device, port, work / "single.log",
                                       args.threads if cpu else None, ["--no-engine-process"])
     single_base = f"http://127.0.0.1:{port}"
-    overhead: list[float] = []
+    # Overhead, by the cluster's Serve settings: ours (cluster/_env.py) and
+    # Serve's defaults (its throughput-optimized mode off), measured alike.
+    overhead: dict[str, list[float]] = {"ours": [], "defaults": []}
+    added_ms: dict[str, list[float]] = {"ours": [], "defaults": []}  # a cluster turn less the server alone's
     sequential_waits: list[float] = []  # checkpoint wait, % of the cluster's turn time, one chat at a time
-    per_token: dict[str, list[float]] = {"single": [], f"r{counts[0]}": []}
+    per_token: dict[str, list[float]] = {"single": [], "ours": [], "defaults": []}
     rates: dict[int, list[float]] = {n: [] for n in counts}
     waits: dict[int, list[float]] = {n: [] for n in counts}
     writes: dict[int, list[float]] = {n: [] for n in counts}
+
+    def overhead_round(base: str, settings: str, r: int) -> None:
+        """One chat on the cluster and one on the server alone, in lockstep."""
+        before = cluster_counters(base)
+        turns = lockstep({"single": single_base, "cluster": base}, args.turns, args.tokens, f"o{r}-{settings}")
+        after = cluster_counters(base)
+        for name, key in (("single", "single"), ("cluster", settings)):
+            per_token[key].append(1e3 * sum(turns[name]) / (args.turns * args.tokens))
+        added_ms[settings] += [1e3 * (c - s) for s, c in zip(turns["single"], turns["cluster"])]
+        if settings == "ours":
+            sequential_waits.append(100 * (after["aoti_sessions_checkpoint_wait_seconds_total"] -
+                                           before["aoti_sessions_checkpoint_wait_seconds_total"])
+                                    / sum(turns["cluster"]))
+        overhead[settings].append(sum(turns["cluster"]) / sum(turns["single"]))
+
     try:
         run(single_base, 2, 2, 4, "warm")
+        with cluster(package, args, counts[0], work, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}) as base:
+            for r in range(args.rounds):
+                overhead_round(base, "defaults", r)
+                print(f"Serve's defaults, round {r}: overhead {overhead['defaults'][-1]:.3f}x", flush=True)
         # One cluster at a time (on GPUs, each replica holds one), its rounds;
         # the first one's rounds interleaved with the server alone's.
         for n in counts:
             with cluster(package, args, n, work) as base:
                 for r in range(args.rounds):
                     if n == counts[0]:  # overhead: one chat at a time
-                        seconds = {}
-                        for name, url in (("single", single_base), (f"r{n}", base)):
-                            before = cluster_counters(base)
-                            wall, log = run(url, 1, args.turns, args.tokens, f"o{r}-{name}")
-                            seconds[name] = wall / sum(t[1] for t in log)
-                            per_token[name].append(seconds[name] * 1e3)
-                        after = cluster_counters(base)
-                        sequential_waits.append(100 * (after["aoti_sessions_checkpoint_wait_seconds_total"] -
-                                                       before["aoti_sessions_checkpoint_wait_seconds_total"])
-                                                / sum(t[0] for t in log))
-                        overhead.append(seconds[f"r{n}"] / seconds["single"])
+                        overhead_round(base, "ours", r)
                     before = cluster_counters(base)  # throughput, and what checkpoints cost on the way
                     wall, log = run(base, args.chats, args.turns, args.tokens, f"t{r}")
                     after = cluster_counters(base)
@@ -196,14 +244,21 @@ def main() -> None:
                     writes[n].append(1e3 * (after["aoti_sessions_checkpoint_seconds_total"]
                                             - before["aoti_sessions_checkpoint_seconds_total"]) / max(1.0, written))
                     print(f"{n} replicas, round {r}: {rates[n][-1]:.0f} tokens/s"
-                          + (f", overhead {overhead[-1]:.3f}x" if n == counts[0] else ""), flush=True)
+                          + (f", overhead {overhead['ours'][-1]:.3f}x" if n == counts[0] else ""), flush=True)
+        names = {"single": "aoti-sessions serve alone",
+                 "ours": f"{counts[0]} replica cluster (Serve throughput-optimized, cluster/_env.py)",
+                 "defaults": f"{counts[0]} replica cluster (Serve's defaults)"}
         lines += ["## Routing overhead per generated token (one chat at a time)", "",
+                  f"One chat on a cluster and one on the server alone, turn by turn in lockstep; {args.rounds} rounds "
+                  f"of {args.turns} turns of {args.tokens} tokens for each of the cluster's Serve settings.", "",
                   "| server | ms per generated token (min / median / max) |", "|---|---|"]
-        lines += [f"| {'aoti-sessions serve alone' if k == 'single' else k[1:] + ' replica cluster'} | "
-                  f"{spread(v)} |" for k, v in per_token.items() if v]
-        lines += ["", f"Cluster of {counts[0]} against the server alone, per round: {spread(overhead)} x "
-                      f"(median overhead {100 * (statistics.median(overhead) - 1):.1f}%); of its turns' time, "
-                      f"waiting for a checkpoint write: {spread(sequential_waits)} %.", "",
+        lines += [f"| {names[k]} | {spread(v)} |" for k, v in per_token.items() if v]
+        lines += ["", "| cluster's Serve settings | against the server alone, per round (min / median / max) | "
+                      "a turn's added ms (each cluster turn less the server alone's same turn) |", "|---|---|---|"]
+        lines += [f"| {names[k]} | {spread(overhead[k])} x (median {100 * (statistics.median(overhead[k]) - 1):+.1f}%) "
+                  f"| {spread(added_ms[k], 2)} ({len(added_ms[k])} turns) |" for k in ("ours", "defaults")]
+        lines += ["", f"Of the cluster's turns' time (ours), waiting for a checkpoint write: {spread(sequential_waits)} %.",
+                  "",
                   f"## Throughput, {args.chats} chats at once ({args.turns} turns of {args.tokens} tokens)", "",
                   "| replicas | generated tokens/s (min / median / max) | checkpoint wait, % of turn time | "
                   "checkpoint write, ms each (off the request path) |", "|---:|---|---|---|"]

@@ -33,6 +33,9 @@ def _positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import _env
+
+    _env.apply()  # before Ray Serve is imported
     try:
         import ray  # noqa: F401
         from ray import serve

@@ -22,7 +22,10 @@ LOOPBACK = "127.0.0.1"
 
 def start(num_cpus: int | None = None, num_gpus: int | None = None, dashboard: bool = True) -> None:
     """Starts a Ray cluster on this machine alone, every process on 127.0.0.1."""
+    from . import _env
+
     os.environ.update(LOCAL_ONLY_ENV)  # Ray's processes read it as they start
+    _env.apply()
     import ray
     from ray._private import ray_constants
 
@@ -30,7 +33,7 @@ def start(num_cpus: int | None = None, num_gpus: int | None = None, dashboard: b
 
     options: dict[str, Any] = {"_node_ip_address": LOOPBACK, "include_dashboard": dashboard,
                                "dashboard_host": LOOPBACK, "log_to_driver": False,
-                               "runtime_env": {"env_vars": dict(LOCAL_ONLY_ENV)}}
+                               "runtime_env": {"env_vars": {**LOCAL_ONLY_ENV, **_env.serve_env()}}}
     if num_cpus is not None:
         options["num_cpus"] = num_cpus
     if num_gpus is not None:
