@@ -33,11 +33,12 @@ from aoti_sessions.llm import _export, _linear_attention, _paged, _paged_attenti
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
 # qwen3_next, qwen3_5_moe (gated delta-net linear attention, full attention
-# and MoE) and lfm2 (short convolutions) keep recurrent state in slots.
+# and MoE) and lfm2 (short convolutions) keep recurrent state in slots;
+# mamba2 (a pure state-space model: no attention layer) keeps only that.
 # gemma3 and gpt_oss (MoE experts, attention sinks) have window layers of 16
 # beside global ones, in a context of 128 (8x the window).
 ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2", "gemma3",
-         "gpt_oss")
+         "gpt_oss", "mamba2")
 KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window of 16 on every layer (the context is 8x that)
 SEED = 0
 # Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
@@ -103,6 +104,11 @@ def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.Pret
                       shared_expert_intermediate_size=64, linear_num_value_heads=4, linear_num_key_heads=2,
                       linear_key_head_dim=16, linear_value_head_dim=16,
                       layer_types=["linear_attention", "full_attention"], tie_word_embeddings=True)
+    if arch == "mamba2":  # 8 SSM heads of 16 (2 x 64 inner), chunks of 16 (prefill spans several)
+        return transformers.Mamba2Config(
+            vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16,
+            n_groups=1, expand=2, conv_kernel=4, chunk_size=16, initializer_range=0.3, tie_word_embeddings=True,
+            **special)
     if arch == "lfm2":
         return transformers.Lfm2Config(**common, layer_types=["conv", "full_attention"])
     if arch == "gemma":

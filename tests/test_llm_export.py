@@ -73,13 +73,18 @@ def _reference(model: Any, prompt: list[int], steps: int = STEPS) -> tuple[list[
     logits: list[torch.Tensor] = []
     with torch.no_grad():
         ids = torch.tensor([prompt], device=model.device)
+        # transformers 5.2x names the cache argument and output ``cache`` in
+        # some families (Mamba2), ``past_key_values`` in others.
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         out = model(ids, use_cache=True)
         for _ in range(steps):
             last = out.logits[:, -1].float()
             logits.append(last)
             tokens.append(int(last.argmax(-1)))
-            out = model(torch.tensor([[tokens[-1]]], device=model.device), past_key_values=out.past_key_values,
-                        use_cache=True)
+            cache = out.get("past_key_values")
+            cache = out.get("cache") if cache is None else cache
+            assert cache is not None, f"{type(model).__name__} returned no cache"
+            out = model(torch.tensor([[tokens[-1]]], device=model.device), **{name: cache}, use_cache=True)
     return tokens, logits
 
 
@@ -269,20 +274,23 @@ def test_kv_cache_is_pooled_state(engine: ais.Engine, arch: str) -> None:
     """The KV cache of every layer is one pooled page tensor the engine owns
     (docs/batching.md); no buffer is per-session state."""
     config = transformers.AutoConfig.from_pretrained(hf_model_dir(arch), local_files_only=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     pool = engine.pool
     assert pool is not None and engine.mutable_fqns == ()
     # Hybrid models: pages for the attention layers, a slot a session for the others' state.
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     attention = sum(t in ("full_attention", "sliding_attention") for t in types)
+    heads = (config.num_key_value_heads, getattr(config, "head_dim", None)
+             or config.hidden_size // config.num_attention_heads) if attention else (1, 1)  # (Mamba2: empty pages)
     tensors = [(t["name"], t["kind"], t["unit_sizes"]) for t in pool["tensors"]]
-    assert tensors[0] == ("kv", "pages", [attention, 2, pool["page_size"], config.num_key_value_heads, head_dim])
+    assert tensors[0] == ("kv", "pages", [attention, 2, pool["page_size"], *heads])
+    assert (pool["page_bytes"] > 0) == (attention > 0)  # a model with no attention layer: pages of nothing
     slots = [(name, sizes[0]) for name, kind, sizes in tensors[1:] if kind == "slots"]
     assert len(slots) == len(tensors) - 1
     if attention == config.num_hidden_layers:
         assert slots == []
     else:
-        names = ["conv", "recurrent"] if arch.startswith("qwen3") else ["conv"]  # LFM2's layers are convolutions
+        # LFM2's layers are convolutions; delta-net and Mamba2 layers keep both.
+        names = ["conv", "recurrent"] if arch.startswith("qwen3") or arch == "mamba2" else ["conv"]
         assert slots == [(name, config.num_hidden_layers - attention) for name in names]
     assert pool["max_positions"] >= 128 and pool["max_rows"] == 64
     assert sorted(engine.methods) == ["decode", "prefill"]
@@ -346,7 +354,7 @@ def test_package_carries_tokenizer_spec_and_generation_config(arch: str) -> None
     assert (spec.max_cache_len, spec.max_prefill, spec.vocab_size, spec.dtype) == (128, 128, len(original), "float32")
     assert (spec.eos_token_ids, spec.bos_token_id, spec.pad_token_id) == ([im_end], endoftext, endoftext)
     # Sessions one prefill call feeds: one where recurrent state would take in a padded row's padding.
-    assert spec.recurrent == (arch in ("qwen3_next", "qwen3_5_moe", "lfm2"))
+    assert spec.recurrent == (arch in ("qwen3_next", "qwen3_5_moe", "lfm2", "mamba2"))
     assert spec.prefill_rows == (1 if spec.recurrent else DEFAULT_MAX_BATCH)
     assert package.generation_config["eos_token_id"] == im_end
     assert package.tokenizer_dir.is_dir() and package.tokenizer_dir.is_relative_to(cache_dir())

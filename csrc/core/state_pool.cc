@@ -202,7 +202,10 @@ void StatePool::Grow(PoolKind kind, int64_t want, StreamHandle stream) {
   const size_t unit_bytes = kind == PoolKind::kPages ? layout_.page_bytes : layout_.slot_bytes;
   const int64_t reserved = kind == PoolKind::kPages ? 2 : 1;
   int64_t limit = INT32_MAX;
-  if (max_bytes_) limit = std::min<int64_t>(limit, *max_bytes_ / static_cast<int64_t>(unit_bytes) + reserved);
+  // (Units of no bytes, the pages of a model with no attention layer, take no budget.)
+  if (max_bytes_ && unit_bytes > 0) {
+    limit = std::min<int64_t>(limit, *max_bytes_ / static_cast<int64_t>(unit_bytes) + reserved);
+  }
   const int64_t grown = std::min(std::max(want, capacity * 2), limit);
   if (grown < want) {
     Throw(ErrorKind::kCapacity, std::string("the state pool cannot grow to ") +
@@ -403,8 +406,7 @@ std::vector<OwnedTensor> StatePool::Use::Tensors() const NO_THREAD_SAFETY_ANALYS
     layout.dtype = t.unit.dtype;
     layout.sizes.push_back(pool_.units_[i]);
     layout.sizes.insert(layout.sizes.end(), t.unit.sizes.begin(), t.unit.sizes.end());
-    layout.strides.push_back(t.unit.numel());
-    layout.strides.insert(layout.strides.end(), t.unit.strides.begin(), t.unit.strides.end());
+    layout.strides = ContiguousStrides(layout.sizes);  // (units of no elements stride as torch's do)
     tensors.push_back(OwnedTensor::FromBlob(pool_.memory_[i], layout,
                                             pool_.device_.torch_device_type(),
                                             pool_.device_.spec().index));

@@ -153,7 +153,7 @@ std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& sizes) {
   int64_t step = 1;
   for (size_t i = sizes.size(); i-- > 0;) {
     strides[i] = step;
-    step *= sizes[i];
+    step *= std::max<int64_t>(sizes[i], 1);  // as torch's: a dim of size 0 steps as one of 1
   }
   return strides;
 }

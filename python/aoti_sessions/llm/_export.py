@@ -26,7 +26,8 @@ from torch.nn.attention import SDPBackend
 from .._compile import Method, Pool, compile
 from .._package import top_folder
 from ._export_cli import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE
-from ._paged import PagedLM, hybrid_layers_traceable, paged_attention_on
+from ._linear_attention import layers_traceable
+from ._paged import PagedLM, paged_attention_on
 from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec, require_transformers
 
 if TYPE_CHECKING:
@@ -372,7 +373,7 @@ def export(
         # Export under the final name: the package's top folder is named after the file.
         tmp = os.path.join(staging, os.path.basename(target))
         methods = _methods(module, prefill_len, max_batch, model.dtype, dev)
-        with hybrid_layers_traceable(model, prefill_len):
+        with layers_traceable(model, prefill_len):
             compile(module, methods, path=tmp, inductor_configs=inductor_configs, strict=False)
         missing = sorted({*module.state.attention, *module.state.recurrent} - module.layers_written)
         if missing:

@@ -1,8 +1,10 @@
-"""Two of transformers' reference functions for linear-attention layers in a
-form AOTInductor compiles for every row count and length: the chunked gated
-delta rule (Qwen3-Next's linear attention) and the cached step of a causal
-depthwise convolution (Qwen3-Next, LFM2). ``_paged.hybrid_layers_traceable``
-puts them in place of transformers' while a package is exported.
+"""Three of transformers' reference functions for linear-attention and
+state-space layers in a form AOTInductor compiles for every row count and
+length: the chunked gated delta rule (Qwen3-Next's linear attention), the
+chunked scan of Mamba2's state-space duality (SSD), and the cached step of a
+causal depthwise convolution (Qwen3-Next, LFM2, Mamba2).
+:func:`layers_traceable` puts them in place of transformers' while a package
+is exported.
 
 The chunked gated delta rule:
 
@@ -24,15 +26,26 @@ chunks is a Python loop over a count that depends on the length. Here:
 
 Everything else follows the reference step by step (float32 inside, query
 and key L2-normalised when asked, query scaled by the key dimension).
+
+The SSD chunk scan (transformers' ``mamba2_chunk_scan``) pads the sequence to
+a whole number of chunks of the example's length, and its trace then guards
+on that length; here it is padded to the same static length as the delta
+rule's. A padded position has a zero input and a zero log-decay (its
+``dt`` times ``A``), which leaves the state as it was.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["chunk_gated_delta_rule", "causal_conv1d_update"]
+__all__ = ["chunk_gated_delta_rule", "ssd_chunk_scan", "causal_conv1d_update", "layers_traceable"]
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -138,3 +151,91 @@ def causal_conv1d_update(hidden_states: torch.Tensor, conv_state: torch.Tensor, 
         out = ACT2FN[activation](out)
     out = out.to(hidden_states.dtype)
     return torch.cat([out, out], dim=-1)[..., :count]
+
+
+def _segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [..., C, C]: entry (i, j) the sum of x[j+1..i] for j <= i,
+    -inf above the diagonal (the reference's segment sum)."""
+    size = x.shape[-1]
+    x = x[..., None].expand(*x.shape, size)
+    strict = torch.ones(size, size, dtype=torch.bool, device=x.device).tril(-1)
+    sums = x.masked_fill(~strict, 0).cumsum(dim=-2)
+    lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril(0)
+    return sums.masked_fill(~lower, float("-inf"))
+
+
+def ssd_chunk_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                   C: torch.Tensor, chunk_size: int, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                   initial_states: torch.Tensor | None = None, dt_softplus: bool = False,
+                   dt_limit: tuple[float, float] = (0.0, float("inf")), return_final_states: bool = False, *,
+                   length: int, **kwargs: Any) -> Any:
+    """hidden_states [B, T, H, P], dt [B, T, H], A [H], B and C [B, T, G, N],
+    initial_states [B, H, P, N]: the output [B, T, H, P] (and the state after
+    the last position when ``return_final_states``); T <= ``length``."""
+    rows, count, heads, head_dim = hidden_states.shape
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).float()
+    x = hidden_states.float()
+    groups = B.shape[2]
+    B = B.float().repeat_interleave(heads // groups, dim=2)
+    C = C.float().repeat_interleave(heads // groups, dim=2)
+    padded = -(-length // chunk_size) * chunk_size
+    chunks = padded // chunk_size
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> [B, chunks, C, H, ...], zero padded
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, padded - count))
+        return t.reshape(rows, chunks, chunk_size, *t.shape[2:])
+
+    xs, a, b, c = chunked(x * dt[..., None]), chunked(A.float() * dt), chunked(B), chunked(C)
+    a = a.permute(0, 3, 1, 2)  # [B, H, chunks, C]
+    a_cumsum = a.cumsum(dim=-1)
+    # Within each chunk: attention-like scores of C against B, decayed.
+    scores = torch.einsum("bclhn,bcshn->bclsh", c, b) * torch.exp(_segment_sum(a)).permute(0, 2, 3, 4, 1)
+    y_diag = torch.einsum("bclsh,bcshp->bclhp", scores, xs)
+    # Each chunk's own state, then the states at the chunks' starts.
+    decay_states = torch.exp(a_cumsum[..., -1:] - a_cumsum)
+    states = torch.einsum("bclhn,bclhp->bchpn", b * decay_states.permute(0, 2, 3, 1)[..., None], xs)
+    start = torch.zeros_like(states[:, :1]) if initial_states is None else initial_states[:, None].float()
+    states = torch.cat([start, states], dim=1)
+    decay_chunk = torch.exp(_segment_sum(F.pad(a_cumsum[..., -1], (1, 0)))).transpose(1, 3)
+    new_states = torch.einsum("bzch,bzhpn->bchpn", decay_chunk, states)
+    states, final = new_states[:, :-1], new_states[:, -1]
+    y_off = torch.einsum("bclhn,bchpn->bclhp", c, states) * torch.exp(a_cumsum).permute(0, 2, 3, 1)[..., None]
+    # narrow, not a slice: torch 2.11 sizes [:count] as an unbacked Min(count, padded).
+    out = (y_diag + y_off).reshape(rows, padded, heads, head_dim).narrow(1, 0, count)
+    if D is not None:
+        out = out + D[..., None] * x
+    return (out, final) if return_final_states else out
+
+
+def _patched(model: torch.nn.Module, name: str, replacement: Any) -> list[tuple[Any, str, Any]]:
+    """Replaces the function ``name`` of every module defining one of the
+    model's layers with ``replacement``; returns what to put back."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    patched = [(module, name, getattr(module, name)) for module in modules
+               if callable(getattr(module, name, None))]
+    for module, _, _ in patched:
+        setattr(module, name, replacement)
+    return patched
+
+
+@contextmanager
+def layers_traceable(model: torch.nn.Module, max_prefill: int) -> Iterator[None]:
+    """transformers' reference functions for the model's linear-attention and
+    state-space layers replaced by ours for the block, so that the traced
+    graph serves every row count and length: the cached conv step
+    (``causal_conv1d_update``), the chunked gated delta rule
+    (``torch_chunk_gated_delta_rule``) and the SSD chunk scan
+    (``mamba2_chunk_scan``)."""
+    replacements = {"causal_conv1d_update": causal_conv1d_update,
+                    "torch_chunk_gated_delta_rule": functools.partial(chunk_gated_delta_rule, length=max_prefill),
+                    "mamba2_chunk_scan": functools.partial(ssd_chunk_scan, length=max_prefill)}
+    patched = [entry for name, replacement in replacements.items() for entry in _patched(model, name, replacement)]
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)

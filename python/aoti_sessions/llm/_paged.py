@@ -20,7 +20,8 @@ positions are written like real ones (the engine gave the row pages for all
 attends to them; the caller truncates the row to its real length afterwards.
 
 Hybrid models (Qwen3-Next, Qwen3.5-MoE, LFM2: layers of linear attention
-or short convolutions beside full attention) keep those layers' fixed-size
+or short convolutions beside full attention) and pure state-space models
+(Mamba2: no attention layer, so pages of nothing) keep those layers' fixed-size
 state (conv and recurrent) in slot tensors, one slot a session
 (``conv[slots, layers, ...]``, ``recurrent[slots, layers, ...]``, rows
 addressed by ``slot_ids``); only the attention layers have pages. A call
@@ -37,7 +38,6 @@ engine's zero page.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,13 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._linear_attention import causal_conv1d_update, chunk_gated_delta_rule
 from ._paged_attention import paged_decode_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["PagedLM", "ATTENTION", "PAD_ID", "kv_layout", "StateLayout", "state_layout", "hybrid_layers_traceable"]
+__all__ = ["PagedLM", "ATTENTION", "PAD_ID", "kv_layout", "StateLayout", "state_layout"]
 
 ATTENTION = "aoti_sessions_paged"  # the name our attention is registered under
 PAD_ID = -1  # pads a shorter row of a prefill call (after its tokens)
@@ -112,19 +111,12 @@ def state_layout(model: PreTrainedModel, cache_argument: str) -> StateLayout:
     linear = tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin))
     if not linear:
         return StateLayout(attention=tuple(range(int(config.num_hidden_layers))))
+    # (None for a pure state-space model such as Mamba2: its pool's pages then hold nothing.)
     attention = tuple(i for i, layer in enumerate(layers) if isinstance(layer, CacheLayerMixin))
     name = type(model).__name__
-    if not attention:
-        raise ValueError(f"{name} has no attention layer (a pure state-space model): export takes models with "
-                         "at least one attention layer")
-    before = config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 3, dtype=torch.long, device=model.device),
-                  **{cache_argument: cache}, use_cache=True)
-    finally:
-        model.set_attn_implementation(before)
+    with _attention(model, "sdpa" if attention else None), torch.no_grad():
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long, device=model.device), **{cache_argument: cache},
+              use_cache=True)
     slots = []
     for kind in ("conv_states", "recurrent_states"):
         found = [getattr(cache.layers[i], kind).get(0) for i in linear]
@@ -284,16 +276,17 @@ class PagedLM(torch.nn.Module):
         super().__init__()
         self.model = model
         config = model.config.get_text_config()
-        self.heads, self.head_dim = kv_layout(config, page_size)
-        self.page_size = page_size
-        self.max_pages = max_pages
-        self.kernel = kernel
         parameters = inspect.signature(model.forward).parameters
         # transformers 5.2x calls the argument ``cache``, earlier releases ``past_key_values``.
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self.state = state_layout(model, self.cache_argument)
+        # (A model with no attention layer has no KV heads: its pages are empty, [pages, 0, ...].)
+        self.heads, self.head_dim = kv_layout(config, page_size) if self.state.attention else (1, 1)
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.kernel = kernel
         self.logits_to_keep = "logits_to_keep" in parameters
         self.cache_class = _cache_class()
-        self.state = state_layout(model, self.cache_argument)
         self.layers = len(self.state.attention)  # the pool's layers: the attention layers'
         # Layers whose cache a traced call wrote: export checks the model used
         # the cache it was given (else sessions would keep no context).
@@ -424,44 +417,27 @@ def _pick_rows(model: PreTrainedModel, last: torch.Tensor) -> Iterator[None]:
             head.forward = own
 
 
-def _patched(model: PreTrainedModel, name: str, replacement: Any) -> list[tuple[Any, str, Any]]:
-    """Replaces the function ``name`` of every module defining one of the
-    model's layers with ``replacement``; returns what to put back."""
-    import sys
-
-    modules = {sys.modules[type(m).__module__] for m in model.modules()}
-    patched = [(module, name, getattr(module, name)) for module in modules
-               if callable(getattr(module, name, None))]
-    for module, _, _ in patched:
-        setattr(module, name, replacement)
-    return patched
-
-
-@contextmanager
-def hybrid_layers_traceable(model: PreTrainedModel, max_prefill: int) -> Iterator[None]:
-    """Two of transformers' reference functions for linear-attention layers
-    replaced by ours (``_linear_attention``), so that the traced graph serves
-    every row count and length: the cached conv step
-    (``causal_conv1d_update``) and the chunked gated delta rule
-    (``torch_chunk_gated_delta_rule``)."""
-    patched = _patched(model, "causal_conv1d_update", causal_conv1d_update) \
-        + _patched(model, "torch_chunk_gated_delta_rule", functools.partial(chunk_gated_delta_rule, length=max_prefill))
-    try:
-        yield
-    finally:
-        for module, name, original in patched:
-            setattr(module, name, original)
-
-
 @contextmanager
 def paged_attention_on(model: PreTrainedModel) -> Iterator[None]:
-    """``model`` running our attention (registered once) for the block."""
+    """``model`` running our attention (registered once) for the block (a
+    model with no attention layer, such as Mamba2, as it is)."""
     from transformers import AttentionInterface
+    from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
     AttentionInterface.register(ATTENTION, paged_attention)
-    config = model.config
-    before = config._attn_implementation
-    model.set_attn_implementation(ATTENTION)
+    layers = DynamicCache(config=model.config.get_text_config()).layers
+    with _attention(model, ATTENTION if any(isinstance(layer, CacheLayerMixin) for layer in layers) else None):
+        yield
+
+
+@contextmanager
+def _attention(model: PreTrainedModel, implementation: str | None) -> Iterator[None]:
+    """``model`` on attention ``implementation`` for the block (None: as it is)."""
+    if implementation is None:
+        yield
+        return
+    before = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
     try:
         yield
     finally:
