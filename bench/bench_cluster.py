@@ -1,7 +1,7 @@
 """The server on a Ray Serve cluster against one server (issue 21).
 
     python bench/bench_cluster.py [--device cpu|cuda] [--rounds 3] [--chats 32] [--turns 3] [--tokens 32]
-                                  [--replicas 1,2] [--affinity-replicas 2,4]
+                                  [--replicas 1,2] [--affinity-replicas 2,4] [--requests 100]
 
 Serves bench_serve's model (exported once, cached) on 127.0.0.1:
 ``aoti-sessions serve`` alone (one process, ``--no-engine-process``: the
@@ -16,7 +16,8 @@ gets, CUDA replicas one GPU each). Per round:
   the server alone, and each turn's added milliseconds (routing:
   the front, the router, the replica's call, the checkpoint after each turn);
   first on a cluster of Serve's default settings, then of ours
-  (``cluster/_env.py``: Serve's throughput-optimized mode);
+  (``cluster/_env.py``: Serve's throughput-optimized mode); and a request's
+  fixed cost: ``--requests`` one-token replies on each, in turn;
 - throughput: ``--chats`` chats at once, each ``--turns`` turns: generated
   tokens/s of each cluster, and the largest count against the first;
 - checkpoint cost on the request path: the seconds requests waited for a
@@ -119,6 +120,28 @@ def lockstep(bases: dict[str, str], turns: int, tokens: int, tag: str) -> dict[s
     return {name: [t[0] for t in log] for name, log in logs.items()}
 
 
+def request_cost(bases: dict[str, str], requests: int, tag: str) -> dict[str, list[float]]:
+    """What a request costs beyond its generation: ``requests`` one-token
+    replies, each in a new session, sent to each server in turn (A, B, A,
+    ...); each server's seconds per request."""
+    seconds: dict[str, list[float]] = {name: [] for name in bases}
+
+    async def main() -> None:
+        clients = {name: httpx.AsyncClient(base_url=url, timeout=600) for name, url in bases.items()}
+        try:
+            for i in range(requests):
+                for name, client in clients.items():
+                    log: list[tuple[float, int, int, int]] = []
+                    await one_turn(client, [], i, 0, 1, f"{tag}-{name}-{i}", log)
+                    seconds[name].append(log[0][0])
+        finally:
+            for client in clients.values():
+                await client.aclose()
+
+    asyncio.run(main())
+    return seconds
+
+
 def spread(xs: list[float], digits: int = 3) -> str:
     return f"{min(xs):.{digits}f} / {statistics.median(xs):.{digits}f} / {max(xs):.{digits}f}"
 
@@ -174,6 +197,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--affinity-replicas", default="2,4")
+    parser.add_argument("--requests", type=int, default=100, help="one-token requests measuring a request's cost")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of each engine (CPU device)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -185,7 +209,7 @@ def main() -> None:
     lines = [f"# Cluster against one server ({args.device})", "",
              f"`python bench/bench_cluster.py --device {args.device} --rounds {args.rounds} --chats {args.chats} "
              f"--turns {args.turns} --tokens {args.tokens} --replicas {args.replicas} "
-             f"--affinity-replicas {args.affinity_replicas}`", "",
+             f"--affinity-replicas {args.affinity_replicas} --requests {args.requests}`", "",
              f"Model: bench_serve's ({package.name}); {os.cpu_count()} CPUs; every server on 127.0.0.1.", ""]
     if not cpu:
         import torch
@@ -206,6 +230,14 @@ def main() -> None:
     waits: dict[int, list[float]] = {n: [] for n in counts}
     writes: dict[int, list[float]] = {n: [] for n in counts}
 
+    request_ms: dict[str, list[float]] = {"single": [], "ours": [], "defaults": []}  # one-token requests
+
+    def request_round(base: str, settings: str) -> None:
+        """A request's fixed cost: one-token replies, alternating servers."""
+        seconds = request_cost({"single": single_base, "cluster": base}, args.requests, f"q-{settings}")
+        request_ms["single"] += [1e3 * t for t in seconds["single"]]
+        request_ms[settings] += [1e3 * (c - s) for s, c in zip(seconds["single"], seconds["cluster"])]
+
     def overhead_round(base: str, settings: str, r: int) -> None:
         """One chat on the cluster and one on the server alone, in lockstep."""
         before = cluster_counters(base)
@@ -223,6 +255,7 @@ def main() -> None:
     try:
         run(single_base, 2, 2, 4, "warm")
         with cluster(package, args, counts[0], work, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}) as base:
+            request_round(base, "defaults")
             for r in range(args.rounds):
                 overhead_round(base, "defaults", r)
                 print(f"Serve's defaults, round {r}: overhead {overhead['defaults'][-1]:.3f}x", flush=True)
@@ -230,6 +263,8 @@ def main() -> None:
         # the first one's rounds interleaved with the server alone's.
         for n in counts:
             with cluster(package, args, n, work) as base:
+                if n == counts[0]:
+                    request_round(base, "ours")
                 for r in range(args.rounds):
                     if n == counts[0]:  # overhead: one chat at a time
                         overhead_round(base, "ours", r)
@@ -257,6 +292,16 @@ def main() -> None:
                       "a turn's added ms (each cluster turn less the server alone's same turn) |", "|---|---|---|"]
         lines += [f"| {names[k]} | {spread(overhead[k])} x (median {100 * (statistics.median(overhead[k]) - 1):+.1f}%) "
                   f"| {spread(added_ms[k], 2)} ({len(added_ms[k])} turns) |" for k in ("ours", "defaults")]
+        single_token = statistics.median(per_token["single"])
+        lines += ["", f"A request's cost beyond its generation: {args.requests} one-token replies (each in a new "
+                      "session, short prompt) per setting, alternating with the server alone "
+                      f"(median {statistics.median(request_ms['single']):.2f} ms a request there):", "",
+                  "| cluster's Serve settings | added ms a request (min / median / max) | "
+                  f"as a share of a {args.tokens}-token turn's generation (median added / "
+                  f"({args.tokens} x the server alone's median {single_token:.3f} ms a token)) |", "|---|---|---|"]
+        lines += [f"| {names[k]} | {spread(request_ms[k], 2)} | "
+                  f"{100 * statistics.median(request_ms[k]) / (args.tokens * single_token):+.1f}% |"
+                  for k in ("ours", "defaults")]
         lines += ["", f"Of the cluster's turns' time (ours), waiting for a checkpoint write: {spread(sequential_waits)} %.",
                   "",
                   f"## Throughput, {args.chats} chats at once ({args.turns} turns of {args.tokens} tokens)", "",
