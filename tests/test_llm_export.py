@@ -308,6 +308,51 @@ def test_cuda_prefill_attention_is_not_cudnn() -> None:
     assert "cudnn_attention" not in code["prefill"]
 
 
+def test_bfloat16_moe_experts_where_grouped_mm_does_not_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where AOTInductor cannot compile torch's grouped mm (torch 2.11's CUDA
+    shim; here the check says so on the CPU), bfloat16 MoE experts export
+    through transformers' fallback op in prefill and batched matmuls in
+    decode, and the package's greedy tokens equal transformers' in
+    bfloat16 (whose experts run torch's grouped mm)."""
+    from aoti_sessions.llm import _export
+
+    monkeypatch.setattr(_export, "_grouped_mm_compiles", lambda device: False)
+    package = cached_package("llm-qwen3_moe-cpu-bf16-fallback", ("qwen3_moe", "cpu", "bfloat16", "fallback"),
+                             lambda path: export(hf_model_dir("qwen3_moe"), path, dtype="bfloat16", max_cache_len=128,
+                                                 inductor_configs=FAST))
+    with zipfile.ZipFile(package) as z:  # the ops each method calls through the proxy executor
+        externs = {n.split("/")[-2]: z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.json")}
+    assert "grouped_mm_fallback" in externs["prefill"] and "grouped_mm" not in externs.get("decode", "")
+    model = _eager("qwen3_moe").to(torch.bfloat16)
+    with LLM(package) as llm:
+        prompt = llm.encode("The quick brown fox")
+        got = llm.new_session().generate(prompt, max_tokens=12, temperature=0, ignore_eos=True).token_ids
+        assert got == _reference(model, prompt, 12)[0]
+
+
+@requires_cuda
+def test_bfloat16_moe_experts_compile_and_decode_as_graphs() -> None:
+    """bfloat16 MoE experts on CUDA (transformers calls torch's grouped mm
+    for them, which torch 2.11's AOTInductor cannot compile; there export
+    takes transformers' fallback op in prefill and batched matmuls in decode):
+    a two-turn chat's greedy tokens equal transformers' in bfloat16, its
+    second turn reusing the first's cache, decode captured."""
+    package = cached_package("llm-qwen3_moe-cuda-bf16", ("qwen3_moe", "cuda", "bfloat16"), lambda path: export(
+        hf_model_dir("qwen3_moe"), path, device="cuda", dtype="bfloat16", max_cache_len=128, inductor_configs=FAST))
+    model = _eager("qwen3_moe", "cuda").to(torch.bfloat16)
+    with LLM(package, device="cuda") as llm:
+        assert llm.spec.dtype == "bfloat16"
+        s = llm.new_session()
+        first = llm.encode("The quick brown fox")
+        one = s.generate(first, max_tokens=12, temperature=0, ignore_eos=True)
+        assert one.token_ids == _reference(model, first, 12)[0]
+        second = first + one.token_ids + llm.encode(" and the old mill")
+        two = s.generate(second, max_tokens=12, temperature=0, ignore_eos=True)
+        assert two.cached_tokens == len(first) + 11
+        assert two.token_ids == _reference(model, second, 12)[0]
+        assert llm.engine.captures("decode")
+
+
 @requires_cuda
 def test_cuda_decode_graph_is_captured_on_a_thread_other_than_the_warm_ups() -> None:
     """Warm-up runs on one thread, the next runs on another (as a server's
@@ -373,8 +418,9 @@ def test_info_shows_what_an_llm_package_says(arch: str) -> None:
     assert f"  end of sequence: {', '.join(map(str, spec.eos_token_ids))}; bos: {spec.bos_token_id}; " \
            f"pad: {spec.pad_token_id}" in lines
     assert "  chat template: yes" in lines  # every tested family's tokenizer has one
-    assert ("  state: KV cache and recurrent state (conv, SSM or delta-net; rewinds only to a turn's start kept as "
-            "a checkpoint: a history changed before it is fed again)" if spec.recurrent else "  state: KV cache") in lines
+    assert ("  state: recurrent state (conv, SSM or delta-net; rewinds only to a turn's start kept as a checkpoint: "
+            "a history changed before it is fed again), and its attention layers' KV cache if it has any"
+            if spec.recurrent else "  state: KV cache") in lines
 
 
 def _hub_cache(root: Path, repo_id: str, folder: Path) -> None:

@@ -251,6 +251,35 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     }
 
 
+def _grouped_mm_compiles(device: torch.device) -> bool:
+    """Whether this torch's AOTInductor compiles ``torch._grouped_mm`` for
+    ``device``: its C shim declares the function (torch 2.11's CUDA shim does
+    not; transformers calls it for bfloat16 MoE experts)."""
+    if device.type != "cuda":
+        return True
+    header = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "inductor" / "aoti_torch" / "generated" \
+        / "c_shim_cuda.h"
+    return not header.is_file() or "aoti_torch_cuda__grouped_mm(" in header.read_text()
+
+
+@contextmanager
+def _grouped_mm_fallback(on: bool) -> Iterator[None]:
+    """With ``on``: transformers' MoE experts take their grouped-mm fallback
+    (a custom op, run through the proxy executor) instead of torch's grouped
+    mm, for every dtype (it takes it for all but bfloat16 anyway)."""
+    if not on:
+        yield
+        return
+    from transformers.integrations import moe
+
+    original = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
 @contextmanager
 def _exportable(model: PreTrainedModel, device: torch.device, dtype: torch.dtype | None,
                 restore: bool) -> Iterator[None]:
@@ -368,12 +397,13 @@ def export(
         # Decode reads the pages with the Triton kernel on CUDA, by gathering them elsewhere.
         # (Not for attention sinks, which the kernel does not take: GPT-OSS decodes on the gather path.)
         sinks = any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+        grouped_mm = _grouped_mm_compiles(dev)
         module = PagedLM(model, page_size, max_pages=-(-cache_len // page_size),
-                         kernel=dev.type == "cuda" and not sinks)
+                         kernel=dev.type == "cuda" and not sinks, grouped_mm=grouped_mm)
         # Export under the final name: the package's top folder is named after the file.
         tmp = os.path.join(staging, os.path.basename(target))
         methods = _methods(module, prefill_len, max_batch, model.dtype, dev)
-        with layers_traceable(model, prefill_len):
+        with layers_traceable(model, prefill_len), _grouped_mm_fallback(not grouped_mm):
             compile(module, methods, path=tmp, inductor_configs=inductor_configs, strict=False)
         missing = sorted({*module.state.attention, *module.state.recurrent} - module.layers_written)
         if missing:

@@ -272,8 +272,12 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 class PagedLM(torch.nn.Module):
     """``prefill`` and ``decode`` over the pooled cache (see the module's doc)."""
 
-    def __init__(self, model: PreTrainedModel, page_size: int, max_pages: int, kernel: bool) -> None:
+    def __init__(self, model: PreTrainedModel, page_size: int, max_pages: int, kernel: bool,
+                 grouped_mm: bool = True) -> None:
         super().__init__()
+        # Whether AOTInductor compiles torch's grouped mm here (bfloat16 MoE
+        # experts decode through it; else through batched matmuls).
+        self.grouped_mm = grouped_mm
         self.model = model
         config = model.config.get_text_config()
         parameters = inspect.signature(model.forward).parameters
@@ -356,24 +360,25 @@ class PagedLM(torch.nn.Module):
                slot_ids: torch.Tensor | None = None, conv: torch.Tensor | None = None,
                recurrent: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, 1]: one new position for each of B sessions; logits [B, V]."""
-        with _batched_experts(self.model):
+        with _batched_experts(self.model, self.grouped_mm):
             return self._run(input_ids, kv, page_table, positions, self.kernel, slot_ids,
                              self._slots(slot_ids, conv, recurrent))
 
 
 @contextmanager
-def _batched_experts(model: PreTrainedModel) -> Iterator[None]:
+def _batched_experts(model: PreTrainedModel, grouped_mm: bool) -> Iterator[None]:
     """A decode step's MoE experts as transformers' ``batched_mm`` (each
     token's experts' weights gathered, one batched matmul), where the
     model's own choice would be its grouped-mm fallback: a custom op that
     reads the token counts per expert on the host, which a CUDA graph
     cannot capture. A step decodes a few tokens, so gathering their experts
     costs about what reading them does. (bfloat16 weights keep torch's
-    grouped mm, which needs no host.)"""
+    grouped mm, which needs no host, where ``grouped_mm`` says AOTInductor
+    compiles it.)"""
     configs: dict[int, Any] = {id(m.config): m.config for m in model.modules()
                                if hasattr(m, "has_gate")
                                and hasattr(getattr(m, "config", None), "_experts_implementation_internal")
-                               and _expert_weights(m).dtype != torch.bfloat16}
+                               and (_expert_weights(m).dtype != torch.bfloat16 or not grouped_mm)}
     saved = {key: c._experts_implementation_internal for key, c in configs.items()}
     for c in configs.values():
         c._experts_implementation_internal = "batched_mm"
