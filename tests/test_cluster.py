@@ -120,6 +120,16 @@ def reference(package: Path) -> Any:
         return [converse(http, f"ref-{i}", [f"Chat number {i}.", *TURNS])[0] for i in range(40)]
 
 
+def open_chats(http: httpx.Client, prefix: str, count: int, reference: Any) -> dict[int, list[dict[str, str]]]:
+    """``count`` chats (``prefix-i``) of their first two turns, each reply
+    equal to one server's; their histories, by chat."""
+    histories: dict[int, list[dict[str, str]]] = {i: [] for i in range(count)}
+    for i, history in histories.items():
+        replies, _ = converse(http, f"{prefix}-{i}", [f"Chat number {i}.", TURNS[0]], history=history)
+        assert replies == reference[i][:2], i
+    return histories
+
+
 def _replica_of(http: httpx.Client) -> dict[str, str]:
     listed = http.get("/v1/sessions")
     assert listed.status_code == 200, listed.text
@@ -154,10 +164,7 @@ def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_p
                                                 reference: Any) -> None:
     deploy("failover", replicas=2)
     with client(cluster, "failover") as http:
-        histories: dict[int, list[dict[str, str]]] = {i: [] for i in range(8)}
-        for i, history in histories.items():
-            replies, _ = converse(http, f"f-{i}", [f"Chat number {i}.", TURNS[0]], history=history)
-            assert replies == reference[i][:2]
+        histories = open_chats(http, "f", 8, reference)
         # (each chat's last turn is checkpointed once it has been left alone a moment)
         wait_until(lambda: all((tmp_path / ".live" / f"f-{i}").is_file() for i in histories), timeout=30,
                    what="the checkpoints")
@@ -197,9 +204,7 @@ def test_scale_down_moves_the_leaving_replicas_sessions(cluster: int, deploy: An
                                                         reference: Any) -> None:
     deploy("scale", replicas=2)
     with client(cluster, "scale") as http:
-        histories: dict[int, list[dict[str, str]]] = {i: [] for i in range(6)}
-        for i, history in histories.items():
-            converse(http, f"s-{i}", [f"Chat number {i}.", TURNS[0]], history=history)
+        histories = open_chats(http, "s", 6, reference)
         assert len(set(_replica_of(http).values())) == 2
         deploy("scale", replicas=1)
         wait_until(lambda: http.get("/health").json().get("replicas") == 1, timeout=120, what="one replica")

@@ -105,8 +105,9 @@ def _llm_lines(model: str) -> list[str]:
             f"  end of sequence: {', '.join(map(str, spec.eos_token_ids)) or 'none'}; "
             f"bos: {spec.bos_token_id}; pad: {spec.pad_token_id}",
             f"  chat template: {'yes' if template else 'none (prompts are plain text)'}",
-            "  state: KV cache and recurrent state (conv, SSM or delta-net; rewinds only to a turn's start kept "
-            "as a checkpoint: a history changed before it is fed again)" if spec.recurrent else "  state: KV cache"]
+            "  state: recurrent state (conv, SSM or delta-net; rewinds only to a turn's start kept as a "
+            "checkpoint: a history changed before it is fed again), and its attention layers' KV cache if it has any"
+            if spec.recurrent else "  state: KV cache"]
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ With checkpoints on (servers that share a session dir, e.g. the replicas of a
 cluster), every change to a named session (a turn, a reset, a fork, a load)
 is also written to its parked file in the background, once the session has
 been left alone for ``CHECKPOINT_DELAY_S`` (a burst of turns, as an agent's
-tool calls make, is written once, after it): the session stays in memory, and
-a request waits for a write only if one is under way when it comes. The file is then the session's truth
-across processes: a server that finds it changed since its own write (another
-server served the session meanwhile) drops its copy and loads the file; one
-that finds it gone (deleted elsewhere) drops its copy.
+tool calls make, is written once, after it): the session stays in memory,
+and a request waits for a write only if one is under way when it comes. The
+file is then the session's truth across processes: a server that finds it
+changed since its own write (another server served the session meanwhile)
+drops its copy and loads the file; one that finds it gone (deleted
+elsewhere) drops its copy.
 """
 
 from __future__ import annotations
@@ -209,10 +210,7 @@ class Registry:
             if not entry.busy and entry.writing is None:
                 break  # (held by a request that does not change it, a save: after it)
         entry.writing = asyncio.Event()
-        await self._write(entry)
-
-    async def _write(self, entry: Entry) -> None:
-        assert self.parked is not None and entry.id is not None and entry.session is not None
+        assert self.parked is not None and entry.id is not None
         path, session, started = self.parked / entry.id, entry.session, time.perf_counter()
         try:
             await in_thread(lambda: session.save(path))
