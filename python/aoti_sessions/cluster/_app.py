@@ -35,7 +35,7 @@ def engines(package: str | Path, *, replicas: int = 2, session_dir: str | Path, 
     deployment = serve.deployment(
         name="engine", num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": 0 if gpu else cpus_per_replica, "num_gpus": 1 if gpu else 0,
-                           "runtime_env": {"env_vars": _env.serve_env()}},
+                           "runtime_env": _env.runtime_env()},
         request_router_config=RequestRouterConfig(**routing),
         health_check_period_s=2.0, graceful_shutdown_timeout_s=120.0)(Replica)
     return deployment.bind(str(Path(package).resolve()), session_dir=str(folder.resolve()), device=device,
@@ -68,7 +68,7 @@ def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, devi
                     engine=engine, server=server, cpus_per_replica=cpus_per_replica,
                     max_ongoing_requests=max_ongoing_requests, loopback=loopback)
     front = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=100_000,
-                             ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": _env.serve_env()}})(Ingress)
+                             ray_actor_options={"num_cpus": 0, "runtime_env": _env.runtime_env()})(Ingress)
     return front.bind(bound, api_key=api_key, max_body_bytes=max_body_bytes, loopback=loopback)
 
 

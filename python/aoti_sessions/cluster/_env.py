@@ -31,6 +31,11 @@ def serve_env() -> dict[str, str]:
     return {name: os.environ.get(name, value) for name, value in SERVE_ENV.items()}
 
 
+def runtime_env() -> dict[str, dict[str, str]]:
+    """A deployment's ``runtime_env`` carrying them to its replicas."""
+    return {"env_vars": serve_env()}
+
+
 def apply() -> None:
     """Sets them in this process, for a Ray Serve imported after this."""
     os.environ.update(serve_env())

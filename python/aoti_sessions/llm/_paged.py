@@ -98,21 +98,29 @@ class StateLayout:
     slots: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()  # (name, shape, dtype) per slot tensor
 
 
+def _layer_kinds(config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the layers with a KV cache, the layers with linear-attention state),
+    as transformers' own cache lays out a model of ``config``."""
+    from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
+
+    layers = DynamicCache(config=config).layers
+    return (tuple(i for i, layer in enumerate(layers) if isinstance(layer, CacheLayerMixin)),
+            tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)))
+
+
 def state_layout(model: PreTrainedModel, cache_argument: str) -> StateLayout:
     """The model's layers as transformers' own cache lays them out: layers
     with linear-attention state (conv, SSM, delta-net) learn their state's
     shapes from one small forward with that cache (on the model's own
     attention)."""
-    from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import DynamicCache
 
     config = model.config.get_text_config()
-    cache = DynamicCache(config=config)
-    layers = list(cache.layers)
-    linear = tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin))
+    attention, linear = _layer_kinds(config)
     if not linear:
         return StateLayout(attention=tuple(range(int(config.num_hidden_layers))))
-    # (None for a pure state-space model such as Mamba2: its pool's pages then hold nothing.)
-    attention = tuple(i for i, layer in enumerate(layers) if isinstance(layer, CacheLayerMixin))
+    # (attention is empty for a pure state-space model such as Mamba2: its pool's pages then hold nothing.)
+    cache = DynamicCache(config=config)
     name = type(model).__name__
     with _attention(model, "sdpa" if attention else None), torch.no_grad():
         model(input_ids=torch.zeros(1, 3, dtype=torch.long, device=model.device), **{cache_argument: cache},
@@ -427,11 +435,10 @@ def paged_attention_on(model: PreTrainedModel) -> Iterator[None]:
     """``model`` running our attention (registered once) for the block (a
     model with no attention layer, such as Mamba2, as it is)."""
     from transformers import AttentionInterface
-    from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
     AttentionInterface.register(ATTENTION, paged_attention)
-    layers = DynamicCache(config=model.config.get_text_config()).layers
-    with _attention(model, ATTENTION if any(isinstance(layer, CacheLayerMixin) for layer in layers) else None):
+    attention, _ = _layer_kinds(model.config.get_text_config())
+    with _attention(model, ATTENTION if attention else None):
         yield
 
 
