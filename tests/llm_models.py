@@ -28,7 +28,7 @@ import transformers  # noqa: E402
 
 from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import _export, _linear_attention, _paged, _paged_attention, _spec  # noqa: E402
+from aoti_sessions.llm import _export, _linear_attention, _paged, _paged_attention, _ring, _spec  # noqa: E402
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
@@ -36,7 +36,8 @@ from aoti_sessions.llm import _export, _linear_attention, _paged, _paged_attenti
 # and MoE) and lfm2 (short convolutions) keep recurrent state in slots;
 # mamba2 (a pure state-space model: no attention layer) keeps only that.
 # gemma3 and gpt_oss (MoE experts, attention sinks) have window layers of 16
-# beside global ones, in a context of 128 (8x the window).
+# beside global ones, in a context of 128 (8x the window): each session keeps
+# a ring of 16 positions for each window layer (llm/_ring.py).
 ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2", "gemma3",
          "gpt_oss", "mamba2")
 KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window of 16 on every layer (the context is 8x that)
@@ -173,8 +174,8 @@ def hf_model_dir(arch: str) -> Path:
 def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object]) -> Path:
     """The package ``build(path)`` writes, built once: cached under the models
     folder by ``key``, this file, the exporter's and the compiler's sources."""
-    sources = [inspect.getsource(module) for module in (_export, _paged, _paged_attention, _linear_attention, _spec,
-                                                        _compile, _pool, _program)]
+    sources = [inspect.getsource(module) for module in (_export, _paged, _paged_attention, _linear_attention, _ring,
+                                                        _spec, _compile, _pool, _program)]
     target = cache_dir() / "models" / f"{name}-{_source_key(*sources, *key)}.pt2"
     if target.is_file():
         return target
@@ -187,9 +188,11 @@ def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object
     return target
 
 
-def llm_package(arch: str, device: str = "cpu", max_cache_len: int = 128) -> Path:
+def llm_package(arch: str, device: str = "cpu", max_cache_len: int = 128, window_cache: str = "ring") -> Path:
     """``hf_model_dir(arch)`` exported with ``aoti_sessions.llm.export``, once."""
     def build(path: Path) -> None:
-        _export.export(hf_model_dir(arch), path, device=device, max_cache_len=max_cache_len, inductor_configs=FAST)
+        _export.export(hf_model_dir(arch), path, device=device, max_cache_len=max_cache_len, inductor_configs=FAST,
+                       window_cache=window_cache)
 
-    return cached_package(f"llm-{arch}-{device}", (arch, device, str(max_cache_len)), build)
+    suffix = "" if window_cache == "ring" else f"-{window_cache}"
+    return cached_package(f"llm-{arch}-{device}{suffix}", (arch, device, str(max_cache_len), window_cache), build)

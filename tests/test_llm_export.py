@@ -175,19 +175,30 @@ def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.
             torch.testing.assert_close(mine, ref[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
-def test_a_sliding_window_model_serves_its_whole_context(device: str, family: str) -> None:
+@pytest.mark.parametrize("family, window_cache", [("mistral", "ring"), ("gemma3", "ring"), ("gpt_oss", "ring"),
+                                                  ("mistral", "full")])
+def test_a_sliding_window_model_serves_its_whole_context(device: str, family: str, window_cache: str) -> None:
     """Mistral (every layer windowed), Gemma 3 and GPT-OSS (window layers
     beside global ones; GPT-OSS's with attention sinks and MoE experts) with
     a window of 16 in a context of 128: the package keeps
     max_position_embeddings' bound (not the window's), and a reply running
     far past the window equals transformers' greedy tokens (its window
-    layers attend to their last 16 positions only)."""
-    package = llm_package(family, device)
+    layers attend to their last 16 positions only). Window layers keep a
+    ring of 16 positions a session (a slot the same at any length), or with
+    window_cache="full" every position in pages."""
+    package = llm_package(family, device, window_cache=window_cache)
     model = _eager(family, device)
     window = model.config.sliding_window
     with LLM(package, device=device) as llm:
         assert llm.max_context == 128 >= 6 * window
+        ring = [t for t in llm.engine.pool["tensors"] if t["name"] == "ring"]
+        if window_cache == "ring":
+            types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * len(model.model.layers)
+            windowed = types.count("sliding_attention")  # (Mistral's config names none: all are windowed)
+            assert [t["unit_sizes"][:3] for t in ring] == [[windowed, 2, window]]
+            assert llm.spec.window_ring == window and llm.spec.recurrent
+        else:
+            assert ring == [] and llm.spec.window_ring == 0 and not llm.spec.recurrent
         prompt = llm.encode("Once upon a time the river and the old mill by the bridge " * 2)
         assert len(prompt) > window
         steps = 96 - len(prompt)
@@ -276,17 +287,22 @@ def test_kv_cache_is_pooled_state(engine: ais.Engine, arch: str) -> None:
     config = transformers.AutoConfig.from_pretrained(hf_model_dir(arch), local_files_only=True)
     pool = engine.pool
     assert pool is not None and engine.mutable_fqns == ()
-    # Hybrid models: pages for the attention layers, a slot a session for the others' state.
+    # Hybrid models: pages for the attention layers, a slot a session for the
+    # others' state; window layers: a slot a session holding their window's ring.
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    attention = sum(t in ("full_attention", "sliding_attention") for t in types)
-    heads = (config.num_key_value_heads, getattr(config, "head_dim", None)
-             or config.hidden_size // config.num_attention_heads) if attention else (1, 1)  # (Mamba2: empty pages)
+    attention = types.count("full_attention")
+    windowed = types.count("sliding_attention")
+    kv_shape = (config.num_key_value_heads, getattr(config, "head_dim", None)
+                or config.hidden_size // config.num_attention_heads) if attention or windowed else (1, 1)
+    heads = kv_shape if attention else (1, 1)  # (Mamba2, Mistral's rings: empty pages)
     tensors = [(t["name"], t["kind"], t["unit_sizes"]) for t in pool["tensors"]]
     assert tensors[0] == ("kv", "pages", [attention, 2, pool["page_size"], *heads])
     assert (pool["page_bytes"] > 0) == (attention > 0)  # a model with no attention layer: pages of nothing
     slots = [(name, sizes[0]) for name, kind, sizes in tensors[1:] if kind == "slots"]
     assert len(slots) == len(tensors) - 1
-    if attention == config.num_hidden_layers:
+    if windowed:
+        assert tensors[1:] == [("ring", "slots", [windowed, 2, config.sliding_window, *kv_shape])]
+    elif attention == config.num_hidden_layers:
         assert slots == []
     else:
         # LFM2's layers are convolutions; delta-net and Mamba2 layers keep both.
@@ -399,7 +415,10 @@ def test_package_carries_tokenizer_spec_and_generation_config(arch: str) -> None
     assert (spec.max_cache_len, spec.max_prefill, spec.vocab_size, spec.dtype) == (128, 128, len(original), "float32")
     assert (spec.eos_token_ids, spec.bos_token_id, spec.pad_token_id) == ([im_end], endoftext, endoftext)
     # Sessions one prefill call feeds: one where recurrent state would take in a padded row's padding.
-    assert spec.recurrent == (arch in ("qwen3_next", "qwen3_5_moe", "lfm2", "mamba2"))
+    # (Window layers' rings rewind as recurrent state does.)
+    windowed = arch in ("gemma3", "gpt_oss")
+    assert spec.recurrent == (arch in ("qwen3_next", "qwen3_5_moe", "lfm2", "mamba2") or windowed)
+    assert spec.window_ring == (16 if windowed else 0)
     assert spec.prefill_rows == (1 if spec.recurrent else DEFAULT_MAX_BATCH)
     assert package.generation_config["eos_token_id"] == im_end
     assert package.tokenizer_dir.is_dir() and package.tokenizer_dir.is_relative_to(cache_dir())
@@ -418,9 +437,15 @@ def test_info_shows_what_an_llm_package_says(arch: str) -> None:
     assert f"  end of sequence: {', '.join(map(str, spec.eos_token_ids))}; bos: {spec.bos_token_id}; " \
            f"pad: {spec.pad_token_id}" in lines
     assert "  chat template: yes" in lines  # every tested family's tokenizer has one
-    assert ("  state: recurrent state (conv, SSM or delta-net; rewinds only to a turn's start kept as a checkpoint: "
-            "a history changed before it is fed again), and its attention layers' KV cache if it has any"
-            if spec.recurrent else "  state: KV cache") in lines
+    rewinds = "rewinds only to a turn's start kept as a checkpoint: a history changed before it is fed again"
+    if spec.window_ring:
+        state = f"  state: window layers' ring of 16 positions ({rewinds}), and the global layers' KV cache if it has any"
+    elif spec.recurrent:
+        state = f"  state: recurrent state (conv, SSM or delta-net; {rewinds}), and its attention layers' KV cache if " \
+                "it has any"
+    else:
+        state = "  state: KV cache"
+    assert state in lines
 
 
 def _hub_cache(root: Path, repo_id: str, folder: Path) -> None:

@@ -8,6 +8,10 @@ import json
 import logging
 import sys
 import zipfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .llm._spec import LLMSpec
 
 
 def _positive(text: str) -> int:
@@ -105,9 +109,18 @@ def _llm_lines(model: str) -> list[str]:
             f"  end of sequence: {', '.join(map(str, spec.eos_token_ids)) or 'none'}; "
             f"bos: {spec.bos_token_id}; pad: {spec.pad_token_id}",
             f"  chat template: {'yes' if template else 'none (prompts are plain text)'}",
-            "  state: recurrent state (conv, SSM or delta-net; rewinds only to a turn's start kept as a "
-            "checkpoint: a history changed before it is fed again), and its attention layers' KV cache if it has any"
-            if spec.recurrent else "  state: KV cache"]
+            _state_line(spec)]
+
+
+def _state_line(spec: LLMSpec) -> str:
+    rewinds = "rewinds only to a turn's start kept as a checkpoint: a history changed before it is fed again"
+    if spec.window_ring:
+        return (f"  state: window layers' ring of {spec.window_ring} positions ({rewinds}), and the global layers' "
+                "KV cache if it has any")
+    if spec.recurrent:
+        return (f"  state: recurrent state (conv, SSM or delta-net; {rewinds}), and its attention layers' KV cache "
+                "if it has any")
+    return "  state: KV cache"
 
 
 if __name__ == "__main__":

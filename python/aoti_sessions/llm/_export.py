@@ -204,10 +204,11 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     # 8 and dynamo cannot prove the guard that adds for every length in range
     # ("Constraints violated (tokens)"); a hint lets export keep it as a check.
     tokens = torch.export.Dim.DYNAMIC(min=2, max=max_prefill)
-    # A hybrid model's layers make the trace guard the row count against 1
-    # (views Inductor or export cannot prove for a batch of one, torch 2.11
-    # and 2.13 at different places): it is compiled for two rows or more, and
-    # the engine pads a call of one session with a scratch row (min_rows).
+    # A model with slots (hybrid layers, window rings) makes the trace guard
+    # the row count against 1 (views Inductor or export cannot prove for a
+    # batch of one, torch 2.11 and 2.13 at different places): it is compiled
+    # for two rows or more, and the engine pads a call of one session with a
+    # scratch row (min_rows).
     rows = torch.export.Dim("rows", min=min(2, max_batch) if module.state.slots else 1, max=max_batch)
     pages = torch.export.Dim.DYNAMIC
     # The page table's width: the pages the call's rows hold, so attention
@@ -219,14 +220,19 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     width = torch.export.Dim("width", min=2, max=module.max_pages) if module.max_pages > 2 else None
     prefill_width = {} if width is None else {1: width}
     decode_width = None if module.kernel or width is None else {1: width}
-    # A hybrid model's conv and recurrent state: slot tensors (one slot a
-    # session; slot 0 is the engine's scratch), rows addressed by slot_ids.
+    # A hybrid model's conv and recurrent state, window layers' rings: slot
+    # tensors (one slot a session; slot 0 is the engine's scratch), rows
+    # addressed by slot_ids; passed by name.
     slots = module.slot_examples(1 + _EXAMPLE_ROWS, device)
     pool = Pool(tokens="input_ids", pages=("kv",), page_size=module.page_size, page_table="page_table",
                 positions="positions", slots=tuple(slots), slot_ids="slot_ids" if slots else None)
-    state_args = (torch.arange(1, 1 + _EXAMPLE_ROWS, dtype=torch.int32, device=device), *slots.values()) \
-        if slots else ()
-    state_shapes = ({0: rows}, *({0: torch.export.Dim.DYNAMIC} for _ in slots)) if slots else ()
+    state = {"slot_ids": torch.arange(1, 1 + _EXAMPLE_ROWS, dtype=torch.int32, device=device), **slots} \
+        if slots else {}
+    state_shapes = {name: {0: rows if name == "slot_ids" else torch.export.Dim.DYNAMIC} for name in state}
+
+    def shapes(tokens_dim: dict[int, Any], width_dim: dict[int, Any] | None) -> dict[str, Any]:
+        return {"input_ids": tokens_dim, "kv": {0: pages}, "page_table": {0: rows, **(width_dim or {})},
+                "positions": {0: rows}, **state_shapes}
 
     def table(n: int) -> torch.Tensor:
         t = torch.zeros(n, module.max_pages, dtype=torch.int32, device=device)
@@ -236,17 +242,12 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     kv = module.pool_example(2 + _EXAMPLE_ROWS, dtype, device)
     return {
         "prefill": Method((torch.zeros(_EXAMPLE_ROWS, example, dtype=torch.long, device=device), kv,
-                           table(_EXAMPLE_ROWS), torch.zeros(_EXAMPLE_ROWS, dtype=torch.long, device=device),
-                           *state_args),
-                          dynamic_shapes=({0: rows, 1: tokens}, {0: pages}, {0: rows, **prefill_width}, {0: rows},
-                                          *state_shapes),
-                          entry="prefill",
+                           table(_EXAMPLE_ROWS), torch.zeros(_EXAMPLE_ROWS, dtype=torch.long, device=device)),
+                          kwargs=state, dynamic_shapes=shapes({0: rows, 1: tokens}, prefill_width), entry="prefill",
                           attention=PREFILL_ATTENTION, pool=pool),
         "decode": Method((torch.zeros(_EXAMPLE_ROWS, 1, dtype=torch.long, device=device), kv, table(_EXAMPLE_ROWS),
-                          torch.full((_EXAMPLE_ROWS,), example, dtype=torch.long, device=device), *state_args),
-                         dynamic_shapes=({0: rows}, {0: pages}, {0: rows, **(decode_width or {})}, {0: rows},
-                                         *state_shapes),
-                         entry="decode",
+                          torch.full((_EXAMPLE_ROWS,), example, dtype=torch.long, device=device)),
+                         kwargs=state, dynamic_shapes=shapes({0: rows}, decode_width), entry="decode",
                          attention=DECODE_ATTENTION, pool=pool),
     }
 
@@ -338,6 +339,7 @@ def export(
     inductor_configs: Mapping[str, Any] | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     page_size: int = DEFAULT_PAGE_SIZE,
+    window_cache: str = "ring",
 ) -> str:
     """Compile a transformers causal LM into one LLM package at ``path`` (.pt2).
 
@@ -359,6 +361,12 @@ def export(
 
     ``max_cache_len`` defaults to the model's context (at most 4096),
     ``max_prefill`` to ``min(512, max_cache_len)``, ``dtype`` to the model's.
+    ``window_cache``: how sliding-window layers (Gemma 2/3, Mistral, GPT-OSS)
+    keep their cache where the window is shorter than the context: "ring"
+    (each session keeps its window of positions per layer, a slot of the
+    pool that rewinds only to a turn's start, as recurrent state does;
+    ``llm/_ring.py``) or "full" (pages of every position, as global layers:
+    rewinds anywhere, feeds generated tokens a step ahead, pads prefill rows).
     Returns the package path.
     """
     require_transformers()
@@ -366,6 +374,8 @@ def export(
     target = os.fspath(path)
     if not target.endswith(".pt2"):
         raise ValueError(f"package path must end in .pt2, got {target}")
+    if window_cache not in ("ring", "full"):
+        raise ValueError(f"window_cache must be 'ring' or 'full', got {window_cache!r}")
     for name, value, low in (("max_batch", max_batch, 1), ("page_size", page_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -399,7 +409,8 @@ def export(
         sinks = any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
         grouped_mm = _grouped_mm_compiles(dev)
         module = PagedLM(model, page_size, max_pages=-(-cache_len // page_size),
-                         kernel=dev.type == "cuda" and not sinks, grouped_mm=grouped_mm)
+                         kernel=dev.type == "cuda" and not sinks, grouped_mm=grouped_mm,
+                         ring_len=cache_len if window_cache == "ring" else None)
         # Export under the final name: the package's top folder is named after the file.
         tmp = os.path.join(staging, os.path.basename(target))
         methods = _methods(module, prefill_len, max_batch, model.dtype, dev)
@@ -418,7 +429,9 @@ def export(
             pad_token_id=_first_id(generation.pad_token_id, getattr(config, "pad_token_id", None), tok.pad_token_id),
             dtype=str(model.dtype).removeprefix("torch."), name=hub_id or _model_name(model, source),
             # A hybrid model's recurrent state would read a padded row's padding: one row a prefill call.
-            prefill_rows=1 if module.state.slots else max_batch, recurrent=bool(module.state.slots))
+            # (Rings too: they rewind only to checkpoints, so a padded row could not be cut back.)
+            prefill_rows=1 if module.state.slots else max_batch, recurrent=bool(module.state.slots),
+            window_ring=module.state.ring.window if module.state.ring else 0)
         _append_files(tmp, {SPEC_FILE: spec.to_json().encode(),
                             GENERATION_CONFIG_FILE: generation.to_json_string().encode(),
                             **_tokenizer_files(tok)})

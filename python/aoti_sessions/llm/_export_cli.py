@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sessions one decode step takes at most (default {DEFAULT_MAX_BATCH})")
     parser.add_argument("--page-size", type=_at_least(1), default=DEFAULT_PAGE_SIZE,
                         help=f"positions per page of the pooled KV cache (default {DEFAULT_PAGE_SIZE})")
+    parser.add_argument("--window-cache", choices=["ring", "full"], default="ring",
+                        help="sliding-window layers: a ring of the window a session (default; rewinds only to a "
+                             "turn's start, as recurrent state) or every position in pages")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = export(args.model_dir, args.output, device=args.device, max_cache_len=args.max_cache_len,
                       max_prefill=args.max_prefill, dtype=args.dtype, max_batch=args.max_batch,
-                      page_size=args.page_size)
+                      page_size=args.page_size, window_cache=args.window_cache)
     except (Error, ValueError, TypeError, OSError) as e:
         sys.stderr.write(f"aoti-sessions: error: {e}\n")
         return 2

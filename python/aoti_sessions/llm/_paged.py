@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._paged_attention import paged_decode_attention
+from ._ring import Ring, RingStep, ring_layers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -73,6 +74,7 @@ class _Step:
     # Each layer's state as this call leaves it, by (slot tensor, layer):
     # read from the slots on first use, written back after the call.
     states: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    ring: RingStep | None = None  # the window layers' rings (_ring.py), where they keep one
 
 
 _current: list[_Step] = []  # the call being traced (one at a time)
@@ -93,9 +95,14 @@ class StateLayout:
     """Which layers keep KV pages and which fixed-size state, and that
     state's shape per session and layer (without the batch) and dtype."""
 
-    attention: tuple[int, ...]  # layers with a KV cache, in order (the pool's layer index)
+    attention: tuple[int, ...]  # layers with KV pages, in order (the pool's layer index)
     recurrent: tuple[int, ...] = ()  # layers with conv / recurrent state, in order (the slots' layer index)
     slots: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()  # (name, shape, dtype) per slot tensor
+    ring: Ring | None = None  # window layers keeping a ring of their window (slot "ring"), not pages
+
+    def slot_layers(self, name: str) -> int:
+        """The layers a slot tensor holds."""
+        return len(self.ring.layers) if name == "ring" and self.ring is not None else len(self.recurrent)
 
 
 def _layer_kinds(config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -108,15 +115,24 @@ def _layer_kinds(config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
             tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)))
 
 
-def state_layout(model: PreTrainedModel, cache_argument: str) -> StateLayout:
+def state_layout(model: PreTrainedModel, cache_argument: str, ring_len: int | None = None) -> StateLayout:
     """The model's layers as transformers' own cache lays them out: layers
     with linear-attention state (conv, SSM, delta-net) learn their state's
     shapes from one small forward with that cache (on the model's own
-    attention)."""
+    attention). ``ring_len``: the context, where window layers keep a ring
+    of their window (if it is shorter) instead of pages."""
     from transformers.cache_utils import DynamicCache
 
     config = model.config.get_text_config()
     attention, linear = _layer_kinds(config)
+    ring = None if ring_len is None else ring_layers(config, ring_len)
+    if ring is not None:
+        if linear:
+            raise ValueError(f"{type(model).__name__} has window layers beside linear-attention ones, which "
+                             "aoti_sessions does not keep in rings together; export it with window_cache='full'")
+        heads, dim = kv_layout(config, 1)
+        return StateLayout(attention=tuple(i for i in attention if i not in ring.layers), ring=ring,
+                           slots=(("ring", (2, ring.window, heads, dim), model.dtype),))
     if not linear:
         return StateLayout(attention=tuple(range(int(config.num_hidden_layers))))
     # (attention is empty for a pure state-space model such as Mamba2: its pool's pages then hold nothing.)
@@ -164,6 +180,8 @@ def _cache_class() -> type:
             self.layer_count = len(layout.attention) + len(layout.recurrent)
             self.pool_layer = {g: i for i, g in enumerate(layout.attention)}  # a layer's index in the pool
             self.slot_layer = {g: i for i, g in enumerate(layout.recurrent)}  # and in the slot tensors
+            self.ring_layer = {g: i for i, g in enumerate(layout.ring.layers if layout.ring else ())}
+            self.layer_count += len(self.ring_layer)
 
         def __len__(self) -> int:
             return self.layer_count
@@ -172,6 +190,9 @@ def _cache_class() -> type:
                    *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             step = self.step
             self.written.add(layer_idx)
+            if layer_idx in self.ring_layer:
+                assert step.ring is not None
+                return step.ring.update(self.ring_layer[layer_idx], key_states, value_states)
             layer_idx = self.pool_layer[layer_idx]
             # index_put_ on the pool itself, with one index tensor per
             # dimension: AOTInductor writes that in place. (A write through a
@@ -246,14 +267,18 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     step = _current[-1]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    if sliding_window and not step.kernel and attention_mask is not None:
+    ring = step.ring is not None and bool(sliding_window)  # keys and values from the layer's ring
+    if ring:
+        assert step.ring is not None
+        attention_mask = step.ring.mask
+    elif sliding_window and not step.kernel and attention_mask is not None:
         # A window layer attends to the last `sliding_window` positions only
         # (key > query - window, as transformers' sliding masks); the cache
         # holds every position, so the context is not cut to the window.
         keys = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
         recent = keys[None, None, :] > step.positions[:, :, None] - int(sliding_window)  # [B, T, K]
         attention_mask = attention_mask & recent[:, None]
-    if step.kernel:
+    if step.kernel and not ring:
         out = paged_decode_attention(query[:, :, 0], key, value, step.page_table, step.lengths, scale,
                                      int(sliding_window or 0), float(softcap or 0.0))
         return out[:, None], None
@@ -281,7 +306,7 @@ class PagedLM(torch.nn.Module):
     """``prefill`` and ``decode`` over the pooled cache (see the module's doc)."""
 
     def __init__(self, model: PreTrainedModel, page_size: int, max_pages: int, kernel: bool,
-                 grouped_mm: bool = True) -> None:
+                 grouped_mm: bool = True, ring_len: int | None = None) -> None:
         super().__init__()
         # Whether AOTInductor compiles torch's grouped mm here (bfloat16 MoE
         # experts decode through it; else through batched matmuls).
@@ -291,8 +316,9 @@ class PagedLM(torch.nn.Module):
         parameters = inspect.signature(model.forward).parameters
         # transformers 5.2x calls the argument ``cache``, earlier releases ``past_key_values``.
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
-        self.state = state_layout(model, self.cache_argument)
-        # (A model with no attention layer has no KV heads: its pages are empty, [pages, 0, ...].)
+        # ``ring_len``: the context, where window layers keep a ring of their window if it is shorter.
+        self.state = state_layout(model, self.cache_argument, ring_len)
+        # (A model with no layer in pages has no KV heads there: its pages are empty, [pages, 0, ...].)
         self.heads, self.head_dim = kv_layout(config, page_size) if self.state.attention else (1, 1)
         self.page_size = page_size
         self.max_pages = max_pages
@@ -310,19 +336,24 @@ class PagedLM(torch.nn.Module):
 
     def slot_examples(self, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
         """The slot tensors (hybrid models; none otherwise), by input name."""
-        layers = len(self.state.recurrent)
-        return {name: torch.zeros(slots, layers, *shape, dtype=dtype, device=device)
+        return {name: torch.zeros(slots, self.state.slot_layers(name), *shape, dtype=dtype, device=device)
                 for name, shape, dtype in self.state.slots}
 
     def _run(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
              kernel: bool, slot_ids: torch.Tensor | None, slots: dict[str, torch.Tensor],
-             picked: bool = False) -> torch.Tensor:
+             real: torch.Tensor | None = None) -> torch.Tensor:
+        """``real``: each row's real positions (prefill: the rest is padding,
+        and each row's logits are its last real position's); None: all are
+        (decode)."""
         rows, count = input_ids.shape
         pos = positions[:, None] + torch.arange(count, device=input_ids.device)  # [B, T]
         page = torch.gather(page_table, 1, torch.div(pos, self.page_size, rounding_mode="floor")).long()
         offset = pos % self.page_size
-        step = _Step(kv, page_table, page.reshape(-1), offset.reshape(-1), positions + count, kernel, pos, slots,
-                     None if slot_ids is None else slot_ids.long())
+        ids = None if slot_ids is None else slot_ids.long()
+        step = _Step(kv, page_table, page.reshape(-1), offset.reshape(-1), positions + count, kernel, pos, slots, ids)
+        if self.state.ring is not None:
+            assert ids is not None
+            step.ring = RingStep(self.state.ring, slots["ring"], ids, pos, real, in_place=real is None)
         if kernel:
             mask = None
         else:
@@ -331,46 +362,48 @@ class PagedLM(torch.nn.Module):
             mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, K]: causal, own positions only
         extra: dict[str, Any] = {self.cache_argument: self.cache_class(step, self.state, self.layers_written)}
         if self.logits_to_keep:
-            extra["logits_to_keep"] = 0 if picked else 1  # picked: _pick_rows takes each row's last real one
+            extra["logits_to_keep"] = 1 if real is None else 0  # (prefill: _pick_rows takes each row's last real one)
         _current.append(step)
         try:
             out = self.model(input_ids=input_ids, position_ids=pos, attention_mask=mask, use_cache=True, **extra)
         finally:
             _current.pop()
         for (name, layer), value in step.states.items():  # the rows' state after the call, into their slots
+            # (The rings write theirs as they go: _ring.py.)
             assert step.slot_ids is not None
             target = slots[name]
             target.index_put_((step.slot_ids, torch.full_like(step.slot_ids, layer)), value.to(target.dtype))
         logits: torch.Tensor = out.logits
         return logits[:, -1, :]
 
-    def _slots(self, slot_ids: torch.Tensor | None, conv: torch.Tensor | None,
-               recurrent: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        given = {name: t for name, t in (("conv", conv), ("recurrent", recurrent)) if t is not None}
+    def _slots(self, slot_ids: torch.Tensor | None, conv: torch.Tensor | None, recurrent: torch.Tensor | None,
+               ring: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        given = {name: t for name, t in (("conv", conv), ("recurrent", recurrent), ("ring", ring)) if t is not None}
         names = [name for name, _, _ in self.state.slots]
         if sorted(given) != sorted(names) or (names and slot_ids is None):
             raise TypeError(f"this model's calls take slot_ids and the slot tensors {names}, got {sorted(given)}")
         return given
 
+    # The slot tensors (and slot_ids) are passed by name: a model has any of them.
     def prefill(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
                 slot_ids: torch.Tensor | None = None, conv: torch.Tensor | None = None,
-                recurrent: torch.Tensor | None = None) -> torch.Tensor:
+                recurrent: torch.Tensor | None = None, ring: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T]: up to T new positions of each of B sessions,
         right-padded with PAD_ID (never for a hybrid model: its state would
         read the padding); logits [B, V] of each row's last real token."""
         real = input_ids != PAD_ID
-        last = real.sum(1) - 1  # a row's last real token (every row has one)
-        with _pick_rows(self.model, last):
+        count = real.sum(1)
+        with _pick_rows(self.model, count - 1):  # a row's last real token (every row has one)
             return self._run(torch.where(real, input_ids, 0), kv, page_table, positions, False, slot_ids,
-                             self._slots(slot_ids, conv, recurrent), picked=True)
+                             self._slots(slot_ids, conv, recurrent, ring), real=count)
 
     def decode(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
                slot_ids: torch.Tensor | None = None, conv: torch.Tensor | None = None,
-               recurrent: torch.Tensor | None = None) -> torch.Tensor:
+               recurrent: torch.Tensor | None = None, ring: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, 1]: one new position for each of B sessions; logits [B, V]."""
         with _batched_experts(self.model, self.grouped_mm):
             return self._run(input_ids, kv, page_table, positions, self.kernel, slot_ids,
-                             self._slots(slot_ids, conv, recurrent))
+                             self._slots(slot_ids, conv, recurrent, ring))
 
 
 @contextmanager
@@ -437,7 +470,7 @@ def paged_attention_on(model: PreTrainedModel) -> Iterator[None]:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, paged_attention)
-    attention, _ = _layer_kinds(model.config.get_text_config())
+    attention, _ = _layer_kinds(model.config.get_text_config())  # (window layers' rings included)
     with _attention(model, ATTENTION if attention else None):
         yield
 

@@ -56,6 +56,9 @@ class LLMSpec:
     # cannot rewind by position: prefill rows are never padded, and a session
     # whose history changes is fed again from its start.
     recurrent: bool = False
+    # Window layers keep a ring of this many positions a session (0: no ring;
+    # their rings rewind as recurrent state does).
+    window_ring: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -108,7 +111,8 @@ def _spec(doc: Field) -> LLMSpec:
         bos_token_id=_optional_id(doc, "bos_token_id"), pad_token_id=_optional_id(doc, "pad_token_id"),
         dtype=doc["dtype"].string(), name=doc["name"].string(), version=version,
         prefill_rows=rows.integer(minimum=1) if (rows := doc.get("prefill_rows")) is not None else 1,
-        recurrent=flag.boolean() if (flag := doc.get("recurrent")) is not None else False)
+        recurrent=flag.boolean() if (flag := doc.get("recurrent")) is not None else False,
+        window_ring=ring.integer(minimum=0) if (ring := doc.get("window_ring")) is not None else 0)
 
 
 def _read_entry(archive: zipfile.ZipFile, name: str, package: Path) -> Field:

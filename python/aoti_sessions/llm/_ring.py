@@ -1,0 +1,136 @@
+"""Ring caches for sliding-window layers (Gemma 2/3, Mistral, GPT-OSS).
+
+A window layer's query at position q attends to the keys at positions
+q - window + 1 .. q only, so its cache needs the last ``window`` positions,
+never the whole context: as transformers' own sliding-window cache layers
+do, each window layer keeps a ring of ``window`` entries a session, position
+p at entry p mod window, while the model's global layers keep every position
+in the pool's pages. The rings of all window layers are one slot tensor of
+the pool (``ring[slots, window layers, 2 (keys, values), window, kv heads,
+head dim]``, one slot a session, rows addressed by ``slot_ids``), so a
+session's window layers cost the same at any context.
+
+- Decode (one new position a row): the position's keys and values are
+  written into its entry in place, then the row's ring is read and attended
+  with a mask of the entries that hold a position yet (a young session's
+  ring is not full).
+- Prefill (a chunk of T positions a row, rows right-padded): the ring as
+  the call found it (positions before the chunk) and the chunk's own keys
+  and values are attended together, each query within its window; then each
+  entry takes the chunk's last real position that falls on it, if any (a
+  chunk longer than the window overwrites the entries its later positions
+  take; padding never lands).
+
+An entry's position follows from the row's length alone (the latest
+position before that length that falls on the entry), so the ring stores
+nothing but keys and values. A ring cannot be rewound by position (a
+position once overwritten is gone): like recurrent state, it is a slot the
+engine checkpoints at a turn's start and rewinds only there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Ring", "ring_layers", "RingStep"]
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The window layers (model layer indices, in the ring tensor's order)
+    and the window: a query attends to itself and the ``window - 1``
+    positions before it."""
+
+    layers: tuple[int, ...]
+    window: int
+
+
+def ring_layers(config: Any, cache_len: int) -> Ring | None:
+    """The model's window layers, as transformers' own cache lays them out,
+    where a ring saves memory: None for a model without window layers, or
+    whose window covers the whole context anyway. Raises ValueError for
+    window layers of different windows (one ring tensor has one length)."""
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+    layers = DynamicCache(config=config).layers
+    windowed = {i: int(layer.sliding_window) for i, layer in enumerate(layers)
+                if isinstance(layer, DynamicSlidingWindowLayer)}
+    if not windowed:
+        return None
+    windows = set(windowed.values())
+    if len(windows) != 1:
+        raise ValueError(f"the model's window layers have different windows ({sorted(windows)}); export it with "
+                         "window_cache='full'")
+    window, = windows
+    if window >= cache_len:
+        return None
+    return Ring(tuple(sorted(windowed)), window)
+
+
+def _entry_positions(length: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, window]: the position each ring entry holds for a row of
+    ``length`` [B] positions (the latest before the length that falls on the
+    entry); negative where no position has yet."""
+    last = (length - 1)[:, None]
+    entries = torch.arange(window, device=length.device)[None, :]
+    return last - torch.remainder(last - entries, window)
+
+
+class RingStep:
+    """One traced call's ring reads and writes, for every window layer.
+
+    ``positions`` [B, T]: the call's new positions; ``real`` [B]: each row's
+    real positions among them (prefill: the rest is padding); ``in_place``:
+    one position a row, written into the ring before it is read (decode)."""
+
+    def __init__(self, ring: Ring, tensor: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                 real: torch.Tensor | None, in_place: bool) -> None:
+        self.ring = ring
+        self.tensor = tensor
+        self.slot_ids = slot_ids
+        self.positions = positions
+        self.in_place = in_place
+        window = ring.window
+        start, count = positions[:, 0], positions.shape[1]
+        queries = positions[:, :, None]  # [B, T, 1]
+        if in_place:
+            held = _entry_positions(start + count, window)[:, None, :]  # after the write
+            mask = (held >= 0) & (held <= queries) & (held > queries - window)
+            self.write_entry = torch.remainder(positions, window).reshape(-1)  # [B*T]
+        else:
+            held = _entry_positions(start, window)[:, None, :]  # before the chunk: all earlier than its queries
+            own = positions[:, None, :]  # [B, 1, T]: the chunk's keys
+            mask = torch.cat([(held >= 0) & (held > queries - window), (own <= queries) & (own > queries - window)],
+                             dim=-1)
+            assert real is not None
+            # Each entry's new position: the chunk's last real one on it, if any.
+            latest = _entry_positions(start + real, window)  # [B, window]
+            self.fresh = (latest >= start[:, None])[:, None, :, None, None]  # [B, 1, window, 1, 1]
+            self.chunk_index = torch.clamp(latest - start[:, None], 0, count - 1)  # [B, window]
+        self.mask = mask[:, None]  # [B, 1, T, K]: K the ring's entries (then the chunk's keys, in prefill)
+
+    def update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+        """Layer ``layer`` (its index in the ring tensor) takes the call's
+        keys and values [B, H, T, D]; returns the keys and values [B, H, K, D]
+        its queries attend to under ``self.mask``."""
+        tensor, slots = self.tensor, self.slot_ids
+        new = torch.stack([key_states, value_states], dim=1).transpose(2, 3)  # [B, 2, T, H, D]
+        if self.in_place:
+            rows = torch.repeat_interleave(slots, key_states.shape[2])  # [B*T]
+            layers = torch.full_like(rows, layer)
+            for kind in (0, 1):  # (one index tensor per dimension: AOTInductor writes in place, as for pages)
+                part = torch.clone(new[:, kind], memory_format=torch.contiguous_format).flatten(0, 1)  # [B*T, H, D]
+                tensor.index_put_((rows, layers, torch.full_like(rows, kind), self.write_entry), part.to(tensor.dtype))
+            held = tensor[slots, layer]  # [B, 2, window, H, D]
+            return held[:, 0].transpose(1, 2), held[:, 1].transpose(1, 2)
+        before = tensor[slots, layer].to(new.dtype)  # [B, 2, window, H, D]
+        index = self.chunk_index[:, None, :, None, None].expand(-1, 2, -1, *new.shape[3:])
+        after = torch.where(self.fresh, torch.gather(new, 2, index), before)
+        tensor.index_put_((slots, torch.full_like(slots, layer)), after.to(tensor.dtype))
+        keys = torch.cat([before[:, 0], new[:, 0]], dim=1).transpose(1, 2)  # [B, H, window + T, D]
+        values = torch.cat([before[:, 1], new[:, 1]], dim=1).transpose(1, 2)
+        return keys, values
