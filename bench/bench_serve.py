@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ import httpx  # noqa: E402
 import transformers  # noqa: E402
 
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import LLM, _export, _paged, _paged_attention, export  # noqa: E402
+from aoti_sessions.llm import LLM, _export, _linear_attention, _paged, _paged_attention, export  # noqa: E402
 from aoti_sessions.serve._cli import compute_threads  # noqa: E402
 from llm_models import hf_model_dir  # noqa: E402
 
@@ -91,28 +92,78 @@ ANCHOR_TAG = "ANCHOR "  # prefixes the worker's one line of results on stdout
 
 def model_folder(package: Path) -> Path:
     """The transformers folder ``package`` was exported from (its config and weights, saved in float32)."""
-    digest = package.stem.rsplit("-", 1)[1]
-    return package.parent / f"bench-qwen3-{digest}"
+    _, family, _, digest = package.stem.split("-")  # bench-<family>-<device>-<digest>
+    return package.parent / f"bench-{family}-{digest}"
 
 
-def bench_package(device: str, **overrides: object) -> Path:
-    """The bench model (``overrides``: config fields), exported once per device and size."""
-    size = {**SIZES["cuda" if device.startswith("cuda") else "cpu"], **overrides}
+# Families bench_package builds besides the dense Qwen3 (bench_pool --family):
+# MoE (8 experts, 2 a token), GPT-OSS's attention sinks and window layers,
+# and recurrent state (hybrid models, Mamba2), at SIZES' widths and with
+# FAMILY_LAYERS layers (fewer than the dense model's on CUDA: their exports
+# compile more ops a layer).
+FAMILIES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe", "lfm2", "mamba2")
+FAMILY_LAYERS = {"cpu": 4, "cuda": 8}
+
+
+def family_config(family: str, size: dict[str, Any], base: dict[str, Any]) -> transformers.PretrainedConfig:
+    """``family``'s config at ``size`` (SIZES' fields, less the dtype) over
+    ``base`` (the test tokenizer's Qwen3 config: the dense model keeps all of
+    it, the others its vocabulary and special ids)."""
+    if family == "qwen3":
+        return transformers.Qwen3Config(**{**base, **size, "initializer_range": 0.05,
+                                           "max_position_embeddings": CONTEXT})
+    hidden, inter, heads = size["hidden_size"], size["intermediate_size"], size["num_attention_heads"]
+    layers, head_dim = size["num_hidden_layers"], size["head_dim"]
+    ids = {k: base[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    common = {**ids, **size, "initializer_range": 0.05, "max_position_embeddings": CONTEXT,
+              "tie_word_embeddings": True}
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=inter // 4)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, **moe, num_experts=8)
+    if family == "gpt_oss":  # gpt-oss's pattern: a window layer of 128 positions, then a global one
+        return transformers.GptOssConfig(**{**common, "intermediate_size": inter // 4}, num_local_experts=8,
+                                         num_experts_per_tok=2, sliding_window=128,
+                                         layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    if family in ("qwen3_next", "qwen3_5_moe"):  # Qwen3-Next's pattern: 3 delta-net layers, then full attention
+        config = transformers.Qwen3NextConfig if family == "qwen3_next" else transformers.Qwen3_5MoeTextConfig
+        return config(**common, **moe, num_experts=8, shared_expert_intermediate_size=inter // 4,
+                      linear_num_value_heads=heads, linear_num_key_heads=max(1, heads // 2),
+                      linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+                      layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4))
+    if family == "lfm2":  # LFM2's mix: about two conv layers to one attention layer
+        common.pop("head_dim")
+        return transformers.Lfm2Config(**common, layer_types=["full_attention" if i % 3 == 2 else "conv"
+                                                              for i in range(layers)])
+    if family == "mamba2":  # every layer an SSM: 2 x hidden inner, heads of head_dim, state 64, chunks of 64
+        return transformers.Mamba2Config(**ids, hidden_size=hidden, num_hidden_layers=layers, expand=2,
+                                         num_heads=2 * hidden // head_dim, head_dim=head_dim, state_size=64,
+                                         n_groups=1, conv_kernel=4, chunk_size=64, initializer_range=0.05,
+                                         tie_word_embeddings=True)
+    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def bench_package(device: str, family: str = "qwen3", **overrides: object) -> Path:
+    """The bench model of ``family`` (``overrides``: config fields, or ``dtype``), exported once per device and
+    size."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    layers = {} if family == "qwen3" else {"num_hidden_layers": FAMILY_LAYERS[kind]}
+    size = {**SIZES[kind], **layers, **overrides}
     # The exporter's source and attention choices are in the key: a change to what it compiles re-exports.
     key = (f"{torch.__version__}-{transformers.__version__}-{sorted(size.items())}-{CONTEXT}-{PREFILL}-"
            f"{inspect.getsource(_export)}-{inspect.getsource(_paged)}-{inspect.getsource(_paged_attention)}-"
            f"{_export.PREFILL_ATTENTION}-{_export.DECODE_ATTENTION}")
+    if family != "qwen3":  # (the dense model's key as before)
+        key += f"-{family}-{inspect.getsource(family_config)}-{inspect.getsource(_linear_attention)}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    target = cache_dir() / "models" / f"bench-qwen3-{device.split(':')[0]}-{digest}.pt2"
+    target = cache_dir() / "models" / f"bench-{family}-{device.split(':')[0]}-{digest}.pt2"
     if target.is_file():
         return target
     tiny = hf_model_dir("qwen3")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny, local_files_only=True)
     base = transformers.AutoConfig.from_pretrained(tiny, local_files_only=True).to_dict()
     base.pop("layer_types", None)  # derived from the layer count
-    dtype = size["dtype"]
-    config = transformers.Qwen3Config(**{**base, **{k: v for k, v in size.items() if k != "dtype"},
-                                         "initializer_range": 0.05, "max_position_embeddings": CONTEXT})
+    dtype = str(size["dtype"])
+    config = family_config(family, {k: v for k, v in size.items() if k != "dtype"}, base)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.generation_config = transformers.GenerationConfig.from_pretrained(tiny, local_files_only=True)

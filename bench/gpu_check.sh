@@ -21,7 +21,7 @@ fi
 if [ -d .deps/gtest ]; then
   export CMAKE_PREFIX_PATH=$PWD/.deps/gtest/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
 fi
-stage=${1:-all}  # all | test | some | bench | weights | lifecycle | serve
+stage=${1:-all}  # all | test | some | bench | weights | lifecycle | serve | pool
 status=0
 
 {
@@ -67,5 +67,15 @@ if [ "$stage" = all ] || [ "$stage" = serve ]; then
     --rounds "${ROUNDS:-3}" "${ANCHOR:---anchor}" --out bench/RESULTS_serve_cuda.md 2>&1 \
     | tee "$OUT/bench_serve.txt" || status=$?
   cp bench/RESULTS_serve_cuda.md "$OUT/" 2>/dev/null || true
+fi
+if [ "$stage" = pool ]; then
+  # Batched decode over pooled state, one model family after another
+  # (FAMILIES to choose, ROWS and ROUNDS to shorten it; DTYPE=float32 for
+  # another dtype than bf16). Not part of "all".
+  for family in ${FAMILIES:-qwen3 qwen3_moe gpt_oss qwen3_next qwen3_5_moe lfm2 mamba2}; do
+    python3 bench/bench_pool.py --device cuda --family "$family" --rows "${ROWS:-1,2,4,8,16,32,64}" \
+      --rounds "${ROUNDS:-3}" ${DTYPE:+--dtype "$DTYPE"} --out "$OUT/RESULTS_pool_${family}_cuda.md" 2>&1 \
+      | tee "$OUT/bench_pool_$family.txt" || status=$?
+  done
 fi
 exit $status
