@@ -129,3 +129,30 @@ def test_every_argument_kind_of_a_plan(tmp_path: Path) -> None:
         for rows in (2, 3, 7):
             a, b = torch.randn(rows, 4), torch.randn(rows, 4)
             torch.testing.assert_close(s.run("model", a, b), proxy_ops.MixModel()(a, b))
+
+
+def test_a_plan_checks_the_counts_a_call_brings_and_its_op_returns() -> None:
+    """A node's generated plan, from a description written here: it calls the
+    op with each argument from its place, and a call or a result whose counts
+    differ from the description is a RuntimeError naming the op."""
+    from torch._export.serde.serialize import _TORCH_TO_SERIALIZE_DTYPE
+
+    def node(outputs: int) -> dict[str, object]:
+        return {"target": proxy_ops.MIX + ".default",
+                "inputs": [{"name": "xs", "arg": {"as_tensors": [{"name": "a"}, {"name": "b"}]}},
+                           {"name": "maybe", "arg": {"as_none": True}}, {"name": "n", "arg": {"as_int": 3}},
+                           {"name": "dtype", "arg": {"as_scalar_type": _TORCH_TO_SERIALIZE_DTYPE[torch.float64].value}},
+                           {"name": "flag", "arg": {"as_bool": True}}],
+                "outputs": [{"as_tensors": [{"name": f"o{k}"} for k in range(outputs)]}]}
+
+    plan = _proxy._node(node(2), "model", torch.device("cpu"), ())
+    a, b = torch.randn(2, 4), torch.randn(2, 4)
+    out = plan([3], [a, b, torch.empty(0), torch.empty(0)])
+    assert [at for at, _ in out] == [2, 3]
+    got = _proxy._steal([handle for _, handle in out])
+    torch.testing.assert_close(got, proxy_ops.mix([a, b], None, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="mix.default: called with 2 ints and 4 tensors; its description takes 1 "
+                                           "and 4"):
+        plan([3, 4], [a, b, a, b])
+    with pytest.raises(RuntimeError, match="mix.default returned 2 tensors where its description has 3"):
+        _proxy._node(node(3), "model", torch.device("cpu"), ())([3], [a, b, a, b, a])

@@ -8,8 +8,11 @@ writes beside the library (``<library>.json``). The core's ProxyExecutor
 (csrc/core/proxy_executor.h) hands every call here: :func:`proxy_call`
 reads the description once, when the package is loaded, into a plan per
 node (refusing ops this process has not registered, or arguments it cannot
-read, before any request), and each call follows its node's plan and calls
-the op through ``torch.ops``.
+read, before any request): a Python function generated for that node (its
+source built from the description and exec'd, as torch.fx does) that takes
+each argument from its fixed place in the call, calls the ``torch.ops`` op
+straight through the dispatcher (as torch's own executor does) and hands
+all its outputs back at once.
 
 A node's arguments, by the schema's types, as AOTInductor lays them out:
 tensors (``as_tensor``, ``as_tensors``, ``as_optional_tensors``) and
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import keyword
 import os
 import zipfile
 from collections.abc import Callable, Sequence
@@ -39,6 +43,7 @@ ProxyCall = Callable[[int, list[int], list[Any]], list[tuple[int, Any]]]
 
 _steal = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 _give = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+_call_boxed = getattr(torch._C, "_dispatch_call_boxed", None)
 
 
 def description_path(library: str) -> Path:
@@ -60,56 +65,90 @@ class _Arg:
     present: tuple[bool, ...] = ()
 
 
-class _Node:
-    """One extern node: its op and how its arguments and outputs are laid out."""
+Plan = Callable[[list[int], list[torch.Tensor]], list[tuple[int, Any]]]
+"""A node's plan: its ints and tensors (stolen) in, (argument index, handle) per output out."""
 
-    def __init__(self, op: Any, args: list[_Arg], outputs: list[tuple[str, int]]) -> None:
-        self.op = op
-        self.args = args
-        self.outputs = outputs  # per schema return: ("tensor" | "tensors" | "none", tensors it fills)
-        self.inputs = sum(a.count for a in args if a.kind in ("tensor", "tensors", "optional_tensors"))
-        self.ints = sum(a.count for a in args if a.kind in ("int", "ints"))
+_TENSOR_KINDS = ("tensor", "tensors", "optional_tensors")
 
-    def __call__(self, ints: list[int], tensors: list[torch.Tensor]) -> list[tuple[int, Any]]:
-        filled = sum(n for _, n in self.outputs)
-        if len(ints) != self.ints or len(tensors) != self.inputs + filled:
-            raise RuntimeError(f"{self.op}: called with {len(ints)} ints and {len(tensors)} tensors; its "
-                               f"description takes {self.ints} and {self.inputs + filled}")
-        t = i = 0
-        positional: list[Any] = []
-        keywords: dict[str, Any] = {}
-        for a in self.args:
-            if a.kind == "static":
-                value = a.value
-            elif a.kind == "tensor":
-                value, t = tensors[t], t + 1
-            elif a.kind == "tensors":
-                value, t = tensors[t:t + a.count], t + a.count
-            elif a.kind == "optional_tensors":
-                value = []
-                for present in a.present:
-                    value.append(tensors[t] if present else None)
-                    t += present
-            elif a.kind == "int":
-                value, i = ints[i], i + 1
-            else:
-                value, i = ints[i:i + a.count], i + a.count
-            if a.kwarg_only:
-                keywords[a.name] = value
-            else:
-                positional.append(value)
-        result = self.op(*positional, **keywords)
-        returns = [result] if len(self.outputs) == 1 else list(result) if self.outputs else []
-        out: list[tuple[int, Any]] = []
-        at = self.inputs
-        for (kind, count), value in zip(self.outputs, returns):
-            values = [value] if kind == "tensor" else list(value) if kind == "tensors" else []
-            if len(values) != count:
-                raise RuntimeError(f"{self.op} returned {len(values)} tensors where its description has {count}")
-            for v in values:
-                out.append((at, _give([v])[0]))
-                at += 1
-        return out
+
+def _entry(op: Any) -> tuple[dict[str, Any], str]:
+    """How a plan calls ``op``: the names its code uses and how the call
+    starts. An OpOverload goes straight to the dispatcher through its
+    operator handle (``torch._C._dispatch_call_boxed``, as torch's own proxy
+    executor calls it): the kernels, dispatch keys and dispatch modes of
+    ``op(...)``, less its Python-level ``__torch_function__`` checks (the
+    tensors are never subclasses; a torch-function mode around a run sees
+    none of the model's other ops either)."""
+    if _call_boxed is not None and type(op).__call__ is torch._ops.OpOverload.__call__ and hasattr(op, "_handle"):
+        return {"_op": _call_boxed, "_h": op._handle}, "_op(_h, "
+    return {"_op": op}, "_op("
+
+
+def _plan(op: Any, args: list[_Arg], outputs: list[tuple[str, int]]) -> Plan:
+    """One extern node's plan: a function generated for it (source text,
+    exec'd, as torch.fx does) that takes each argument by its fixed place in
+    ``i`` (ints) and ``t`` (tensors), calls the op and hands all its output
+    tensors back at once. ``outputs``: per schema return, ("tensor" |
+    "tensors" | "none", tensors it fills)."""
+    inputs = sum(a.count for a in args if a.kind in _TENSOR_KINDS)
+    n_ints = sum(a.count for a in args if a.kind in ("int", "ints"))
+    n_tensors = inputs + sum(n for _, n in outputs)
+
+    def miscount(ints: int, tensors: int) -> str:
+        return f"{op}: called with {ints} ints and {tensors} tensors; its description takes {n_ints} and {n_tensors}"
+
+    def miscounted(returned: int, count: int) -> str:
+        return f"{op} returned {returned} tensors where its description has {count}"
+
+    env, start = _entry(op)
+    env.update(_give=_give, _miscount=miscount, _miscounted=miscounted)
+    t = i = 0
+    call: list[str] = []
+    for j, a in enumerate(args):
+        if a.kind == "static":
+            env[f"_c{j}"] = a.value
+            expr = f"_c{j}"
+        elif a.kind == "tensor":
+            expr, t = f"t[{t}]", t + 1
+        elif a.kind == "tensors":
+            expr, t = "[" + ", ".join(f"t[{k}]" for k in range(t, t + a.count)) + "]", t + a.count
+        elif a.kind == "optional_tensors":
+            items = []
+            for present in a.present:
+                items.append(f"t[{t}]" if present else "None")
+                t += present
+            expr = "[" + ", ".join(items) + "]"
+        elif a.kind == "int":
+            expr, i = f"i[{i}]", i + 1
+        else:
+            expr, i = "[" + ", ".join(f"i[{k}]" for k in range(i, i + a.count)) + "]", i + a.count
+        if not a.kwarg_only:
+            call.append(expr)
+        elif a.name.isidentifier() and not keyword.iskeyword(a.name):
+            call.append(f"{a.name}={expr}")
+        else:
+            call.append(f"**{{{a.name!r}: {expr}}}")
+    lines = ["def plan(i, t):",
+             f"    if len(i) != {n_ints} or len(t) != {n_tensors}:",
+             "        raise RuntimeError(_miscount(len(i), len(t)))",
+             f"    r = {start}{', '.join(call)})"]
+    given: list[str] = []
+    for k, (kind, count) in enumerate(outputs):
+        value = "r" if len(outputs) == 1 else f"r[{k}]"
+        if kind == "tensor":
+            given.append(value)
+        elif kind == "tensors":
+            lines += [f"    if len({value}) != {count}:",
+                      f"        raise RuntimeError(_miscounted(len({value}), {count}))"]
+            given.append(f"*{value}")
+    if given:
+        pairs = ", ".join(f"({inputs + k}, h[{k}])" for k in range(n_tensors - inputs))
+        lines += [f"    h = _give([{', '.join(given)}])", f"    return [{pairs}]"]
+    else:
+        lines.append("    return []")
+    exec(compile("\n".join(lines) + "\n", f"<aoti_sessions proxy plan: {op}>", "exec"), env)  # noqa: S102
+    plan: Plan = env["plan"]
+    return plan
 
 
 def _enum(kind: str, code: int) -> Any:
@@ -205,7 +244,7 @@ def _resolve(target: str, method: str, modules: Sequence[str]) -> Any:
     return op
 
 
-def _node(serialized: dict[str, Any], method: str, device: torch.device, modules: Sequence[str]) -> _Node:
+def _node(serialized: dict[str, Any], method: str, device: torch.device, modules: Sequence[str]) -> Plan:
     target = serialized["target"]
     if target == "call_torchbind":
         raise PackageError(f"method '{method}' calls a torchbind object's method through AOTInductor's proxy "
@@ -225,7 +264,7 @@ def _node(serialized: dict[str, Any], method: str, device: torch.device, modules
     if given:
         raise PackageError(f"extern kernel {target}: its description names arguments its schema lacks: "
                            f"{', '.join(sorted(given))}")
-    return _Node(op, args, _outputs(target, schema, serialized.get("outputs", [])))
+    return _plan(op, args, _outputs(target, schema, serialized.get("outputs", [])))
 
 
 def proxy_call(library: str, method: str, device: torch.device, modules: Sequence[str] = ()) -> ProxyCall | None:
@@ -247,10 +286,12 @@ def proxy_call(library: str, method: str, device: torch.device, modules: Sequenc
     except (KeyError, TypeError, ValueError) as e:
         raise PackageError(f"method '{method}': malformed extern-kernel description {path.name}: {e!r}") from None
 
+    count = len(plans)
+
     def call(node: int, ints: list[int], handles: list[Any]) -> list[tuple[int, Any]]:
         tensors = _steal(handles)  # owned from here on, whatever happens
-        if not 0 <= node < len(plans):
-            raise RuntimeError(f"extern node {node} of {len(plans)} in {path.name}")
+        if not 0 <= node < count:
+            raise RuntimeError(f"extern node {node} of {count} in {path.name}")
         return plans[node](ints, tensors)
 
     return call
