@@ -11,6 +11,7 @@ each of up to ``max_batch`` sessions, reading the weights once for all rows.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 import tempfile
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["export", "DEFAULT_MAX_CACHE_LEN", "DEFAULT_MAX_PREFILL", "DEFAULT_MAX_BATCH", "DEFAULT_PAGE_SIZE"]
+
+log = logging.getLogger("aoti_sessions.llm")
 
 DEFAULT_MAX_CACHE_LEN = 4096  # capped by the model's max_position_embeddings
 DEFAULT_MAX_PREFILL = 512  # capped by max_cache_len
@@ -195,7 +198,7 @@ DECODE_ATTENTION: tuple[SDPBackend, ...] | None = None
 
 
 def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtype,
-             device: torch.device) -> dict[str, Method]:
+             device: torch.device, min_rows: int = 1) -> dict[str, Method]:
     """Example inputs: prefill's length is dynamic in [2, max_prefill], both
     methods' rows in [1, max_batch]; the pool's pages are dynamic (the engine
     sizes it)."""
@@ -208,8 +211,11 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
     # the row count against 1 (views Inductor or export cannot prove for a
     # batch of one, torch 2.11 and 2.13 at different places): it is compiled
     # for two rows or more, and the engine pads a call of one session with a
-    # scratch row (min_rows).
-    rows = torch.export.Dim("rows", min=min(2, max_batch) if module.state.slots else 1, max=max_batch)
+    # scratch row (min_rows). So is any model whose trace guards it so
+    # (``min_rows``: export tries again; transformers' grouped-mm fallback
+    # in bfloat16 on torch 2.11's CPU does).
+    rows = torch.export.Dim("rows", min=min(max(min_rows, 2 if module.state.slots else 1), max_batch),
+                            max=max_batch)
     pages = torch.export.Dim.DYNAMIC
     # The page table's width: the pages the call's rows hold, so attention
     # reads only those; static (every page a session may hold) where decode
@@ -250,6 +256,18 @@ def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dty
                          kwargs=state, dynamic_shapes=shapes({0: rows}, decode_width), entry="decode",
                          attention=DECODE_ATTENTION, pool=pool),
     }
+
+
+def _guards_one_row(error: BaseException) -> bool:
+    """Whether an export failed because its trace refuses a batch of one
+    row (a guard ``size()[0] != 1`` on the rows)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        text = str(seen)
+        if "Constraints violated (rows)" in text and "size()[0] != 1" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _grouped_mm_compiles(device: torch.device) -> bool:
@@ -413,9 +431,17 @@ def export(
                          ring_len=cache_len if window_cache == "ring" else None)
         # Export under the final name: the package's top folder is named after the file.
         tmp = os.path.join(staging, os.path.basename(target))
-        methods = _methods(module, prefill_len, max_batch, model.dtype, dev)
         with layers_traceable(model, prefill_len), _grouped_mm_fallback(not grouped_mm):
-            compile(module, methods, path=tmp, inductor_configs=inductor_configs, strict=False)
+            try:
+                compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev), path=tmp,
+                        inductor_configs=inductor_configs, strict=False)
+            except Exception as e:  # noqa: BLE001 - only the guard below is retried; anything else is raised
+                if not _guards_one_row(e) or max_batch < 2:
+                    raise
+                log.info("export: the trace assumes two rows or more: compiling for two rows at least (a lone "
+                         "session's call pads a scratch row)")
+                compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=2), path=tmp,
+                        inductor_configs=inductor_configs, strict=False)
         missing = sorted({*module.state.attention, *module.state.recurrent} - module.layers_written)
         if missing:
             raise RuntimeError(f"export: the model did not write the cache of layers {missing} (it writes "
