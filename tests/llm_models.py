@@ -188,11 +188,13 @@ def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object
     return target
 
 
-def llm_package(arch: str, device: str = "cpu", max_cache_len: int = 128, window_cache: str = "ring") -> Path:
+def llm_package(arch: str, device: str = "cpu", max_cache_len: int = 128, window_cache: str = "ring",
+                dtype: str = "float32") -> Path:
     """``hf_model_dir(arch)`` exported with ``aoti_sessions.llm.export``, once."""
     def build(path: Path) -> None:
         _export.export(hf_model_dir(arch), path, device=device, max_cache_len=max_cache_len, inductor_configs=FAST,
-                       window_cache=window_cache)
+                       window_cache=window_cache, dtype=dtype)
 
-    suffix = "" if window_cache == "ring" else f"-{window_cache}"
-    return cached_package(f"llm-{arch}-{device}{suffix}", (arch, device, str(max_cache_len), window_cache), build)
+    suffix = ("" if window_cache == "ring" else f"-{window_cache}") + ("" if dtype == "float32" else f"-{dtype}")
+    return cached_package(f"llm-{arch}-{device}{suffix}", (arch, device, str(max_cache_len), window_cache, dtype),
+                          build)

@@ -369,6 +369,53 @@ def test_bfloat16_moe_experts_compile_and_decode_as_graphs() -> None:
         assert llm.engine.captures("decode")
 
 
+def _follows(got: list[int], model: Any, prompt: list[int]) -> int:
+    """How many of ``got``'s tokens are ``model``'s greedy choices, stopping
+    at the first that is not; that one must be a near tie in the model's own
+    logits (within 2% of their largest magnitude: bfloat16 rounding of a
+    different kernel order may pick either, and the histories part there)."""
+    tokens, logits = _reference(model, prompt, len(got))
+    for i, (mine, theirs, row) in enumerate(zip(got, tokens, logits)):
+        if mine != theirs:
+            gap = float(row[0, theirs] - row[0, mine])
+            assert gap <= 0.02 * float(row.abs().max()), \
+                f"token {i}: {mine} where transformers' greedy token is {theirs} (logit gap {gap:.4f})"
+            return i
+    return len(got)
+
+
+@requires_cuda
+@pytest.mark.parametrize("family", ARCHS)
+def test_bfloat16_two_turn_chat_on_cuda(family: str) -> None:
+    """Every family in bfloat16 on CUDA, decode captured as CUDA graphs: a
+    two-turn chat (the second turn reusing the first's cache) and a fork's
+    turn follow transformers' greedy tokens in bfloat16 (24 a turn; a token
+    may differ only at a near tie of transformers' own logits, _follows)."""
+    _bfloat16_chat(family, "cuda")
+
+
+def _bfloat16_chat(family: str, device: str) -> None:
+    package = llm_package(family, device, dtype="bfloat16")
+    model = _eager(family, device).to(torch.bfloat16)
+    with LLM(package, device=device) as llm:
+        assert llm.spec.dtype == "bfloat16"
+        s = llm.new_session()
+        first = llm.encode("The quick brown fox")
+        one = s.generate(first, max_tokens=24, temperature=0, ignore_eos=True)
+        followed = [_follows(one.token_ids, model, first)]
+        fork = s.fork()
+        second = first + one.token_ids + llm.encode(" and the old mill")
+        two = s.generate(second, max_tokens=24, temperature=0, ignore_eos=True)
+        assert two.cached_tokens == len(first) + 23
+        followed.append(_follows(two.token_ids, model, second))
+        branch = first + one.token_ids[:23] + llm.encode(" by the bridge")
+        other = fork.generate(branch, max_tokens=24, temperature=0, ignore_eos=True)
+        assert other.cached_tokens == len(first) + 23
+        followed.append(_follows(other.token_ids, model, branch))
+        assert llm.engine.captures("decode") == (device == "cuda")
+    print(f"{family}: tokens equal to transformers' before a near tie, per turn: {followed}")
+
+
 @requires_cuda
 def test_cuda_decode_graph_is_captured_on_a_thread_other_than_the_warm_ups() -> None:
     """Warm-up runs on one thread, the next runs on another (as a server's
