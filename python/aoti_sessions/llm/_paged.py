@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._paged_attention import paged_decode_attention
-from ._ring import Ring, RingStep, ring_layers
+from ._ring import Ring, RingStep, ring_layers, rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -105,12 +105,13 @@ class StateLayout:
         return len(self.ring.layers) if name == "ring" and self.ring is not None else len(self.recurrent)
 
 
-def _layer_kinds(config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _layer_kinds(config: Any, layers: list[Any] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the layers with a KV cache, the layers with linear-attention state),
-    as transformers' own cache lays out a model of ``config``."""
+    as transformers' own cache lays out a model of ``config`` (``layers``:
+    that cache's layers, where the caller has them)."""
     from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
 
-    layers = DynamicCache(config=config).layers
+    layers = DynamicCache(config=config).layers if layers is None else layers
     return (tuple(i for i, layer in enumerate(layers) if isinstance(layer, CacheLayerMixin)),
             tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)))
 
@@ -124,8 +125,9 @@ def state_layout(model: PreTrainedModel, cache_argument: str, ring_len: int | No
     from transformers.cache_utils import DynamicCache
 
     config = model.config.get_text_config()
-    attention, linear = _layer_kinds(config)
-    ring = None if ring_len is None else ring_layers(config, ring_len)
+    layers = DynamicCache(config=config).layers
+    attention, linear = _layer_kinds(config, layers)
+    ring = None if ring_len is None else ring_layers(layers, ring_len)
     if ring is not None:
         if linear:
             raise ValueError(f"{type(model).__name__} has window layers beside linear-attention ones, which "
@@ -155,16 +157,6 @@ def state_layout(model: PreTrainedModel, cache_argument: str, ring_len: int | No
     return StateLayout(attention=attention, recurrent=linear, slots=tuple(slots))
 
 
-def _rows(states: torch.Tensor) -> torch.Tensor:
-    """[B, H, T, D] -> [B * T, H, D], always as a copy: reshaping a strided
-    view (a model that slices keys and values out of one projection, as Phi-3
-    does) makes the trace guard the row count against 1, which would refuse a
-    batch of one session."""
-    rows, heads, count, dim = states.shape
-    moved = torch.clone(states.transpose(1, 2), memory_format=torch.contiguous_format)
-    return moved.view(rows * count, heads, dim)
-
-
 def _cache_class() -> type:
     from transformers.cache_utils import Cache
 
@@ -177,11 +169,10 @@ def _cache_class() -> type:
             super().__init__(layers=[])
             self.step = step
             self.written = written  # the layers whose cache the model wrote
-            self.layer_count = len(layout.attention) + len(layout.recurrent)
             self.pool_layer = {g: i for i, g in enumerate(layout.attention)}  # a layer's index in the pool
             self.slot_layer = {g: i for i, g in enumerate(layout.recurrent)}  # and in the slot tensors
-            self.ring_layer = {g: i for i, g in enumerate(layout.ring.layers if layout.ring else ())}
-            self.layer_count += len(self.ring_layer)
+            self.ring_layer = {g: i for i, g in enumerate(layout.ring.layers if layout.ring else ())}  # in the ring
+            self.layer_count = len(self.pool_layer) + len(self.slot_layer) + len(self.ring_layer)
 
         def __len__(self) -> int:
             return self.layer_count
@@ -200,8 +191,8 @@ def _cache_class() -> type:
             # pool written back after the step: slow, and it would undo the
             # writes of a concurrent step of other sessions.)
             layer = torch.full_like(step.page, layer_idx)
-            step.kv.index_put_((step.page, layer, torch.zeros_like(step.page), step.offset), _rows(key_states))
-            step.kv.index_put_((step.page, layer, torch.ones_like(step.page), step.offset), _rows(value_states))
+            step.kv.index_put_((step.page, layer, torch.zeros_like(step.page), step.offset), rows(key_states))
+            step.kv.index_put_((step.page, layer, torch.ones_like(step.page), step.offset), rows(value_states))
             if step.kernel:
                 return step.kv[:, layer_idx, 0], step.kv[:, layer_idx, 1]
             # [B, MP, page, Hkv, D] -> [B, Hkv, MP * page, D]: the row's positions in order.

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Ring", "ring_layers", "RingStep"]
+__all__ = ["Ring", "ring_layers", "RingStep", "rows"]
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,14 @@ class Ring:
     window: int
 
 
-def ring_layers(config: Any, cache_len: int) -> Ring | None:
-    """The model's window layers, as transformers' own cache lays them out,
-    where a ring saves memory: None for a model without window layers, or
-    whose window covers the whole context anyway. Raises ValueError for
-    window layers of different windows (one ring tensor has one length)."""
-    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+def ring_layers(layers: list[Any], cache_len: int) -> Ring | None:
+    """The model's window layers, from ``layers`` (transformers' own cache's
+    for the model), where a ring saves memory: None for a model without
+    window layers, or whose window covers the whole context anyway. Raises
+    ValueError for window layers of different windows (one ring tensor has
+    one length)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    layers = DynamicCache(config=config).layers
     windowed = {i: int(layer.sliding_window) for i, layer in enumerate(layers)
                 if isinstance(layer, DynamicSlidingWindowLayer)}
     if not windowed:
@@ -68,6 +68,16 @@ def ring_layers(config: Any, cache_len: int) -> Ring | None:
     if window >= cache_len:
         return None
     return Ring(tuple(sorted(windowed)), window)
+
+
+def rows(states: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] -> [B * T, H, D], always as a copy: reshaping a strided
+    view (a model that slices keys and values out of one projection, as Phi-3
+    does) makes the trace guard the row count against 1, which would refuse a
+    batch of one session."""
+    batch, heads, count, dim = states.shape
+    moved = torch.clone(states.transpose(1, 2), memory_format=torch.contiguous_format)
+    return moved.view(batch * count, heads, dim)
 
 
 def _entry_positions(length: torch.Tensor, window: int) -> torch.Tensor:
@@ -118,15 +128,16 @@ class RingStep:
         keys and values [B, H, T, D]; returns the keys and values [B, H, K, D]
         its queries attend to under ``self.mask``."""
         tensor, slots = self.tensor, self.slot_ids
-        new = torch.stack([key_states, value_states], dim=1).transpose(2, 3)  # [B, 2, T, H, D]
         if self.in_place:
-            rows = torch.repeat_interleave(slots, key_states.shape[2])  # [B*T]
-            layers = torch.full_like(rows, layer)
-            for kind in (0, 1):  # (one index tensor per dimension: AOTInductor writes in place, as for pages)
-                part = torch.clone(new[:, kind], memory_format=torch.contiguous_format).flatten(0, 1)  # [B*T, H, D]
-                tensor.index_put_((rows, layers, torch.full_like(rows, kind), self.write_entry), part.to(tensor.dtype))
+            written = torch.repeat_interleave(slots, key_states.shape[2])  # [B*T]: each position's slot
+            layers = torch.full_like(written, layer)
+            for kind, states in ((0, key_states), (1, value_states)):
+                # (One index tensor per dimension: AOTInductor writes in place, as for pages.)
+                tensor.index_put_((written, layers, torch.full_like(written, kind), self.write_entry),
+                                  rows(states).to(tensor.dtype))
             held = tensor[slots, layer]  # [B, 2, window, H, D]
             return held[:, 0].transpose(1, 2), held[:, 1].transpose(1, 2)
+        new = torch.stack([key_states, value_states], dim=1).transpose(2, 3)  # [B, 2, T, H, D]
         before = tensor[slots, layer].to(new.dtype)  # [B, 2, window, H, D]
         index = self.chunk_index[:, None, :, None, None].expand(-1, 2, -1, *new.shape[3:])
         after = torch.where(self.fresh, torch.gather(new, 2, index), before)
