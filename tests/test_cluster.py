@@ -171,9 +171,13 @@ def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_p
         holders = _replica_of(http)
         victim = holders["f-0"]
         moved = [i for i in histories if holders[f"f-{i}"] == victim]
+        engines = _engine_processes()
+        assert len(engines) == 2, engines  # each replica's engine in a process of its own
         import ray
 
         ray.kill(ray.get_actor(f"SERVE_REPLICA::failover#engine#{victim}", namespace="serve"), no_restart=True)
+        # The victim's engine process goes with it (its pipe ends); the other replica's stays.
+        wait_until(lambda: len(engines - _engine_processes()) == 1, timeout=30, what="the victim's engine to end")
         for i, history in histories.items():  # every chat goes on, the victim's from their checkpoints
             replies, cached = converse(http, f"f-{i}", TURNS[1:3], history=history)
             assert replies == reference[i][2:4], i
@@ -212,6 +216,19 @@ def test_scale_down_moves_the_leaving_replicas_sessions(cluster: int, deploy: An
             replies, cached = converse(http, f"s-{i}", [TURNS[1]], history=history)
             assert replies == reference[i][2:3] and cached[0] > 0, (i, cached)
         assert len(set(_replica_of(http).values())) == 1
+
+
+def _engine_processes() -> set[int]:
+    """The engine processes (RemoteLLM's children) this test's cluster runs."""
+    found = set()
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"aoti_sessions.llm._engine_main" in f.read():
+                    found.add(pid)
+        except OSError:
+            continue
+    return found
 
 
 def _descendants(root: int) -> set[int]:
@@ -271,7 +288,8 @@ def test_every_cluster_socket_is_on_loopback(cluster: int, package: Path, tmp_pa
     from aoti_sessions.cluster import build_app
 
     serve.run(build_app({"package": str(package), "session_dir": str(tmp_path), "replicas": "2", "threads": "1",
-                         "cpus_per_replica": "0.25", "api_key": KEY, "loopback": True}),
+                         "cpus_per_replica": "0.25", "api_key": KEY, "loopback": True,
+                         "engine_process": "false"}),
               name="loopback", route_prefix="/loopback")
     with client(cluster, "loopback") as http:
         converse(http, "l-0", TURNS[:2])
@@ -291,3 +309,10 @@ def test_every_cluster_socket_is_on_loopback(cluster: int, package: Path, tmp_pa
                         wrong.append(f"{table} {local} -> {remote}")
         assert checked > 10 and not wrong, wrong
     serve.delete("loopback")
+
+
+def test_build_app_refuses_a_flag_that_is_neither_true_nor_false(package: Path, tmp_path: Path) -> None:
+    from aoti_sessions.cluster import build_app
+
+    with pytest.raises(ValueError, match="engine_process must be true or false, got 'maybe'"):
+        build_app({"package": str(package), "session_dir": str(tmp_path), "engine_process": "maybe"})

@@ -16,7 +16,8 @@ ROUTING_STATS_PERIOD_S = 0.5  # how often each replica tells the router what it 
 
 def engines(package: str | Path, *, replicas: int = 2, session_dir: str | Path, device: str = "cpu",
             threads: int | None = None, engine: dict[str, Any] | None = None, server: dict[str, Any] | None = None,
-            cpus_per_replica: float = 1.0, max_ongoing_requests: int = 1024, loopback: bool = False) -> Any:
+            cpus_per_replica: float = 1.0, max_ongoing_requests: int = 1024, engine_process: bool = True,
+            loopback: bool = False) -> Any:
     """The engine replicas' deployment, bound: what the ingress (a Serve
     deployment, :func:`app`, or the command line's own HTTP front) routes to.
     Arguments as :func:`app`'s."""
@@ -39,13 +40,14 @@ def engines(package: str | Path, *, replicas: int = 2, session_dir: str | Path, 
         request_router_config=RequestRouterConfig(**routing),
         health_check_period_s=2.0, graceful_shutdown_timeout_s=120.0)(Replica)
     return deployment.bind(str(Path(package).resolve()), session_dir=str(folder.resolve()), device=device,
-                           threads=threads, engine=engine, server=server, loopback=loopback)
+                           threads=threads, engine=engine, server=server, engine_process=engine_process,
+                           loopback=loopback)
 
 
 def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, device: str = "cpu",
         threads: int | None = None, api_key: str | None = None, engine: dict[str, Any] | None = None,
         server: dict[str, Any] | None = None, cpus_per_replica: float = 1.0, max_ongoing_requests: int = 1024,
-        max_body_bytes: int = 64 << 20, loopback: bool = False) -> Any:
+        max_body_bytes: int = 64 << 20, engine_process: bool = True, loopback: bool = False) -> Any:
     """The application of ``replicas`` engines of ``package`` behind an
     ingress deployment (Serve's HTTP proxy in front).
 
@@ -59,6 +61,8 @@ def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, devi
         engine: the engine's options (``max_sessions``, ``memory_budget``,
             ``host_budget``, ``idle_timeout``, ``rewind_checkpoints``).
         server: :func:`aoti_sessions.serve.create_app`'s options.
+        engine_process: each replica's engine in a process of its own (as
+            ``aoti-sessions serve`` runs it; False: in the replica's).
         loopback: the cluster is local and talks on 127.0.0.1 only (see
             :mod:`aoti_sessions.cluster._local`).
     """
@@ -66,7 +70,7 @@ def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, devi
 
     bound = engines(package, replicas=replicas, session_dir=session_dir, device=device, threads=threads,
                     engine=engine, server=server, cpus_per_replica=cpus_per_replica,
-                    max_ongoing_requests=max_ongoing_requests, loopback=loopback)
+                    max_ongoing_requests=max_ongoing_requests, engine_process=engine_process, loopback=loopback)
     front = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=100_000,
                              ray_actor_options={"num_cpus": 0, "runtime_env": _env.runtime_env()})(Ingress)
     return front.bind(bound, api_key=api_key, max_body_bytes=max_body_bytes, loopback=loopback)
@@ -80,4 +84,17 @@ def build_app(args: dict[str, Any]) -> Any:
                        ("max_ongoing_requests", int), ("max_body_bytes", int)):
         if name in options:
             options[name] = kind(options[name])
+    for name in ("engine_process", "loopback"):
+        if isinstance(options.get(name), str):
+            options[name] = _flag(name, options[name])
     return app(options.pop("package"), session_dir=options.pop("session_dir"), **options)
+
+
+def _flag(name: str, text: str) -> bool:
+    """A yes / no argument of ``serve run`` (given as text)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {text!r}")

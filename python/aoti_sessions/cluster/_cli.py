@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         serve.start(http_options={"location": "NoServer"})  # the front below answers HTTP
         replicas_handle = serve.run(engines(args.package, replicas=replicas, session_dir=session_dir,
                                             device=args.device, threads=threads, engine=engine, server=server,
-                                            cpus_per_replica=cpus_per_replica, loopback=local),
+                                            cpus_per_replica=cpus_per_replica, engine_process=args.engine_process,
+                                            loopback=local),
                                     name="aoti-sessions", route_prefix=None)
         print(f"aoti-sessions serve: {replicas} replicas of {args.package} on {args.device}, at "
               f"http://{args.host}:{args.port}; sessions checkpointed to {session_dir}"

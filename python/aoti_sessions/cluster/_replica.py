@@ -25,17 +25,21 @@ REPLICA_HEADER = b"x-aoti-replica"  # names the replica that answered
 class Replica:
     def __init__(self, package: str, *, session_dir: str, device: str = "cpu", threads: int | None = None,
                  engine: dict[str, Any] | None = None, server: dict[str, Any] | None = None,
-                 loopback: bool = False) -> None:
+                 engine_process: bool = True, loopback: bool = False) -> None:
         if loopback:
             _local.keep_replica_on_loopback()
         from ray import serve
 
-        from ..llm import LLM
         from ..serve import create_app
+        from ..serve._engine import open_llm
 
         device = _visible_device(device)
         self.engine_options = dict(engine or {})
-        self.llm = LLM(package, device=device, threads=threads, **self.engine_options)
+        # As `aoti-sessions serve` runs it: by default in an engine process,
+        # the step loop away from this process's GIL (the server's
+        # application, Ray's gRPC server and its threads).
+        self.llm = open_llm(package, device=device, threads=threads, engine_process=engine_process,
+                            engine_options=self.engine_options)
         self.app = create_app(self.llm, session_dir=session_dir, persist_sessions=True, checkpoint_sessions=True,
                               **(server or {}))
         self.id: str = serve.get_replica_context().replica_id.unique_id
@@ -89,7 +93,7 @@ class Replica:
         """What the router places by: the named sessions held here, and how
         full the engine is (0 empty, 1 no room for another session)."""
         registry = self.app.state.registry
-        stats = self.llm.stats()
+        stats = await asyncio.to_thread(self.llm.stats)  # (an engine process's answer: not on the loop)
         fractions = [0.0]
         if (cap := self.engine_options.get("max_sessions")) is not None:
             fractions.append(stats["live_sessions"] / cap)

@@ -19,7 +19,6 @@ log = logging.getLogger("aoti_sessions.serve")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 API_KEY_ENV = "AOTI_SESSIONS_API_KEY"
-SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval of a serving process (see run)
 
 
 def byte_size(text: str) -> int:
@@ -139,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"aoti-sessions serve needs FastAPI and uvicorn (missing: {e.name}): "
               "pip install 'aoti-sessions[serve]'", file=sys.stderr)
         return 2
-    from ..llm import LLM, RemoteLLM
     from ._app import create_app
+    from ._engine import open_llm
 
     if args.session_dir is not None:
         Path(args.session_dir).mkdir(parents=True, exist_ok=True)
@@ -159,12 +158,8 @@ def run(args: argparse.Namespace) -> int:
     # parallel kernel waits for its slowest thread, so one the loop preempts
     # stalls every step.
     threads = compute_threads(args.threads, args.device)
-    # The step loop and the event loop share the GIL: when the device ends a
-    # step, the loop that queues the next one waits for the event loop to let
-    # go, up to the switch interval (5 ms by default, several steps' worth).
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    llm = (RemoteLLM if args.engine_process else LLM)(args.package, device=args.device, threads=threads,
-                                                       **engine_options)
+    llm = open_llm(args.package, device=args.device, threads=threads, engine_process=args.engine_process,
+                   engine_options=engine_options)
     kernels = f", {threads} CPU thread{'s' if threads != 1 else ''} for its kernels" if threads is not None else ""
     print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
     print(f"aoti-sessions serve: limits: {describe_limits(args, memory_budget, host_budget)}", file=sys.stderr,
