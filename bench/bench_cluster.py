@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,6 +96,17 @@ def run(base: str, chats: int, turns: int, tokens: int, tag: str) -> tuple[float
     return asyncio.run(main()), log
 
 
+@contextlib.asynccontextmanager
+async def clients(bases: dict[str, str]) -> AsyncIterator[dict[str, httpx.AsyncClient]]:
+    """One client per server, by the servers' names."""
+    opened = {name: httpx.AsyncClient(base_url=url, timeout=600) for name, url in bases.items()}
+    try:
+        yield opened
+    finally:
+        for client in opened.values():
+            await client.aclose()
+
+
 def lockstep(bases: dict[str, str], turns: int, tokens: int, tag: str) -> dict[str, list[float]]:
     """One chat on each server, turn by turn in turn (server A's turn 1, B's
     turn 1, A's turn 2, ...): each server's seconds per turn, so that the
@@ -104,14 +115,10 @@ def lockstep(bases: dict[str, str], turns: int, tokens: int, tag: str) -> dict[s
     messages: dict[str, list[dict[str, str]]] = {name: [] for name in bases}
 
     async def main() -> None:
-        clients = {name: httpx.AsyncClient(base_url=url, timeout=600) for name, url in bases.items()}
-        try:
+        async with clients(bases) as opened:
             for turn in range(turns):
-                for name, client in clients.items():
+                for name, client in opened.items():
                     await one_turn(client, messages[name], 0, turn, tokens, f"{tag}-{name}", logs[name])
-        finally:
-            for client in clients.values():
-                await client.aclose()
 
     asyncio.run(main())
     for name, log in logs.items():
@@ -127,16 +134,12 @@ def request_cost(bases: dict[str, str], requests: int, tag: str) -> dict[str, li
     seconds: dict[str, list[float]] = {name: [] for name in bases}
 
     async def main() -> None:
-        clients = {name: httpx.AsyncClient(base_url=url, timeout=600) for name, url in bases.items()}
-        try:
+        async with clients(bases) as opened:
             for i in range(requests):
-                for name, client in clients.items():
+                for name, client in opened.items():
                     log: list[tuple[float, int, int, int]] = []
                     await one_turn(client, [], i, 0, 1, f"{tag}-{name}-{i}", log)
                     seconds[name].append(log[0][0])
-        finally:
-            for client in clients.values():
-                await client.aclose()
 
     asyncio.run(main())
     return seconds
@@ -154,19 +157,61 @@ def cluster_counters(base: str) -> dict[str, float]:
                                           "aoti_sessions_checkpoints_total")}
 
 
+GROUPS = (("engine processes", b"aoti_sessions.llm._engine_main"), ("replicas", b"ServeReplica"),
+          ("front (command)", None), ("Ray and Serve (other)", b""))
+
+
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root`` and every process under
+    it, by GROUPS (``root`` itself: the command's front)."""
+    out = dict.fromkeys((name for name, _ in GROUPS), 0.0)
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in _descendants(root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        for name, mark in GROUPS:
+            if (pid == root) if mark is None else (mark in command):
+                out[name] += seconds
+                break
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = set(), [root]
+    while todo:
+        out.add(pid := todo.pop())
+        todo.extend(parents.get(pid, []))
+    return out
+
+
 @contextlib.contextmanager
 def cluster(package: Path, args: argparse.Namespace, replicas: int, work: Path,
-            env: dict[str, str] | None = None) -> Iterator[str]:
+            env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
     """``aoti-sessions serve --replicas N`` (its own local Ray cluster) on a
     free port until the block ends, ``env`` added to its environment; yields
-    its base URL."""
+    its base URL and the command's process id."""
     port = bench_serve.free_port()
     log = work / f"cluster-{replicas}{'-env' if env else ''}.log"
     threads = ["--threads", str(args.threads)] if args.device.startswith("cpu") else []
+    engine = [] if args.engine_process else ["--no-engine-process"]
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--replicas",
                                  str(replicas), "--port", str(port), "--device", args.device, "--max-sessions", "512",
-                                 "--session-dir", str(work / f"sessions-{replicas}"), *threads],
+                                 "--session-dir", str(work / f"sessions-{replicas}"), *threads, *engine],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
@@ -182,7 +227,7 @@ def cluster(package: Path, args: argparse.Namespace, replicas: int, work: Path,
                 pass
             time.sleep(0.5)
         run(base, 2, 2, 4, "warm")
-        yield base
+        yield base, proc.pid
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(120)
@@ -199,11 +244,16 @@ def main() -> None:
     parser.add_argument("--affinity-replicas", default="2,4")
     parser.add_argument("--requests", type=int, default=100, help="one-token requests measuring a request's cost")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of each engine (CPU device)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="the server alone and every replica run their engine in an engine process (as "
+                             "aoti-sessions serve does by default)")
+    parser.add_argument("--serve-defaults", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure the overhead of a cluster of Serve's default settings")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cpu = args.device.startswith("cpu")
     counts = [int(n) for n in args.replicas.split(",")]
-    affinity_counts = [int(n) for n in args.affinity_replicas.split(",")]
+    affinity_counts = [int(n) for n in args.affinity_replicas.split(",") if n]
     package = bench_serve.bench_package(args.device)
     work = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     lines = [f"# Cluster against one server ({args.device})", "",
@@ -218,7 +268,8 @@ def main() -> None:
 
     port = bench_serve.free_port()
     single = bench_serve.start_server(package, args.device, port, work / "single.log",
-                                      args.threads if cpu else None, ["--no-engine-process"])
+                                      args.threads if cpu else None, [] if args.engine_process else
+                                      ["--no-engine-process"])
     single_base = f"http://127.0.0.1:{port}"
     # Overhead, by the cluster's Serve settings: ours (cluster/_env.py) and
     # Serve's defaults (its throughput-optimized mode off), measured alike.
@@ -229,6 +280,8 @@ def main() -> None:
     rates: dict[int, list[float]] = {n: [] for n in counts}
     waits: dict[int, list[float]] = {n: [] for n in counts}
     writes: dict[int, list[float]] = {n: [] for n in counts}
+    alone_rates: list[float] = []  # the server alone's tokens/s under the same load, in the same rounds
+    cores: dict[int, list[dict[str, float]]] = {n: [] for n in counts}  # CPU cores busy by process group
 
     request_ms: dict[str, list[float]] = {"single": [], "ours": [], "defaults": []}  # one-token requests
 
@@ -254,23 +307,27 @@ def main() -> None:
 
     try:
         run(single_base, 2, 2, 4, "warm")
-        with cluster(package, args, counts[0], work, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}) as base:
-            request_round(base, "defaults")
-            for r in range(args.rounds):
-                overhead_round(base, "defaults", r)
-                print(f"Serve's defaults, round {r}: overhead {overhead['defaults'][-1]:.3f}x", flush=True)
+        if args.serve_defaults:
+            with cluster(package, args, counts[0], work, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}) as (base, _):
+                request_round(base, "defaults")
+                for r in range(args.rounds):
+                    overhead_round(base, "defaults", r)
+                    print(f"Serve's defaults, round {r}: overhead {overhead['defaults'][-1]:.3f}x", flush=True)
         # One cluster at a time (on GPUs, each replica holds one), its rounds;
         # the first one's rounds interleaved with the server alone's.
         for n in counts:
-            with cluster(package, args, n, work) as base:
+            with cluster(package, args, n, work) as (base, pid):
                 if n == counts[0]:
                     request_round(base, "ours")
                 for r in range(args.rounds):
                     if n == counts[0]:  # overhead: one chat at a time
                         overhead_round(base, "ours", r)
-                    before = cluster_counters(base)  # throughput, and what checkpoints cost on the way
+                        wall, log = run(single_base, args.chats, args.turns, args.tokens, f"a{r}")
+                        alone_rates.append(sum(t[1] for t in log) / wall)
+                    before, busy = cluster_counters(base), cpu_seconds(pid)
                     wall, log = run(base, args.chats, args.turns, args.tokens, f"t{r}")
-                    after = cluster_counters(base)
+                    after, used = cluster_counters(base), cpu_seconds(pid)
+                    cores[n].append({k: (used[k] - busy.get(k, 0.0)) / wall for k in used})
                     rates[n].append(sum(t[1] for t in log) / wall)
                     waited = after["aoti_sessions_checkpoint_wait_seconds_total"] - \
                         before["aoti_sessions_checkpoint_wait_seconds_total"]
@@ -279,54 +336,84 @@ def main() -> None:
                     writes[n].append(1e3 * (after["aoti_sessions_checkpoint_seconds_total"]
                                             - before["aoti_sessions_checkpoint_seconds_total"]) / max(1.0, written))
                     print(f"{n} replicas, round {r}: {rates[n][-1]:.0f} tokens/s"
-                          + (f", overhead {overhead['ours'][-1]:.3f}x" if n == counts[0] else ""), flush=True)
-        names = {"single": "aoti-sessions serve alone",
-                 "ours": f"{counts[0]} replica cluster (Serve throughput-optimized, cluster/_env.py)",
-                 "defaults": f"{counts[0]} replica cluster (Serve's defaults)"}
-        lines += ["## Routing overhead per generated token (one chat at a time)", "",
-                  f"One chat on a cluster and one on the server alone, turn by turn in lockstep; {args.rounds} rounds "
-                  f"of {args.turns} turns of {args.tokens} tokens for each of the cluster's Serve settings.", "",
-                  "| server | ms per generated token (min / median / max) |", "|---|---|"]
-        lines += [f"| {names[k]} | {spread(v)} |" for k, v in per_token.items() if v]
-        lines += ["", "| cluster's Serve settings | against the server alone, per round (min / median / max) | "
-                      "a turn's added ms (each cluster turn less the server alone's same turn) |", "|---|---|---|"]
-        lines += [f"| {names[k]} | {spread(overhead[k])} x (median {100 * (statistics.median(overhead[k]) - 1):+.1f}%) "
-                  f"| {spread(added_ms[k], 2)} ({len(added_ms[k])} turns) |" for k in ("ours", "defaults")]
-        single_token = statistics.median(per_token["single"])
-        lines += ["", f"A request's cost beyond its generation: {args.requests} one-token replies (each in a new "
-                      "session, short prompt) per setting, alternating with the server alone "
-                      f"(median {statistics.median(request_ms['single']):.2f} ms a request there):", "",
-                  "| cluster's Serve settings | added ms a request (min / median / max) | "
-                  f"as a share of a {args.tokens}-token turn's generation (median added / "
-                  f"({args.tokens} x the server alone's median {single_token:.3f} ms a token)) |", "|---|---|---|"]
-        lines += [f"| {names[k]} | {spread(request_ms[k], 2)} | "
-                  f"{100 * statistics.median(request_ms[k]) / (args.tokens * single_token):+.1f}% |"
-                  for k in ("ours", "defaults")]
-        lines += ["", f"Of the cluster's turns' time (ours), waiting for a checkpoint write: {spread(sequential_waits)} %.",
-                  "",
-                  f"## Throughput, {args.chats} chats at once ({args.turns} turns of {args.tokens} tokens)", "",
-                  "| replicas | generated tokens/s (min / median / max) | checkpoint wait, % of turn time | "
-                  "checkpoint write, ms each (off the request path) |", "|---:|---|---|---|"]
-        lines += [f"| {n} | {spread(rates[n], 0)} | {spread(waits[n], 3)} | {spread(writes[n], 2)} |" for n in counts]
-        if len(counts) > 1:
-            lines += ["", f"{counts[-1]} replicas against {counts[0]}, median tokens/s: "
-                          f"{statistics.median(rates[counts[-1]]) / statistics.median(rates[counts[0]]):.2f} x "
-                          f"(worst round of {counts[-1]} against best of {counts[0]}: "
-                          f"{min(rates[counts[-1]]) / max(rates[counts[0]]):.2f} x)."]
-        lines += ["", "## Affinity: 40 chats x 3 turns", "",
-                  "| replicas | follow-up turns | reused their cache (cached_tokens > 0) |", "|---:|---:|---:|"]
+                          + (f" (alone {alone_rates[-1]:.0f}), overhead {overhead['ours'][-1]:.3f}x"
+                             if n == counts[0] else "")
+                          + "; cores: " + ", ".join(f"{k} {v:.2f}" for k, v in cores[n][-1].items()), flush=True)
+        write(report(args, counts, lines, per_token, overhead, added_ms, request_ms, sequential_waits, rates,
+                     alone_rates, waits, writes, cores), args)
+        affinity: list[str] = []
+        if affinity_counts:
+            affinity += ["", "## Affinity: 40 chats x 3 turns", "",
+                      "| replicas | follow-up turns | reused their cache (cached_tokens > 0) |", "|---:|---:|---:|"]
         for n in affinity_counts:
-            with cluster(package, args, n, work) as base:
+            with cluster(package, args, n, work) as (base, _):
                 _, log = run(base, 40, 3, 8, "aff")
             follow_ups = [t for t in log if t[3] > 0]
             reused = sum(1 for t in follow_ups if t[2] > 0)
-            lines.append(f"| {n} | {len(follow_ups)} | {reused} ({100 * reused / len(follow_ups):.0f}%) |")
+            affinity.append(f"| {n} | {len(follow_ups)} | {reused} ({100 * reused / len(follow_ups):.0f}%) |")
+        write(report(args, counts, lines, per_token, overhead, added_ms, request_ms, sequential_waits, rates,
+                     alone_rates, waits, writes, cores) + affinity, args)
     finally:
         single.terminate()
         single.wait(60)
+
+
+def write(lines: list[str], args: argparse.Namespace) -> None:
+    """The results so far (written after each phase: a run stopped midway keeps them)."""
     out = Path(args.out or ROOT / "bench" / f"RESULTS_cluster_{args.device.split(':')[0]}.md")
     out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print("\n".join(lines), flush=True)
+
+
+def report(args: argparse.Namespace, counts: list[int], head: list[str], per_token: dict[str, list[float]],
+           overhead: dict[str, list[float]], added_ms: dict[str, list[float]], request_ms: dict[str, list[float]],
+           sequential_waits: list[float], rates: dict[int, list[float]], alone_rates: list[float],
+           waits: dict[int, list[float]], writes: dict[int, list[float]],
+           cores: dict[int, list[dict[str, float]]]) -> list[str]:
+    engine = "in an engine process" if args.engine_process else "in the serving process (--no-engine-process)"
+    names = {"single": "aoti-sessions serve alone",
+             "ours": f"{counts[0]} replica cluster (Serve throughput-optimized, cluster/_env.py)",
+             "defaults": f"{counts[0]} replica cluster (Serve's defaults)"}
+    settings = [k for k in ("ours", "defaults") if overhead[k]]
+    lines = [*head, f"Every engine (the server alone's, each replica's) {engine}.", "",
+             "## Routing overhead per generated token (one chat at a time)", "",
+             f"One chat on a cluster and one on the server alone, turn by turn in lockstep; {args.rounds} rounds "
+             f"of {args.turns} turns of {args.tokens} tokens for each of the cluster's Serve settings.", "",
+             "| server | ms per generated token (min / median / max) |", "|---|---|"]
+    lines += [f"| {names[k]} | {spread(v)} |" for k, v in per_token.items() if v]
+    lines += ["", "| cluster's Serve settings | against the server alone, per round (min / median / max) | "
+                  "a turn's added ms (each cluster turn less the server alone's same turn) |", "|---|---|---|"]
+    lines += [f"| {names[k]} | {spread(overhead[k])} x (median {100 * (statistics.median(overhead[k]) - 1):+.1f}%) "
+              f"| {spread(added_ms[k], 2)} ({len(added_ms[k])} turns) |" for k in settings]
+    single_token = statistics.median(per_token["single"])
+    lines += ["", f"A request's cost beyond its generation: {args.requests} one-token replies (each in a new "
+                  "session, short prompt) per setting, alternating with the server alone "
+                  f"(median {statistics.median(request_ms['single']):.2f} ms a request there):", "",
+              "| cluster's Serve settings | added ms a request (min / median / max) | "
+              f"as a share of a {args.tokens}-token turn's generation (median added / "
+              f"({args.tokens} x the server alone's median {single_token:.3f} ms a token)) |", "|---|---|---|"]
+    lines += [f"| {names[k]} | {spread(request_ms[k], 2)} | "
+              f"{100 * statistics.median(request_ms[k]) / (args.tokens * single_token):+.1f}% |" for k in settings]
+    lines += ["", f"Of the cluster's turns' time (ours), waiting for a checkpoint write: {spread(sequential_waits)} %.",
+              "", f"## Throughput, {args.chats} chats at once ({args.turns} turns of {args.tokens} tokens)", "",
+              "| server | generated tokens/s (min / median / max) | checkpoint wait, % of turn time | "
+              "checkpoint write, ms each (off the request path) |", "|---|---|---|---|"]
+    lines += [f"| aoti-sessions serve alone (in {counts[0]}-replica rounds) | {spread(alone_rates, 0)} | - | - |"]
+    lines += [f"| {n} replica{'s' if n > 1 else ''} | {spread(rates[n], 0)} | {spread(waits[n], 3)} | "
+              f"{spread(writes[n], 2)} |" for n in counts if rates[n]]
+    done = [n for n in counts if rates[n]]
+    if len(done) > 1:
+        lines += ["", f"{done[-1]} replicas against {done[0]}, median tokens/s: "
+                      f"{statistics.median(rates[done[-1]]) / statistics.median(rates[done[0]]):.2f} x "
+                      f"(worst round of {done[-1]} against best of {done[0]}: "
+                      f"{min(rates[done[-1]]) / max(rates[done[0]]):.2f} x)."]
+    groups = [name for name, _ in GROUPS]
+    lines += ["", "CPU cores busy during the throughput runs (median over rounds; /proc of the command and every "
+                  "process under it):", "", "| replicas | " + " | ".join(groups) + " |",
+              "|---:|" + "---:|" * len(groups)]
+    lines += [f"| {n} | " + " | ".join(f"{statistics.median(c[g] for c in cores[n]):.2f}" for g in groups) + " |"
+              for n in done]
+    return lines
 
 
 if __name__ == "__main__":
