@@ -424,7 +424,7 @@ def _bfloat16_chat(family: str, device: str) -> None:
         assert other.cached_tokens == len(first) + 23
         followed.append(_follows(other.token_ids, model, exact, branch))
         assert llm.engine.captures("decode") == (device == "cuda")
-    print(f"{family}: tokens equal to transformers' before a near tie, per turn: {followed}")
+    print(f"{family}: tokens equal to transformers' bf16 ones before the two part, per turn: {followed}")
 
 
 @requires_cuda

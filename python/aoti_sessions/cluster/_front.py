@@ -12,6 +12,7 @@ deploy`` users get the same ingress as a Serve deployment
 from __future__ import annotations
 
 import signal
+import sys
 from typing import Any
 
 from starlette.applications import Starlette
@@ -38,7 +39,13 @@ def serve_front(replicas: Any, host: str, port: int, *, api_key: str | None, max
     """Serves the cluster on ``host:port`` until SIGINT or SIGTERM."""
     import uvicorn
 
+    from ..llm._remote_engine import SWITCH_INTERVAL_S
     from ..serve._http import server_config
+
+    # uvicorn's loop hands each request to the handle's router on a thread
+    # of its own and takes the answer back: each hand-over waits for the
+    # GIL, up to the switch interval (5 ms by default) while the other runs.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     app = front_app(Ingress(replicas, api_key=api_key, max_body_bytes=max_body_bytes))
     server = uvicorn.Server(server_config(app, host, port, max_connections=max_connections,
