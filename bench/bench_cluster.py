@@ -91,7 +91,9 @@ def run(base: str, chats: int, turns: int, tokens: int, tag: str) -> tuple[float
         async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
             started = time.perf_counter()
             await asyncio.gather(*[chat(client, i, turns, tokens, tag, log) for i in range(chats)])
-            return time.perf_counter() - started
+            wall = time.perf_counter() - started
+            await asyncio.gather(*[client.delete(f"/v1/sessions/{tag}-{i}") for i in range(chats)])  # (room)
+            return wall
 
     return asyncio.run(main()), log
 
@@ -140,6 +142,7 @@ def request_cost(bases: dict[str, str], requests: int, tag: str) -> dict[str, li
                     log: list[tuple[float, int, int, int]] = []
                     await one_turn(client, [], i, 0, 1, f"{tag}-{name}-{i}", log)
                     seconds[name].append(log[0][0])
+                    await client.delete(f"/v1/sessions/{tag}-{name}-{i}")
 
     asyncio.run(main())
     return seconds
