@@ -50,7 +50,7 @@ import bench_serve  # noqa: E402  (its model, server start and helpers)
 
 import httpx  # noqa: E402
 
-from serving import metrics  # noqa: E402
+from serving import descendants, metrics  # noqa: E402
 
 
 def message(chat: int, turn: int) -> str:
@@ -169,7 +169,7 @@ def cpu_seconds(root: int) -> dict[str, float]:
     it, by GROUPS (``root`` itself: the command's front)."""
     out = dict.fromkeys((name for name, _ in GROUPS), 0.0)
     tick = os.sysconf("SC_CLK_TCK")
-    for pid in _descendants(root):
+    for pid in descendants(root):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -182,22 +182,6 @@ def cpu_seconds(root: int) -> dict[str, float]:
             if (pid == root) if mark is None else (mark in command):
                 out[name] += seconds
                 break
-    return out
-
-
-def _descendants(root: int) -> set[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = set(), [root]
-    while todo:
-        out.add(pid := todo.pop())
-        todo.extend(parents.get(pid, []))
     return out
 
 

@@ -3,6 +3,7 @@ run in a thread of the test process, and what the server tests read from it."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import threading
@@ -63,3 +64,23 @@ def wait_until(condition: Any, timeout: float = 30.0, what: str = "the condition
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def descendants(root: int) -> set[int]:
+    """``root`` and every process under it (from /proc): a server's or a
+    cluster's processes."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo.extend(parents.get(pid, []))
+    return out

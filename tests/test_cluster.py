@@ -19,7 +19,7 @@ import pytest
 from aoti_sessions.llm import LLM
 from aoti_sessions.serve import create_app
 from llm_models import llm_package
-from serving import metrics, running, wait_until
+from serving import descendants, metrics, running, wait_until
 
 if importlib.util.find_spec("ray") is None:  # (not imported here: the cluster imports it, on loopback)
     pytest.skip("the [cluster] extra (ray[serve]) is not installed", allow_module_level=True)
@@ -221,7 +221,7 @@ def test_scale_down_moves_the_leaving_replicas_sessions(cluster: int, deploy: An
 def _engine_processes() -> set[int]:
     """The engine processes (RemoteLLM's children) this test's cluster runs."""
     found = set()
-    for pid in _descendants(os.getpid()):
+    for pid in descendants(os.getpid()):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"aoti_sessions.llm._engine_main" in f.read():
@@ -229,24 +229,6 @@ def _engine_processes() -> set[int]:
         except OSError:
             continue
     return found
-
-
-def _descendants(root: int) -> set[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        out.add(pid)
-        todo.extend(parents.get(pid, []))
-    return out
 
 
 def _socket_inodes(pids: set[int]) -> set[str]:
@@ -293,7 +275,7 @@ def test_every_cluster_socket_is_on_loopback(cluster: int, package: Path, tmp_pa
               name="loopback", route_prefix="/loopback")
     with client(cluster, "loopback") as http:
         converse(http, "l-0", TURNS[:2])
-        pids = _descendants(os.getpid())
+        pids = descendants(os.getpid())
         inodes = _socket_inodes(pids)
         assert len(pids) > 5 and inodes  # Ray's processes, with their sockets
         checked, wrong = 0, []
