@@ -4,8 +4,8 @@
                                   [--replicas 1,2] [--affinity-replicas 2,4] [--requests 100]
 
 Serves bench_serve's model (exported once, cached) on 127.0.0.1:
-``aoti-sessions serve`` alone (one process, ``--no-engine-process``: the
-engine beside HTTP, as a replica runs it) and ``aoti-sessions serve
+``aoti-sessions serve`` alone (its engine in an engine process, as a
+replica's, unless ``--no-engine-process``) and ``aoti-sessions serve
 --replicas N`` for each ``--replicas`` count, one cluster at a time (each
 its own local Ray cluster; CPU replicas take the threads the single server
 gets, CUDA replicas one GPU each). Per round:
@@ -19,7 +19,12 @@ gets, CUDA replicas one GPU each). Per round:
   (``cluster/_env.py``: Serve's throughput-optimized mode); and a request's
   fixed cost: ``--requests`` one-token replies on each, in turn;
 - throughput: ``--chats`` chats at once, each ``--turns`` turns: generated
-  tokens/s of each cluster, and the largest count against the first;
+  tokens/s of the server alone, of each cluster, and (``--servers-alone``)
+  of N servers alone beside an N-replica cluster, the chats split among
+  them by the client (on CUDA one a GPU): what the hardware gives the load
+  without a router, the ceiling of the N-replica cluster; each engine's
+  step loop (steps/s, decode rows a step, where a step's time goes) and
+  the CPU cores busy, by process group;
 - checkpoint cost on the request path: the seconds requests waited for a
   checkpoint write (the replicas' ``checkpoint_wait_seconds_total``) against
   the turns' own seconds; and the writes' time, off the path.
@@ -42,6 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,17 +88,22 @@ async def chat(client: httpx.AsyncClient, chat_id: int, turns: int, tokens: int,
         await one_turn(client, messages, chat_id, turn, tokens, f"{tag}-{chat_id}", log)
 
 
-def run(base: str, chats: int, turns: int, tokens: int, tag: str) -> tuple[float, list[tuple[float, int, int, int]]]:
-    """``chats`` chats at once; wall seconds and every turn's record."""
+def run(bases: list[str], chats: int, turns: int, tokens: int,
+        tag: str) -> tuple[float, list[tuple[float, int, int, int]]]:
+    """``chats`` chats at once, chat ``i`` on ``bases[i % len(bases)]``; wall
+    seconds and every turn's record."""
     log: list[tuple[float, int, int, int]] = []
 
     async def main() -> float:
         limits = httpx.Limits(max_connections=chats + 4)
-        async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            opened = [await stack.enter_async_context(httpx.AsyncClient(base_url=b, timeout=600, limits=limits))
+                      for b in bases]
+            on = [opened[i % len(opened)] for i in range(chats)]
             started = time.perf_counter()
-            await asyncio.gather(*[chat(client, i, turns, tokens, tag, log) for i in range(chats)])
+            await asyncio.gather(*[chat(on[i], i, turns, tokens, tag, log) for i in range(chats)])
             wall = time.perf_counter() - started
-            await asyncio.gather(*[client.delete(f"/v1/sessions/{tag}-{i}") for i in range(chats)])  # (room)
+            await asyncio.gather(*[on[i].delete(f"/v1/sessions/{tag}-{i}") for i in range(chats)])  # (room)
             return wall
 
     return asyncio.run(main()), log
@@ -152,37 +163,92 @@ def spread(xs: list[float], digits: int = 3) -> str:
     return f"{min(xs):.{digits}f} / {statistics.median(xs):.{digits}f} / {max(xs):.{digits}f}"
 
 
-def cluster_counters(base: str) -> dict[str, float]:
-    with httpx.Client(base_url=base, timeout=60) as http:
-        seen = metrics(http)
-    return {k: seen.get(k, 0.0) for k in ("aoti_sessions_checkpoint_wait_seconds_total",
-                                          "aoti_sessions_checkpoint_seconds_total",
-                                          "aoti_sessions_checkpoints_total")}
+CHECKPOINTS = ("aoti_sessions_checkpoint_wait_seconds_total", "aoti_sessions_checkpoint_seconds_total",
+               "aoti_sessions_checkpoints_total")
+PHASES = ("wait", "queue", "text")  # the step loop's time a step (serve/_metrics.py)
+STEPS = ("aoti_sessions_steps_total", "aoti_sessions_decode_rows_total",
+         *(f'aoti_sessions_step_seconds_total{{phase="{p}"}}' for p in PHASES))
+
+
+def counters(bases: list[str]) -> dict[str, float]:
+    """The checkpoint and step loop counters, summed over the servers at
+    ``bases`` (a cluster's /metrics: its totals over replicas)."""
+    out = dict.fromkeys(CHECKPOINTS + STEPS, 0.0)
+    for base in bases:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            seen = metrics(http)
+        for k in out:
+            out[k] += seen.get(k, 0.0)
+    return out
 
 
 GROUPS = (("engine processes", b"aoti_sessions.llm._engine_main"), ("replicas", b"ServeReplica"),
           ("front (command)", None), ("Ray and Serve (other)", b""))
 
 
-def cpu_seconds(root: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of ``root`` and every process under
-    it, by GROUPS (``root`` itself: the command's front)."""
+def cpu_seconds(roots: list[int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each of ``roots`` and every
+    process under them, by GROUPS (a root itself: the command's front)."""
     out = dict.fromkeys((name for name, _ in GROUPS), 0.0)
     tick = os.sysconf("SC_CLK_TCK")
-    for pid in descendants(root):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read()
-        except OSError:
-            continue
-        seconds = (int(fields[11]) + int(fields[12])) / tick
-        for name, mark in GROUPS:
-            if (pid == root) if mark is None else (mark in command):
-                out[name] += seconds
-                break
+    for root in roots:
+        for pid in descendants(root):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read()
+            except OSError:
+                continue
+            seconds = (int(fields[11]) + int(fields[12])) / tick
+            for name, mark in GROUPS:
+                if (pid == root) if mark is None else (mark in command):
+                    out[name] += seconds
+                    break
     return out
+
+
+def gpus_of(root: int) -> list[str]:
+    """The GPUs (bus ids) on which ``root`` or a process under it holds
+    memory, by nvidia-smi; empty without it."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    mine = descendants(root)
+    return sorted({bus.strip() for pid, _, bus in (line.partition(",") for line in listed.splitlines())
+                   if pid.strip().isdigit() and int(pid) in mine})
+
+
+@dataclass
+class Load:
+    """One throughput run (``--chats`` chats at once) on a set of servers."""
+    rate: float  # generated tokens/s
+    wait: float  # waiting for a checkpoint write, % of the turns' time
+    write: float  # ms a checkpoint write (off the request path)
+    writes: int  # checkpoints written (back-to-back turns are written once, after the last)
+    cores: dict[str, float]  # CPU cores busy, by GROUPS
+    steps: dict[str, float]  # each engine's step loop: steps/s, decode rows a step, ms a step by PHASES
+
+
+def load(bases: list[str], roots: list[int], engines: int, args: argparse.Namespace, tag: str) -> Load:
+    """``--chats`` chats at once over ``bases`` (servers of ``engines``
+    engines in all, their processes under ``roots``)."""
+    before, busy = counters(bases), cpu_seconds(roots)
+    wall, log = run(bases, args.chats, args.turns, args.tokens, tag)
+    after, used = counters(bases), cpu_seconds(roots)
+    d = {k: after[k] - before[k] for k in after}
+    steps = max(d["aoti_sessions_steps_total"], 1.0)
+    return Load(rate=sum(t[1] for t in log) / wall,
+                wait=100 * d["aoti_sessions_checkpoint_wait_seconds_total"] / sum(t[0] for t in log),
+                write=1e3 * d["aoti_sessions_checkpoint_seconds_total"]
+                / max(1.0, d["aoti_sessions_checkpoints_total"]),
+                writes=int(d["aoti_sessions_checkpoints_total"]),
+                cores={k: (used[k] - busy[k]) / wall for k in used},
+                steps={"steps/s": d["aoti_sessions_steps_total"] / wall / engines,
+                       "rows/step": d["aoti_sessions_decode_rows_total"] / steps,
+                       **{p: 1e3 * d[f'aoti_sessions_step_seconds_total{{phase="{p}"}}'] / steps for p in PHASES}})
 
 
 @contextlib.contextmanager
@@ -213,7 +279,7 @@ def cluster(package: Path, args: argparse.Namespace, replicas: int, work: Path,
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.5)
-        run(base, 2, 2, 4, "warm")
+        run([base], 2, 2, 4, "warm")
         yield base, proc.pid
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -236,6 +302,9 @@ def main() -> None:
                              "aoti-sessions serve does by default)")
     parser.add_argument("--serve-defaults", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure the overhead of a cluster of Serve's default settings")
+    parser.add_argument("--servers-alone", action=argparse.BooleanOptionalAction, default=True,
+                        help="beside each cluster of N > 1 replicas, N servers alone (one a GPU on CUDA) with the "
+                             "chats split among them by the client: what the hardware gives the load, no router")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cpu = args.device.startswith("cpu")
@@ -243,6 +312,7 @@ def main() -> None:
     affinity_counts = [int(n) for n in args.affinity_replicas.split(",") if n]
     package = bench_serve.bench_package(args.device)
     work = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    gpus = 0
     lines = [f"# Cluster against one server ({args.device})", "",
              f"`python bench/bench_cluster.py --device {args.device} --rounds {args.rounds} --chats {args.chats} "
              f"--turns {args.turns} --tokens {args.tokens} --replicas {args.replicas} "
@@ -251,95 +321,94 @@ def main() -> None:
     if not cpu:
         import torch
 
-        lines += [f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}", ""]
+        gpus = torch.cuda.device_count()
+        lines += [f"GPUs: {gpus} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}", ""]
+    engine_args = [] if args.engine_process else ["--no-engine-process"]
 
-    port = bench_serve.free_port()
-    single = bench_serve.start_server(package, args.device, port, work / "single.log",
-                                      args.threads if cpu else None, [] if args.engine_process else
-                                      ["--no-engine-process"])
-    single_base = f"http://127.0.0.1:{port}"
-    # Overhead, by the cluster's Serve settings: ours (cluster/_env.py) and
-    # Serve's defaults (its throughput-optimized mode off), measured alike.
-    overhead: dict[str, list[float]] = {"ours": [], "defaults": []}
-    added_ms: dict[str, list[float]] = {"ours": [], "defaults": []}  # a cluster turn less the server alone's
-    sequential_waits: list[float] = []  # checkpoint wait, % of the cluster's turn time, one chat at a time
-    per_token: dict[str, list[float]] = {"single": [], "ours": [], "defaults": []}
-    rates: dict[int, list[float]] = {n: [] for n in counts}
-    waits: dict[int, list[float]] = {n: [] for n in counts}
-    writes: dict[int, list[float]] = {n: [] for n in counts}
-    alone_rates: list[float] = []  # the server alone's tokens/s under the same load, in the same rounds
-    cores: dict[int, list[dict[str, float]]] = {n: [] for n in counts}  # CPU cores busy by process group
+    def server(name: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+        port = bench_serve.free_port()
+        proc = bench_serve.start_server(package, args.device, port, work / f"{name}.log",
+                                        args.threads if cpu else None, engine_args, env)
+        base = f"http://127.0.0.1:{port}"
+        run([base], 2, 2, 4, "warm")
+        return proc, base
 
-    request_ms: dict[str, list[float]] = {"single": [], "ours": [], "defaults": []}  # one-token requests
+    single, single_base = server("single")
+    r = Results(args, counts)
 
     def request_round(base: str, settings: str) -> None:
         """A request's fixed cost: one-token replies, alternating servers."""
         seconds = request_cost({"single": single_base, "cluster": base}, args.requests, f"q-{settings}")
-        request_ms["single"] += [1e3 * t for t in seconds["single"]]
-        request_ms[settings] += [1e3 * (c - s) for s, c in zip(seconds["single"], seconds["cluster"])]
+        r.request_ms["single"] += [1e3 * t for t in seconds["single"]]
+        r.request_ms[settings] += [1e3 * (c - s) for s, c in zip(seconds["single"], seconds["cluster"])]
 
-    def overhead_round(base: str, settings: str, r: int) -> None:
+    def overhead_round(base: str, settings: str, i: int) -> None:
         """One chat on the cluster and one on the server alone, in lockstep."""
-        before = cluster_counters(base)
-        turns = lockstep({"single": single_base, "cluster": base}, args.turns, args.tokens, f"o{r}-{settings}")
-        after = cluster_counters(base)
+        before = counters([base])
+        turns = lockstep({"single": single_base, "cluster": base}, args.turns, args.tokens, f"o{i}-{settings}")
+        after = counters([base])
         for name, key in (("single", "single"), ("cluster", settings)):
-            per_token[key].append(1e3 * sum(turns[name]) / (args.turns * args.tokens))
-        added_ms[settings] += [1e3 * (c - s) for s, c in zip(turns["single"], turns["cluster"])]
+            r.per_token[key].append(1e3 * sum(turns[name]) / (args.turns * args.tokens))
+        r.added_ms[settings] += [1e3 * (c - s) for s, c in zip(turns["single"], turns["cluster"])]
         if settings == "ours":
-            sequential_waits.append(100 * (after["aoti_sessions_checkpoint_wait_seconds_total"] -
-                                           before["aoti_sessions_checkpoint_wait_seconds_total"])
-                                    / sum(turns["cluster"]))
-        overhead[settings].append(sum(turns["cluster"]) / sum(turns["single"]))
+            r.sequential_waits.append(100 * (after["aoti_sessions_checkpoint_wait_seconds_total"] -
+                                             before["aoti_sessions_checkpoint_wait_seconds_total"])
+                                      / sum(turns["cluster"]))
+        r.overhead[settings].append(sum(turns["cluster"]) / sum(turns["single"]))
+
+    def extra_servers(n: int) -> list[tuple[subprocess.Popen[bytes], str]]:
+        """With the server alone, n servers alone (on CUDA one a GPU: the
+        server alone holds the first)."""
+        if n < 2 or not args.servers_alone or (not cpu and gpus < n):
+            return []
+        return [server(f"alone-{i}", None if cpu else {"CUDA_VISIBLE_DEVICES": str(i)}) for i in range(1, n)]
 
     try:
-        run(single_base, 2, 2, 4, "warm")
         if args.serve_defaults:
             with cluster(package, args, counts[0], work, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}) as (base, _):
                 request_round(base, "defaults")
-                for r in range(args.rounds):
-                    overhead_round(base, "defaults", r)
-                    print(f"Serve's defaults, round {r}: overhead {overhead['defaults'][-1]:.3f}x", flush=True)
+                for i in range(args.rounds):
+                    overhead_round(base, "defaults", i)
+                    print(f"Serve's defaults, round {i}: overhead {r.overhead['defaults'][-1]:.3f}x", flush=True)
         # One cluster at a time (on GPUs, each replica holds one), its rounds;
-        # the first one's rounds interleaved with the server alone's.
+        # the first one's rounds interleaved with the server alone's, the
+        # others' with as many servers alone.
         for n in counts:
             with cluster(package, args, n, work) as (base, pid):
-                if n == counts[0]:
-                    request_round(base, "ours")
-                for r in range(args.rounds):
-                    if n == counts[0]:  # overhead: one chat at a time
-                        overhead_round(base, "ours", r)
-                        wall, log = run(single_base, args.chats, args.turns, args.tokens, f"a{r}")
-                        alone_rates.append(sum(t[1] for t in log) / wall)
-                    before, busy = cluster_counters(base), cpu_seconds(pid)
-                    wall, log = run(base, args.chats, args.turns, args.tokens, f"t{r}")
-                    after, used = cluster_counters(base), cpu_seconds(pid)
-                    cores[n].append({k: (used[k] - busy.get(k, 0.0)) / wall for k in used})
-                    rates[n].append(sum(t[1] for t in log) / wall)
-                    waited = after["aoti_sessions_checkpoint_wait_seconds_total"] - \
-                        before["aoti_sessions_checkpoint_wait_seconds_total"]
-                    waits[n].append(100 * waited / sum(t[0] for t in log))
-                    written = after["aoti_sessions_checkpoints_total"] - before["aoti_sessions_checkpoints_total"]
-                    writes[n].append(1e3 * (after["aoti_sessions_checkpoint_seconds_total"]
-                                            - before["aoti_sessions_checkpoint_seconds_total"]) / max(1.0, written))
-                    print(f"{n} replicas, round {r}: {rates[n][-1]:.0f} tokens/s"
-                          + (f" (alone {alone_rates[-1]:.0f}), overhead {overhead['ours'][-1]:.3f}x"
-                             if n == counts[0] else "")
-                          + "; cores: " + ", ".join(f"{k} {v:.2f}" for k, v in cores[n][-1].items()), flush=True)
-        write(report(args, counts, lines, per_token, overhead, added_ms, request_ms, sequential_waits, rates,
-                     alone_rates, waits, writes, cores), args)
+                if not cpu:
+                    r.placement[n] = gpus_of(pid)
+                extra = extra_servers(n)
+                try:
+                    if n == counts[0]:
+                        request_round(base, "ours")
+                    for i in range(args.rounds):
+                        if n == counts[0]:  # overhead: one chat at a time
+                            overhead_round(base, "ours", i)
+                            r.loads.setdefault("alone", []).append(load([single_base], [single.pid], 1, args, f"a{i}"))
+                        r.loads.setdefault(f"{n} replicas", []).append(load([base], [pid], n, args, f"t{i}"))
+                        if extra:
+                            bases = [single_base] + [b for _, b in extra]
+                            r.loads.setdefault(f"{n} alone", []).append(
+                                load(bases, [single.pid] + [p.pid for p, _ in extra], n, args, f"s{i}"))
+                        print(f"{n} replicas, round {i}: " + "; ".join(
+                            f"{k} {v[-1].rate:.0f} tokens/s" for k, v in r.loads.items() if len(v) == i + 1)
+                            + (f"; overhead {r.overhead['ours'][-1]:.3f}x" if n == counts[0] else ""), flush=True)
+                finally:
+                    for p, _ in extra:
+                        p.terminate()
+                        p.wait(60)
+        write(r.report(lines), args)
         affinity: list[str] = []
         if affinity_counts:
             affinity += ["", "## Affinity: 40 chats x 3 turns", "",
-                      "| replicas | follow-up turns | reused their cache (cached_tokens > 0) |", "|---:|---:|---:|"]
+                         "| replicas | follow-up turns | reused their cache (cached_tokens > 0) |", "|---:|---:|---:|"]
         for n in affinity_counts:
             with cluster(package, args, n, work) as (base, _):
-                _, log = run(base, 40, 3, 8, "aff")
+                _, log = run([base], 40, 3, 8, "aff")
             follow_ups = [t for t in log if t[3] > 0]
             reused = sum(1 for t in follow_ups if t[2] > 0)
             affinity.append(f"| {n} | {len(follow_ups)} | {reused} ({100 * reused / len(follow_ups):.0f}%) |")
-        write(report(args, counts, lines, per_token, overhead, added_ms, request_ms, sequential_waits, rates,
-                     alone_rates, waits, writes, cores) + affinity, args)
+        write(r.report(lines) + affinity, args)
     finally:
         single.terminate()
         single.wait(60)
@@ -352,55 +421,115 @@ def write(lines: list[str], args: argparse.Namespace) -> None:
     print("\n".join(lines), flush=True)
 
 
-def report(args: argparse.Namespace, counts: list[int], head: list[str], per_token: dict[str, list[float]],
-           overhead: dict[str, list[float]], added_ms: dict[str, list[float]], request_ms: dict[str, list[float]],
-           sequential_waits: list[float], rates: dict[int, list[float]], alone_rates: list[float],
-           waits: dict[int, list[float]], writes: dict[int, list[float]],
-           cores: dict[int, list[dict[str, float]]]) -> list[str]:
-    engine = "in an engine process" if args.engine_process else "in the serving process (--no-engine-process)"
-    names = {"single": "aoti-sessions serve alone",
-             "ours": f"{counts[0]} replica cluster (Serve throughput-optimized, cluster/_env.py)",
-             "defaults": f"{counts[0]} replica cluster (Serve's defaults)"}
-    settings = [k for k in ("ours", "defaults") if overhead[k]]
-    lines = [*head, f"Every engine (the server alone's, each replica's) {engine}.", "",
-             "## Routing overhead per generated token (one chat at a time)", "",
-             f"One chat on a cluster and one on the server alone, turn by turn in lockstep; {args.rounds} rounds "
-             f"of {args.turns} turns of {args.tokens} tokens for each of the cluster's Serve settings.", "",
-             "| server | ms per generated token (min / median / max) |", "|---|---|"]
-    lines += [f"| {names[k]} | {spread(v)} |" for k, v in per_token.items() if v]
-    lines += ["", "| cluster's Serve settings | against the server alone, per round (min / median / max) | "
-                  "a turn's added ms (each cluster turn less the server alone's same turn) |", "|---|---|---|"]
-    lines += [f"| {names[k]} | {spread(overhead[k])} x (median {100 * (statistics.median(overhead[k]) - 1):+.1f}%) "
-              f"| {spread(added_ms[k], 2)} ({len(added_ms[k])} turns) |" for k in settings]
-    single_token = statistics.median(per_token["single"])
-    lines += ["", f"A request's cost beyond its generation: {args.requests} one-token replies (each in a new "
-                  "session, short prompt) per setting, alternating with the server alone "
-                  f"(median {statistics.median(request_ms['single']):.2f} ms a request there):", "",
-              "| cluster's Serve settings | added ms a request (min / median / max) | "
-              f"as a share of a {args.tokens}-token turn's generation (median added / "
-              f"({args.tokens} x the server alone's median {single_token:.3f} ms a token)) |", "|---|---|---|"]
-    lines += [f"| {names[k]} | {spread(request_ms[k], 2)} | "
-              f"{100 * statistics.median(request_ms[k]) / (args.tokens * single_token):+.1f}% |" for k in settings]
-    lines += ["", f"Of the cluster's turns' time (ours), waiting for a checkpoint write: {spread(sequential_waits)} %.",
-              "", f"## Throughput, {args.chats} chats at once ({args.turns} turns of {args.tokens} tokens)", "",
-              "| server | generated tokens/s (min / median / max) | checkpoint wait, % of turn time | "
-              "checkpoint write, ms each (off the request path) |", "|---|---|---|---|"]
-    lines += [f"| aoti-sessions serve alone (in {counts[0]}-replica rounds) | {spread(alone_rates, 0)} | - | - |"]
-    lines += [f"| {n} replica{'s' if n > 1 else ''} | {spread(rates[n], 0)} | {spread(waits[n], 3)} | "
-              f"{spread(writes[n], 2)} |" for n in counts if rates[n]]
-    done = [n for n in counts if rates[n]]
-    if len(done) > 1:
-        lines += ["", f"{done[-1]} replicas against {done[0]}, median tokens/s: "
-                      f"{statistics.median(rates[done[-1]]) / statistics.median(rates[done[0]]):.2f} x "
-                      f"(worst round of {done[-1]} against best of {done[0]}: "
-                      f"{min(rates[done[-1]]) / max(rates[done[0]]):.2f} x)."]
-    groups = [name for name, _ in GROUPS]
-    lines += ["", "CPU cores busy during the throughput runs (median over rounds; /proc of the command and every "
-                  "process under it):", "", "| replicas | " + " | ".join(groups) + " |",
-              "|---:|" + "---:|" * len(groups)]
-    lines += [f"| {n} | " + " | ".join(f"{statistics.median(c[g] for c in cores[n]):.2f}" for g in groups) + " |"
-              for n in done]
-    return lines
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+class Results:
+    """Every figure of a run, and its report."""
+
+    def __init__(self, args: argparse.Namespace, counts: list[int]) -> None:
+        self.args, self.counts = args, counts
+        self.overhead: dict[str, list[float]] = {"ours": [], "defaults": []}  # cluster / alone, per round
+        self.added_ms: dict[str, list[float]] = {"ours": [], "defaults": []}  # a cluster turn less the alone's
+        self.sequential_waits: list[float] = []  # checkpoint wait, % of the cluster's turn time, one chat
+        self.per_token: dict[str, list[float]] = {"single": [], "ours": [], "defaults": []}
+        self.request_ms: dict[str, list[float]] = {"single": [], "ours": [], "defaults": []}  # one-token
+        self.loads: dict[str, list[Load]] = {}  # "alone", "N replicas", "N alone": per round
+        self.placement: dict[int, list[str]] = {}  # GPUs holding each cluster's processes
+
+    def report(self, head: list[str]) -> list[str]:
+        args, counts = self.args, self.counts
+        engine = "in an engine process" if args.engine_process else "in the serving process (--no-engine-process)"
+        names = {"single": "aoti-sessions serve alone",
+                 "ours": f"{counts[0]} replica cluster (Serve throughput-optimized, cluster/_env.py)",
+                 "defaults": f"{counts[0]} replica cluster (Serve's defaults)"}
+        settings = [k for k in ("ours", "defaults") if self.overhead[k]]
+        lines = [*head, f"Every engine (the servers' alone, each replica's) {engine}.", "",
+                 "## Routing overhead per generated token (one chat at a time)", "",
+                 f"One chat on a cluster and one on the server alone, turn by turn in lockstep; {args.rounds} "
+                 f"rounds of {args.turns} turns of {args.tokens} tokens for each of the cluster's Serve settings.", "",
+                 "| server | ms per generated token (min / median / max) |", "|---|---|"]
+        lines += [f"| {names[k]} | {spread(v)} |" for k, v in self.per_token.items() if v]
+        lines += ["", "| cluster's Serve settings | against the server alone, per round (min / median / max) | "
+                      "a turn's added ms (each cluster turn less the server alone's same turn) |", "|---|---|---|"]
+        lines += [f"| {names[k]} | {spread(self.overhead[k])} x (median {100 * (median(self.overhead[k]) - 1):+.1f}%) "
+                  f"| {spread(self.added_ms[k], 2)} ({len(self.added_ms[k])} turns) |" for k in settings]
+        if self.per_token["single"] and self.request_ms["single"]:
+            single_token = median(self.per_token["single"])
+            lines += ["", f"A request's cost beyond its generation: {args.requests} one-token replies (each in a new "
+                          "session, short prompt) per setting, alternating with the server alone "
+                          f"(median {median(self.request_ms['single']):.2f} ms a request there):", "",
+                      "| cluster's Serve settings | added ms a request (min / median / max) | "
+                      f"as a share of a {args.tokens}-token turn's generation (median added / "
+                      f"({args.tokens} x the server alone's median {single_token:.3f} ms a token)) |", "|---|---|---|"]
+            lines += [f"| {names[k]} | {spread(self.request_ms[k], 2)} | "
+                      f"{100 * median(self.request_ms[k]) / (args.tokens * single_token):+.1f}% |" for k in settings]
+        if self.sequential_waits:
+            lines += ["", "Of the cluster's turns' time (ours), waiting for a checkpoint write: "
+                          f"{spread(self.sequential_waits)} %."]
+        lines += self._throughput()
+        return lines
+
+    def _label(self, key: str) -> str:
+        n, kind = key.split(" ") if " " in key else ("1", key)
+        if kind == "replicas":
+            return f"{n} replica{'s' if n != '1' else ''}"
+        where = "one a GPU" if not self.args.device.startswith("cpu") else "sharing the CPUs"
+        return "aoti-sessions serve alone" if key == "alone" else f"{n} servers alone ({where}; chats split by index)"
+
+    def _throughput(self) -> list[str]:
+        loads = {k: v for k, v in self.loads.items() if v}
+        if not loads:
+            return []
+        args = self.args
+        lines = ["", f"## Throughput, {args.chats} chats at once ({args.turns} turns of {args.tokens} tokens)", "",
+                 "| servers | generated tokens/s (min / median / max) | checkpoint wait, % of turn time | "
+                 "checkpoint write, ms each (off the request path) | checkpoints written a round |",
+                 "|---|---|---|---|---|"]
+        for key, runs in loads.items():
+            checkpoints = " replicas" in key
+            lines.append(f"| {self._label(key)} | {spread([x.rate for x in runs], 0)} | "
+                         + (f"{spread([x.wait for x in runs])} | {spread([x.write for x in runs], 2)} | "
+                            f"{median([x.writes for x in runs]):.0f} |" if checkpoints else "- | - | - |"))
+        rate = {k: median([x.rate for x in v]) for k, v in loads.items()}
+        worst = {k: min(x.rate for x in v) for k, v in loads.items()}
+        best = {k: max(x.rate for x in v) for k, v in loads.items()}
+        first = f"{self.counts[0]} replicas"
+        ratios = []
+        for n in self.counts[1:]:
+            if f"{n} replicas" in rate and first in rate:
+                ratios.append(f"{n} replicas against {self.counts[0]}: {rate[f'{n} replicas'] / rate[first]:.2f} x "
+                              f"(worst round against best: {worst[f'{n} replicas'] / best[first]:.2f} x)")
+            if f"{n} alone" in rate and "alone" in rate:
+                ratios.append(f"{n} servers alone against one (what the hardware gives this load, no router): "
+                              f"{rate[f'{n} alone'] / rate['alone']:.2f} x")
+            if f"{n} alone" in rate and f"{n} replicas" in rate:
+                ratios.append(f"{n} replicas against {n} servers alone: "
+                              f"{rate[f'{n} replicas'] / rate[f'{n} alone']:.2f} x")
+        if first in rate and "alone" in rate:
+            ratios.insert(0, f"{self._label(first)} against the server alone: {rate[first] / rate['alone']:.2f} x")
+        lines += ["", "Medians of tokens/s:", ""] + [f"- {x}" for x in ratios]
+        lines += ["", "Each engine's step loop during the throughput runs (median over rounds; the servers' "
+                      "/metrics, a cluster's summed over replicas): steps a second, decode rows a step, and its "
+                      "time a step waiting for the device, queueing the step (host work) and making text.", "",
+                  "| servers | steps/s an engine | decode rows / step | wait, ms / step | queue, ms / step | "
+                  "text, ms / step |", "|---|---:|---:|---:|---:|---:|"]
+        for key, runs in loads.items():
+            cells = [f"{median([x.steps[c] for x in runs]):.{3 if c in PHASES else 1}f}"
+                     for c in ("steps/s", "rows/step", *PHASES)]
+            lines.append(f"| {self._label(key)} | " + " | ".join(cells) + " |")
+        groups = [name for name, _ in GROUPS]
+        lines += ["", "CPU cores busy during the throughput runs (median over rounds; /proc of each command and "
+                      "every process under it):", "", "| servers | " + " | ".join(groups) + " |",
+                  "|---|" + "---:|" * len(groups)]
+        lines += [f"| {self._label(k)} | " + " | ".join(f"{median([c.cores[g] for c in v]):.2f}" for g in groups)
+                  + " |" for k, v in loads.items()]
+        if self.placement:
+            lines += ["", "GPUs holding each cluster's processes (nvidia-smi): " + "; ".join(
+                f"{n} replica{'s' if n > 1 else ''}: {len(bus)} ({', '.join(bus)})"
+                for n, bus in self.placement.items())]
+        return lines
 
 
 if __name__ == "__main__":

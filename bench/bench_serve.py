@@ -184,12 +184,12 @@ def free_port() -> int:
 
 
 def start_server(package: Path, device: str, port: int, log: Path, threads: int | None,
-                 args: list[str] | None = None) -> subprocess.Popen[bytes]:
+                 args: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     extra = (["--threads", str(threads)] if threads else []) + list(args or [])
     with log.open("wb") as out:  # the server's own log, read back if it fails
         proc = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
                                  "--device", device, "--max-sessions", "256", *extra],
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
