@@ -5,6 +5,8 @@ newer checkpoint, and a session deleted on one server is gone on the other."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+import aoti_sessions as ais
 from aoti_sessions.llm import LLM
 from aoti_sessions.serve import create_app
+from aoti_sessions.serve._sessions import CHECKPOINT_WRITERS
 from llm_models import llm_package
 from serving import metrics, running, wait_until
 
@@ -71,3 +75,57 @@ def test_servers_sharing_a_session_dir_never_answer_from_a_stale_copy(llm: LLM, 
         assert not checkpoint.exists()
         assert a.get("/v1/sessions/c").status_code == 404
         assert a.get("/v1/sessions").json()["data"] == []
+
+
+def test_checkpoint_writes_hold_no_turn_and_run_a_few_at_a_time(llm: LLM, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session is held by its checkpoint only while its state is copied
+    out: its next turn goes ahead while the file is written (or waits for a
+    writer), waiting for nothing; at most CHECKPOINT_WRITERS files are
+    written at once; the files then hold each chat's latest turn."""
+    gate, lock = threading.Event(), threading.Lock()
+    inside, most = [0], [0]
+    write = ais.Snapshot.write
+
+    def gated(self: ais.Snapshot, path: object, attachment: bytes = b"") -> None:
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            assert gate.wait(60), "the test never opened the gate"
+            write(self, path, attachment)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(ais.Snapshot, "write", gated)
+    n = CHECKPOINT_WRITERS + 2
+    chats: dict[int, list[dict[str, str]]] = {i: [] for i in range(n)}
+
+    def next_turn(http: httpx.Client, i: int, user: str) -> int:
+        chats[i].append({"role": "user", "content": user})
+        reply, cached = turn(http, chats[i], f"w{i}")
+        chats[i].append({"role": "assistant", "content": reply})
+        return cached
+
+    with running(create_app(llm, session_dir=tmp_path, checkpoint_sessions=True)) as url, \
+            httpx.Client(base_url=url, timeout=60) as http:
+        try:
+            for i in range(n):
+                next_turn(http, i, TURNS[0])
+            wait_until(lambda: inside[0] == CHECKPOINT_WRITERS, what="the writes at the gate")
+            time.sleep(0.3)
+            assert inside[0] == CHECKPOINT_WRITERS  # the other writes wait for a writer
+            for i in (0, n - 1):  # (whichever waits at the gate or for a writer)
+                assert next_turn(http, i, TURNS[1]) > 0  # answered from its cache, the write still under way
+            assert inside[0] == CHECKPOINT_WRITERS
+            assert metrics(http)["aoti_sessions_checkpoint_wait_seconds_total"] == 0
+        finally:
+            gate.set()
+        wait_until(lambda: metrics(http)["aoti_sessions_checkpoints_total"] == n + 2, timeout=60,
+                   what="every checkpoint")
+        listed = {e["id"]: e["tokens"] for e in http.get("/v1/sessions").json()["data"]}
+        for i in range(n):  # (read while the server runs: not what it parks when it stops)
+            with llm.load_session(tmp_path / ".live" / f"w{i}") as loaded:
+                assert len(loaded.tokens) == listed[f"w{i}"], i
+    assert most[0] == CHECKPOINT_WRITERS

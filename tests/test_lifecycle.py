@@ -584,6 +584,36 @@ def test_saves_are_atomic(decoder_engine: ais.Engine, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.ais"]
 
 
+def test_a_snapshot_is_the_state_when_taken(decoder_engine: ais.Engine, tmp_path: Path) -> None:
+    """Session.snapshot copies the state out; the session runs on and the
+    copy, written later (after the session is gone too), is the state of
+    that moment, whole: a file that loads as it, as save's does."""
+    with decoder_engine.new_session() as s:
+        GreedyDecoding(s, PROMPTS[7], 3).run()
+        then = s.state()
+        snapshot = s.snapshot()
+        assert snapshot.nbytes == decoder_engine.bytes_per_session
+        GreedyDecoding(s, PROMPTS[8], 3).run()  # the session moves on
+        assert not _same_state(s.state(), then)
+        s.save(tmp_path / "saved.ais")
+        snapshot.write(tmp_path / "then.ais", b"kept")
+    snapshot.write(tmp_path / "again.ais")  # its session closed: the copy stands
+    for name, want in (("then.ais", then), ("again.ais", then)):
+        with decoder_engine.load_session(tmp_path / name) as loaded:
+            assert _same_state(loaded.state(), want), name
+    loaded, attached = decoder_engine.load_session_attached(tmp_path / "then.ais")
+    loaded.close()
+    assert attached == b"kept"
+    assert (tmp_path / "then.ais").read_bytes() != (tmp_path / "saved.ais").read_bytes()
+    with pytest.raises(TypeError, match="attachment must be bytes, got str"):
+        snapshot.write(tmp_path / "x.ais", "text")  # type: ignore[arg-type]
+    with pytest.raises(ais.SessionFileError, match="cannot create"):
+        snapshot.write(tmp_path / "no" / "such" / "x.ais")
+    with pytest.raises(ais.SessionClosedError):
+        s.snapshot()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.ais", "saved.ais", "then.ais"]
+
+
 def test_files_from_another_model_are_refused(decoder_engine: ais.Engine, saved, counter_pkg: Path,
                                               counter_tall_pkg: Path, prefill_pkg: Path, device: str,
                                               tmp_path: Path) -> None:

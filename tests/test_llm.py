@@ -225,6 +225,41 @@ def test_save_and_load_continue_identically(llm, tmp_path: Path):
     assert [p.name for p in tmp_path.iterdir()] == ["chat.ais"]  # state and tokens in one file
 
 
+def test_a_chat_runs_on_while_its_file_is_written(llm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """ChatSession.save holds the chat only while its state is copied out: a
+    generation goes ahead while the file is being written, and the file
+    holds the chat as it was when saved (state and tokens together)."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    write = ais.Snapshot.write
+
+    def slow_write(self: ais.Snapshot, path: object, attachment: bytes = b"") -> None:
+        entered.set()
+        assert release.wait(60), "the test never let the write go on"
+        write(self, path, attachment)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ais.Snapshot, "write", slow_write)
+    path = tmp_path / "chat.ais"
+    with llm.new_session() as s:
+        s.generate(USER, max_tokens=4, temperature=0)
+        saved = s.tokens
+        saver = threading.Thread(target=s.save, args=(path,))
+        saver.start()
+        assert entered.wait(60)
+        follow = list(saved) + llm.encode(" more")
+        during = s.generate(follow, max_tokens=5, temperature=0, ignore_eos=True)  # while the write waits
+        assert saver.is_alive() and not path.exists()
+        release.set()
+        saver.join(60)
+        assert path.is_file()
+    monkeypatch.undo()
+    with llm.load_session(path) as loaded:
+        assert loaded.tokens == saved
+        again = loaded.generate(follow, max_tokens=5, temperature=0, ignore_eos=True)
+    assert again.token_ids == during.token_ids and again.cached_tokens == len(saved)
+
+
 def test_a_saved_chat_is_one_file_that_holds_its_tokens(llm, tmp_path: Path):
     """State and tokens are written together, atomically: a save over
     another chat's file replaces both; a session file saved without a chat's

@@ -164,6 +164,26 @@ def test_a_fork_shares_pages_and_copies_at_most_one_on_write(engine: ais.Engine,
     assert engine.stats()["pages_copied"] == copied + 1
 
 
+def test_a_snapshot_of_pooled_state_is_its_pages_when_taken(engine: ais.Engine, module: PagedDecoder, device: str,
+                                                            tmp_path: Path) -> None:
+    """A pooled session's snapshot holds its pages and length of that moment
+    (only the pages it uses); the session grows on; the file written later
+    loads as the session was."""
+    ref = ref_for(module, device)
+    with engine.new_session() as s:
+        feed(s, list(range(1, 12)), device)
+        ref.feed(list(range(1, 12)))
+        snapshot = s.snapshot()
+        feed(s, list(range(20, 30)), device)  # more positions, more pages
+        assert s.length == 21
+        snapshot.write(tmp_path / "then.ais")
+        assert 0 < snapshot.nbytes < s.snapshot().nbytes
+    with engine.load_session(tmp_path / "then.ais") as loaded:
+        assert loaded.length == 11
+        torch.testing.assert_close(engine.run_batch("decode", [loaded], ids([7], device))[0], ref.feed([7]),
+                                   atol=ATOL, rtol=0)
+
+
 def test_lifecycle_on_pooled_state(engine: ais.Engine, module: PagedDecoder, device: str, tmp_path: Path) -> None:
     s, ref = engine.new_session(), ref_for(module, device)
     torch.testing.assert_close(feed(s, [3, 1, 4, 1, 5, 9, 2, 6], device), ref.feed([3, 1, 4, 1, 5, 9, 2, 6]),

@@ -410,6 +410,19 @@ void BindValues(py::module_& m) {
 }
 
 void BindSession(py::module_& m) {
+  py::class_<SessionSnapshot, std::shared_ptr<SessionSnapshot>>(
+      m, "SessionSnapshot", "A host copy of a session's state at one moment, written to a file later.")
+      .def(
+          "write",
+          [](const SessionSnapshot& s, const std::string& path, const py::bytes& attachment) {
+            std::string attached = attachment;  // (copied while the GIL is held)
+            py::gil_scoped_release release;
+            s.Write(path, attached);
+          },
+          py::arg("path"), py::arg("attachment") = py::bytes(),
+          "Writes the copy, and the attachment's bytes with it, to a session file.")
+      .def_property_readonly("nbytes", &SessionSnapshot::bytes, "Bytes of state it holds.");
+
   py::class_<Session, std::shared_ptr<Session>>(m, "Session")
       .def_property_readonly("id", &Session::id)
       .def_property_readonly("closed", &Session::closed)
@@ -439,6 +452,10 @@ void BindSession(py::module_& m) {
           },
           py::arg("path"), py::arg("attachment") = py::bytes(), py::arg("stream") = 0,
           "Writes the state, and the attachment's bytes with it, to a session file.")
+      .def(
+          "snapshot", [](Session& s, uintptr_t stream) { return s.Snapshot(ToStream(stream)); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+          "A host copy of the state now (the session locked only while it is copied out).")
       .def(
           "run",
           [](Session& s, size_t method, const CapsuleList& inputs, uintptr_t stream) {

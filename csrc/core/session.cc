@@ -224,32 +224,42 @@ void Session::Restore(StreamHandle stream) {
 }
 
 void Session::Save(const std::string& path, const std::string& attachment, StreamHandle stream) {
+  Snapshot(stream)->Write(path, attachment);
+}
+
+std::shared_ptr<SessionSnapshot> Session::Snapshot(StreamHandle stream) {
   parts_->CheckProcess();
+  std::shared_ptr<SessionSnapshot> snapshot(new SessionSnapshot(parts_));
   if (parts_->pool) {
-    size_t pages = 0;
-    int64_t length = 0;
-    std::vector<char> packed;
-    {
-      OpLock lock(*this);
-      state_->CheckOpen();
-      packed = PackPooled(&pages, stream);
-      length = state_->share().length;
-    }
-    parts_->files->SavePooled(path, packed.data(), pages, length, attachment);
-    return;
-  }
-  HostBlock staging(parts_->residency->host_pool());
-  {
     OpLock lock(*this);
     state_->CheckOpen();
-    Device& device = parts_->model->device();
-    state_->Use(device, stream);
-    if (parts_->model->block_bytes() > 0) {
-      device.Copy(staging.get(), state_->memory(), parts_->model->block_bytes(), stream);
-      device.Synchronize(stream);
-    }
+    snapshot->packed_ = PackPooled(&snapshot->pages_, stream);
+    snapshot->length_ = state_->share().length;
+    return snapshot;
   }
-  parts_->files->Save(path, staging.get(), attachment);
+  snapshot->block_ = std::make_unique<HostBlock>(parts_->residency->host_pool());
+  OpLock lock(*this);
+  state_->CheckOpen();
+  Device& device = parts_->model->device();
+  state_->Use(device, stream);
+  if (parts_->model->block_bytes() > 0) {
+    device.Copy(snapshot->block_->get(), state_->memory(), parts_->model->block_bytes(), stream);
+    device.Synchronize(stream);
+  }
+  return snapshot;
+}
+
+void SessionSnapshot::Write(const std::string& path, const std::string& attachment) const {
+  parts_->CheckProcess();
+  if (parts_->pool) {
+    parts_->files->SavePooled(path, packed_.data(), pages_, length_, attachment);
+  } else {
+    parts_->files->Save(path, block_->get(), attachment);
+  }
+}
+
+size_t SessionSnapshot::bytes() const {
+  return parts_->pool ? packed_.size() : parts_->model->block_bytes();
 }
 
 void Session::Close() {

@@ -39,6 +39,29 @@ struct EngineParts {
   void CheckProcess() const;
 };
 
+// A host copy of one session's state at one moment (Session::Snapshot),
+// written to a session file later, on any thread, while the session runs on:
+// a checkpoint that holds the session only while its state is copied out.
+// Keeps the engine's rooms alive.
+class SessionSnapshot {
+ public:
+  // Writes the copy and `attachment` to a session file at `path`, as
+  // Session::Save does (atomically; the same errors). May be called again.
+  void Write(const std::string& path, const std::string& attachment = {}) const;
+  // Bytes of state it holds.
+  size_t bytes() const;
+
+ private:
+  friend class Session;
+  explicit SessionSnapshot(std::shared_ptr<const EngineParts> parts) : parts_(std::move(parts)) {}
+
+  std::shared_ptr<const EngineParts> parts_;  // (first: outlives the block, its pool's owner)
+  std::unique_ptr<HostBlock> block_;          // a session block (state not pooled)
+  std::vector<char> packed_;                  // pooled state: its pages, packed
+  size_t pages_ = 0;
+  int64_t length_ = -1;                       // pooled state: the session's length
+};
+
 class Session {
  public:
   // The session over a state Residency::Admit just made; releases the state
@@ -96,10 +119,14 @@ class Session {
   void Restore(StreamHandle stream = nullptr);
   // Writes the state to a session file at `path` (see state_file.h),
   // atomically, with `attachment` (the caller's bytes, given back by
-  // Engine::LoadSession; empty: none). The session is locked only while its
-  // state is copied out.
+  // Engine::LoadSession; empty: none): Snapshot, then its Write. The session
+  // is locked only while its state is copied out.
   void Save(const std::string& path, const std::string& attachment = {},
             StreamHandle stream = nullptr);
+  // A host copy of the state as it is now, to be written later (the session
+  // locked only while it is copied out). Throws kSessionClosed, or kDevice
+  // when host memory for it cannot be had.
+  std::shared_ptr<SessionSnapshot> Snapshot(StreamHandle stream = nullptr);
   // Releases the state once the work queued on it has finished, without
   // blocking. Waits for a run of this session in flight; idempotent.
   void Close();

@@ -26,7 +26,7 @@ os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
 from . import errors
 from ._compile import Method, Pool, compile
 from ._engine import Engine
-from ._session import Session
+from ._session import Session, Snapshot
 from .errors import (
     CapacityError,
     CompileError,
@@ -43,7 +43,7 @@ from .errors import (
     VerifyError,
 )
 
-__all__ = ["Engine", "Method", "Pool", "Session", "compile", "errors", *errors.__all__]
+__all__ = ["Engine", "Method", "Pool", "Session", "Snapshot", "compile", "errors", *errors.__all__]
 
 # The one place the version is written (pyproject.toml and CMakeLists.txt read it).
 __version__ = "0.1.0"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections.abc
 import typing
 import typing_extensions
-__all__: list[str] = ['BufferInfo', 'Engine', 'EngineOptions', 'EngineStats', 'GraphMode', 'IdleAction', 'InputSpec', 'MemoryReport', 'MethodSource', 'PoolKind', 'PoolLayout', 'PoolSource', 'PooledInput', 'PooledTensor', 'Session', 'SessionStats', 'WeightEntry', 'WeightInfo', 'WeightsFile', 'built_with_cuda', 'dtype_code', 'error_kinds']
+__all__: list[str] = ['BufferInfo', 'Engine', 'EngineOptions', 'EngineStats', 'GraphMode', 'IdleAction', 'InputSpec', 'MemoryReport', 'MethodSource', 'PoolKind', 'PoolLayout', 'PoolSource', 'PooledInput', 'PooledTensor', 'Session', 'SessionSnapshot', 'SessionStats', 'WeightEntry', 'WeightInfo', 'WeightsFile', 'built_with_cuda', 'dtype_code', 'error_kinds']
 class InputSpec:
     def __init__(self) -> None:
         ...
@@ -577,6 +577,17 @@ class EngineStats:
     @property
     def sessions_created(self) -> int:
         ...
+class SessionSnapshot:
+    def write(self, path: str, attachment: bytes = b'') -> None:
+        """
+        Writes the copy, and the attachment's bytes with it, to a session file.
+        """
+    @property
+    def nbytes(self) -> int:
+        """
+        Bytes of state it holds.
+        """
+
 class Session:
     def checkpoint(self, keep: typing.SupportsInt | typing.SupportsIndex, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         """
@@ -605,6 +616,10 @@ class Session:
     def save(self, path: str, attachment: bytes = b'', stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         """
         Writes the state, and the attachment's bytes with it, to a session file.
+        """
+    def snapshot(self, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> SessionSnapshot:
+        """
+        A host copy of the state now (the session locked only while it is copied out).
         """
     def truncate(self, length: typing.SupportsInt | typing.SupportsIndex, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...

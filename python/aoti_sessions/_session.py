@@ -226,9 +226,17 @@ class Session(Closable):
         ``attachment`` (up to 16 MiB) is written inside the same file, under
         the header's checksum: what the caller keeps with the state (an LLM
         chat's tokens), given back by :meth:`Engine.load_session_attached`."""
-        if not isinstance(attachment, bytes):
-            raise TypeError(f"attachment must be bytes, got {type(attachment).__name__}")
+        _check_attachment(attachment)
         self._core.save(os.fspath(path), attachment, self._engine._stream())
+
+    def snapshot(self) -> Snapshot:
+        """A host copy of the state as it is now, to be written later with
+        :meth:`Snapshot.write` (on any thread): the session is held only
+        while its state is copied out, and runs on while the file is
+        written (a checkpoint off its path). ``save`` is ``snapshot`` then
+        ``write``. The copy takes host memory of the state's size (pinned
+        on CUDA) until the snapshot is dropped."""
+        return Snapshot(self._core.snapshot(self._engine._stream()))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the engine's only method."""
@@ -359,3 +367,27 @@ class Session(Closable):
     def __repr__(self) -> str:
         where = "closed" if self.closed else ("resident" if self.resident else "offloaded")
         return f"Session(id={self.id}, {where})"
+
+
+class Snapshot:
+    """A host copy of a session's state at one moment (:meth:`Session.snapshot`)."""
+
+    def __init__(self, core: _core.SessionSnapshot) -> None:
+        self._core = core
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of state it holds."""
+        return int(self._core.nbytes)
+
+    def write(self, path: str | os.PathLike[str], attachment: bytes = b"") -> None:
+        """Write it to ``path`` as :meth:`Session.save` writes the state
+        (atomically, checksummed, with ``attachment``), for
+        :meth:`Engine.load_session`. May be called again, for another file."""
+        _check_attachment(attachment)
+        self._core.write(os.fspath(path), attachment)
+
+
+def _check_attachment(attachment: object) -> None:
+    if not isinstance(attachment, bytes):
+        raise TypeError(f"attachment must be bytes, got {type(attachment).__name__}")

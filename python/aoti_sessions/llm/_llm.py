@@ -344,11 +344,15 @@ class ChatSession(Closable):
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the state and the tokens it holds to one session file at
-        ``path`` (atomically: the two always agree), for :meth:`LLM.load_session`."""
+        ``path`` (atomically: the two always agree), for :meth:`LLM.load_session`.
+        The session is held only while its state is copied out (between two
+        steps of a generation running on it, if one is): it runs on while
+        the file is written."""
         with self._lock:
             tokens = json.dumps({"format": TOKENS_FORMAT, "version": 1, "tokens": self._tokens},
                                 separators=(",", ":")).encode()
-            self._session.save(path, tokens)
+            snapshot = self._session.snapshot()
+        snapshot.write(path, tokens)
 
     def close(self) -> None:
         """Stops a running generation and frees the state; idempotent."""

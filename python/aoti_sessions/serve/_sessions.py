@@ -16,12 +16,16 @@ With checkpoints on (servers that share a session dir, e.g. the replicas of a
 cluster), every change to a named session (a turn, a reset, a fork, a load)
 is also written to its parked file in the background, once the session has
 been left alone for ``CHECKPOINT_DELAY_S`` (a burst of turns, as an agent's
-tool calls make, is written once, after it): the session stays in memory,
-and a request waits for a write only if one is under way when it comes. The
-file is then the session's truth across processes: a server that finds it
-changed since its own write (another server served the session meanwhile)
-drops its copy and loads the file; one that finds it gone (deleted
-elsewhere) drops its copy.
+tool calls make, is written once, after it), at most ``CHECKPOINT_WRITERS``
+at a time: the session stays in memory, held by the write only while its
+state is copied out (``ChatSession.save``); a generation request for it goes
+ahead while the file is written, other requests (a reset, a fork, a save, a
+delete) wait for the write. The file is then the session's truth across
+processes: a server that finds it changed since its own write (another
+server served the session meanwhile) drops its copy and loads the file; one
+that finds it gone (deleted elsewhere) drops its copy. (A generation that
+comes while this server's own write is under way skips that check: the file
+is its own, being replaced.)
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ T = TypeVar("T")
 log = logging.getLogger("aoti_sessions.serve")
 PARKED_DIR = ".live"  # in --session-dir: parked sessions (a name no client's file can take)
 CHECKPOINT_DELAY_S = 0.05  # a session's checkpoint is written once it has been left alone this long
+CHECKPOINT_WRITERS = 4  # checkpoint writes at once (each holds a host copy of a state; the rest wait their turn)
 
 # A session file's name: a plain, visible file name inside --session-dir (short
 # enough for the writer's temporary name beside it).
@@ -60,11 +65,12 @@ _FILE_NAME = re.compile(FILE_NAME_PATTERN)
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 
 
-async def in_thread(call: Callable[[], T]) -> T:
-    """Runs ``call`` in a worker thread; a cancelled caller still waits for it,
-    so whatever it made or changed is accounted for."""
+async def in_thread(call: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
+    """Runs ``call`` in a worker thread (of ``limiter``'s, if given, else
+    the shared ones); a cancelled caller still waits for it, so whatever it
+    made or changed is accounted for."""
     with anyio.CancelScope(shield=True):
-        result = await anyio.to_thread.run_sync(call)
+        result = await anyio.to_thread.run_sync(call, limiter=limiter)
     return result
 
 
@@ -119,6 +125,7 @@ class Registry:
         self.checkpoint_wait_seconds = 0.0  # requests spent waiting for a write to end
         self.superseded = 0  # copies dropped: their checkpoint changed or went elsewhere
         self._writes: set[asyncio.Task[None]] = set()
+        self._writers: anyio.CapacityLimiter | None = None  # (made on the event loop)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -168,12 +175,16 @@ class Registry:
         self.unparked += 1
         return entry
 
-    async def _current(self, entry: Entry | None) -> Entry | None:
-        """``entry`` once its checkpoint write (if any) has ended; with
-        checkpoints, None when its file changed or went since this server
-        wrote or read it (the stale copy is closed and out of the table)."""
+    async def _current(self, entry: Entry | None, *, wait: bool = True) -> Entry | None:
+        """``entry`` once its checkpoint write (if any) has ended, or at
+        once with ``wait`` False (a generation: the session runs on while
+        the write goes on); with checkpoints, None when its file changed or
+        went since this server wrote or read it (the stale copy is closed
+        and out of the table)."""
         if entry is None:
             return None
+        if not wait and entry.writing is not None:
+            return entry  # (the file is this server's, being replaced: nothing to check)
         if entry.writing is not None:
             started = time.perf_counter()
             while entry.writing is not None:
@@ -212,8 +223,10 @@ class Registry:
         entry.writing = asyncio.Event()
         assert self.parked is not None and entry.id is not None
         path, session, started = self.parked / entry.id, entry.session, time.perf_counter()
+        if self._writers is None:
+            self._writers = anyio.CapacityLimiter(CHECKPOINT_WRITERS)
         try:
-            await in_thread(lambda: session.save(path))
+            await in_thread(lambda: session.save(path), self._writers)
             entry.written = _signature(path)
             self.checkpoints += 1
         except Exception as e:  # noqa: BLE001 - the session serves on; its last good checkpoint stays
@@ -278,7 +291,7 @@ class Registry:
             entry.session = await in_thread(self.llm.new_session)
             self.throwaway += 1
             return entry
-        existing = await self._current(self._entries.get(session_id))
+        existing = await self._current(self._entries.get(session_id), wait=False)
         if existing is not None:
             return self._take(existing)
         parked = await self._unpark(session_id)
