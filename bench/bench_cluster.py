@@ -305,8 +305,11 @@ def main() -> None:
     parser.add_argument("--servers-alone", action=argparse.BooleanOptionalAction, default=True,
                         help="beside each cluster of N > 1 replicas, N servers alone (one a GPU on CUDA) with the "
                              "chats split among them by the client: what the hardware gives the load, no router")
+    parser.add_argument("--overhead-rounds", type=int, default=0,
+                        help="rounds of the overhead measurement (one chat at a time, in lockstep; at least --rounds)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    args.overhead_rounds = max(args.overhead_rounds, args.rounds)
     cpu = args.device.startswith("cpu")
     counts = [int(n) for n in args.replicas.split(",")]
     affinity_counts = [int(n) for n in args.affinity_replicas.split(",") if n]
@@ -316,7 +319,8 @@ def main() -> None:
     lines = [f"# Cluster against one server ({args.device})", "",
              f"`python bench/bench_cluster.py --device {args.device} --rounds {args.rounds} --chats {args.chats} "
              f"--turns {args.turns} --tokens {args.tokens} --replicas {args.replicas} "
-             f"--affinity-replicas {args.affinity_replicas} --requests {args.requests}`", "",
+             f"--affinity-replicas {args.affinity_replicas} --requests {args.requests} "
+             f"--overhead-rounds {args.overhead_rounds}`", "",
              f"Model: bench_serve's ({package.name}); {os.cpu_count()} CPUs; every server on 127.0.0.1.", ""]
     if not cpu:
         import torch
@@ -382,22 +386,27 @@ def main() -> None:
                     if n == counts[0]:
                         request_round(base, "ours")
                     for i in range(args.rounds):
+                        runs: dict[str, Load] = {}
                         if n == counts[0]:  # overhead: one chat at a time
                             overhead_round(base, "ours", i)
-                            r.loads.setdefault("alone", []).append(load([single_base], [single.pid], 1, args, f"a{i}"))
-                        r.loads.setdefault(f"{n} replicas", []).append(load([base], [pid], n, args, f"t{i}"))
+                            runs["alone"] = load([single_base], [single.pid], 1, args, f"a{i}")
+                        runs[f"{n} replicas"] = load([base], [pid], n, args, f"t{i}")
                         if extra:
-                            bases = [single_base] + [b for _, b in extra]
-                            r.loads.setdefault(f"{n} alone", []).append(
-                                load(bases, [single.pid] + [p.pid for p, _ in extra], n, args, f"s{i}"))
-                        print(f"{n} replicas, round {i}: " + "; ".join(
-                            f"{k} {v[-1].rate:.0f} tokens/s" for k, v in r.loads.items() if len(v) == i + 1)
-                            + (f"; overhead {r.overhead['ours'][-1]:.3f}x" if n == counts[0] else ""), flush=True)
+                            runs[f"{n} alone"] = load([single_base] + [b for _, b in extra],
+                                                      [single.pid] + [p.pid for p, _ in extra], n, args, f"s{i}")
+                        for key, run_ in runs.items():
+                            r.loads.setdefault(key, []).append(run_)
+                        print(f"{n} replicas, round {i}: " + "; ".join(f"{k} {v.rate:.0f} tokens/s"
+                                                                       for k, v in runs.items())
+                              + (f"; overhead {r.overhead['ours'][-1]:.3f}x" if n == counts[0] else ""), flush=True)
+                    if n == counts[0]:  # more overhead rounds: one chat at a time is the noisier measure
+                        for i in range(args.rounds, args.overhead_rounds):
+                            overhead_round(base, "ours", i)
                 finally:
                     for p, _ in extra:
                         p.terminate()
                         p.wait(60)
-        write(r.report(lines), args)
+            write(r.report(lines), args)
         affinity: list[str] = []
         if affinity_counts:
             affinity += ["", "## Affinity: 40 chats x 3 turns", "",
@@ -409,6 +418,10 @@ def main() -> None:
             reused = sum(1 for t in follow_ups if t[2] > 0)
             affinity.append(f"| {n} | {len(follow_ups)} | {reused} ({100 * reused / len(follow_ups):.0f}%) |")
         write(r.report(lines) + affinity, args)
+    except BaseException:
+        for log in sorted(work.glob("*.log")):  # what the servers said, for a run that failed
+            print(f"--- {log.name} (its end):\n{log.read_text(errors='replace')[-4000:]}", flush=True)
+        raise
     finally:
         single.terminate()
         single.wait(60)
@@ -447,8 +460,9 @@ class Results:
         settings = [k for k in ("ours", "defaults") if self.overhead[k]]
         lines = [*head, f"Every engine (the servers' alone, each replica's) {engine}.", "",
                  "## Routing overhead per generated token (one chat at a time)", "",
-                 f"One chat on a cluster and one on the server alone, turn by turn in lockstep; {args.rounds} "
-                 f"rounds of {args.turns} turns of {args.tokens} tokens for each of the cluster's Serve settings.", "",
+                 f"One chat on a cluster and one on the server alone, turn by turn in lockstep; "
+                 f"{len(self.overhead['ours']) or args.rounds} rounds of {args.turns} turns of {args.tokens} tokens "
+                 "for each of the cluster's Serve settings.", "",
                  "| server | ms per generated token (min / median / max) |", "|---|---|"]
         lines += [f"| {names[k]} | {spread(v)} |" for k, v in self.per_token.items() if v]
         lines += ["", "| cluster's Serve settings | against the server alone, per round (min / median / max) | "

@@ -46,7 +46,7 @@ elif [ "${STAGE:-}" = 2 ]; then
     name="c${chats}_t${tokens}"
     timeout "$left" python3 bench/bench_cluster.py --device cuda --rounds "${ROUNDS:-3}" --chats "$chats" \
       --turns "$turns" --tokens "$tokens" --replicas 1,2 --affinity-replicas "" --requests "${REQUESTS:-30}" \
-      --no-serve-defaults ${BENCH_ARGS:-} --out "$OUT/RESULTS_cluster_cuda_$name.md" > "$OUT/bench_cluster_$name.log" 2>&1
+      --no-serve-defaults --overhead-rounds "${OVERHEAD_ROUNDS:-10}" ${BENCH_ARGS:-} --out "$OUT/RESULTS_cluster_cuda_$name.md" > "$OUT/bench_cluster_$name.log" 2>&1
     echo "bench_cluster rc $? at $(( $(date +%s) - t0 )) s" >> "$OUT/bench_cluster_$name.log"
   done
 else
