@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,10 +88,11 @@ async def chat(client: httpx.AsyncClient, chat_id: int, turns: int, tokens: int,
         await one_turn(client, messages, chat_id, turn, tokens, f"{tag}-{chat_id}", log)
 
 
-def run(bases: list[str], chats: int, turns: int, tokens: int,
-        tag: str) -> tuple[float, list[tuple[float, int, int, int]]]:
-    """``chats`` chats at once, chat ``i`` on ``bases[i % len(bases)]``; wall
-    seconds and every turn's record."""
+def run(bases: list[str], chats: int, turns: int, tokens: int, tag: str,
+        before_deletes: Callable[[], None] | None = None) -> tuple[float, list[tuple[float, int, int, int]]]:
+    """``chats`` chats at once, chat ``i`` on ``bases[i % len(bases)]``, then
+    their sessions deleted (``before_deletes`` called first); wall seconds
+    and every turn's record."""
     log: list[tuple[float, int, int, int]] = []
 
     async def main() -> float:
@@ -103,6 +104,8 @@ def run(bases: list[str], chats: int, turns: int, tokens: int,
             started = time.perf_counter()
             await asyncio.gather(*[chat(on[i], i, turns, tokens, tag, log) for i in range(chats)])
             wall = time.perf_counter() - started
+            if before_deletes is not None:
+                await asyncio.to_thread(before_deletes)
             await asyncio.gather(*[on[i].delete(f"/v1/sessions/{tag}-{i}") for i in range(chats)])  # (room)
             return wall
 
@@ -236,8 +239,13 @@ def load(bases: list[str], roots: list[int], engines: int, args: argparse.Namesp
     """``--chats`` chats at once over ``bases`` (servers of ``engines``
     engines in all, their processes under ``roots``)."""
     before, busy = counters(bases), cpu_seconds(roots)
-    wall, log = run(bases, args.chats, args.turns, args.tokens, tag)
-    after, used = counters(bases), cpu_seconds(roots)
+    read: dict[str, dict[str, float]] = {}
+
+    def at_end() -> None:  # (before the deletes, which wait for the writes under way)
+        read["counters"], read["cpu"] = counters(bases), cpu_seconds(roots)
+
+    wall, log = run(bases, args.chats, args.turns, args.tokens, tag, at_end)
+    after, used = read["counters"], read["cpu"]
     d = {k: after[k] - before[k] for k in after}
     steps = max(d["aoti_sessions_steps_total"], 1.0)
     return Load(rate=sum(t[1] for t in log) / wall,

@@ -339,6 +339,34 @@ def test_slow_clients_and_too_many_connections(llm: LLM, caplog: pytest.LogCaptu
             _serves(http)
 
 
+def test_an_idle_connection_outlives_the_clients_keep_alive(llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    """The server keeps an idle connection longer than httpx (the OpenAI
+    client's transport) keeps reusing one, 5 s: a request sent on it then
+    is answered, never met by the server closing it; it is closed later,
+    without a warning."""
+    import time
+
+    from aoti_sessions.serve._http import server_config
+    from aoti_sessions.serve._limits import DEFAULT_HEADER_TIMEOUT, KEEP_ALIVE
+
+    assert 5 < KEEP_ALIVE < DEFAULT_HEADER_TIMEOUT
+    app = create_app(llm)
+    config = server_config(app, "127.0.0.1", 0, log_level="warning", lifespan="on")
+    with caplog.at_level("WARNING", logger="aoti_sessions.serve"), running(app, config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+            request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+            raw.sendall(request)
+            assert raw.recv(4096).startswith(b"HTTP/1.1 200 ")
+            time.sleep(5.5)  # past httpx's keepalive_expiry
+            raw.sendall(request)
+            assert raw.recv(4096).startswith(b"HTTP/1.1 200 ")
+            started = time.monotonic()
+            assert raw.recv(100) == b""  # then closed, idle
+            assert KEEP_ALIVE - 1 < time.monotonic() - started < DEFAULT_HEADER_TIMEOUT
+    assert not [r for r in caplog.records if "request head did not arrive" in r.getMessage()]
+
+
 def test_a_flood_of_connections_past_the_open_file_limit(tmp_path: Path) -> None:
     """The real command with 200 open files at most (hard limit) and 600
     connections each holding half a request head: it says once that fewer

@@ -16,7 +16,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from ._limits import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+from ._limits import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, KEEP_ALIVE
 
 log = logging.getLogger("aoti_sessions.serve")
 
@@ -92,9 +92,11 @@ _OVERLOAD = OnceAMinute("Exceeded concurrency limit", "socket.accept() out of sy
 
 def server_config(app: Any, host: str, port: int, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                   header_timeout: float = DEFAULT_HEADER_TIMEOUT, **options: Any) -> uvicorn.Config:
-    """uvicorn's config for ``app`` with the server's connection limits; the
-    open-file limit raised to room for them; overload logged once a minute."""
+    """uvicorn's config for ``app`` with the server's connection limits and
+    keep-alive (KEEP_ALIVE); the open-file limit raised to room for them;
+    overload logged once a minute."""
     protocol = type("HeadDeadline", (_HeadDeadline,), {"head_timeout": header_timeout})
+    options.setdefault("timeout_keep_alive", KEEP_ALIVE)
     config = uvicorn.Config(app, host=host, port=port, http=protocol, limit_concurrency=max_connections, **options)
     room_for(max_connections)
     for name in ("uvicorn.error", "asyncio", "aoti_sessions.serve"):

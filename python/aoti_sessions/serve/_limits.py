@@ -9,6 +9,12 @@ MIN_BODY_LIMIT = 1 << 20  # the default request body limit: 32 bytes a token of 
 DEFAULT_SESSION_TTL = 3600.0  # seconds a named session may sit unused before it is parked
 DEFAULT_MAX_CONNECTIONS = 1000  # connections (or requests in flight) at once; more are answered 503
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's head to arrive whole
+# Seconds an idle connection is kept for the client's next request: longer
+# than the 5 s after which httpx (the OpenAI client's transport) stops reusing
+# one, so that a request never meets the server closing its connection (the
+# client's "Server disconnected without sending a response"); below the head
+# deadline, which would close it with a warning.
+KEEP_ALIVE = 8
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request's body to arrive whole (408 otherwise)
 
 

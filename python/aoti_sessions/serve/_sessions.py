@@ -222,18 +222,28 @@ class Registry:
                 break  # (held by a request that does not change it, a save: after it)
         entry.writing = asyncio.Event()
         assert self.parked is not None and entry.id is not None
-        path, session, started = self.parked / entry.id, entry.session, time.perf_counter()
+        path, session = self.parked / entry.id, entry.session
         if self._writers is None:
             self._writers = anyio.CapacityLimiter(CHECKPOINT_WRITERS)
+
+        took = [0.0]  # the write's seconds, timed on its thread (the wait for a writer is not the write's)
+
+        def write() -> None:
+            started = time.perf_counter()
+            try:
+                session.save(path)
+            finally:
+                took[0] = time.perf_counter() - started
+
         try:
-            await in_thread(lambda: session.save(path), self._writers)
+            await in_thread(write, self._writers)
             entry.written = _signature(path)
             self.checkpoints += 1
         except Exception as e:  # noqa: BLE001 - the session serves on; its last good checkpoint stays
             self.checkpoint_failures += 1
             log.warning("session %r: writing its checkpoint failed: %s", entry.id, e)
         finally:
-            self.checkpoint_seconds += time.perf_counter() - started
+            self.checkpoint_seconds += took[0]
             done, entry.writing = entry.writing, None
             assert done is not None
             done.set()
