@@ -578,6 +578,9 @@ class EngineStats:
     def sessions_created(self) -> int:
         ...
 class SessionSnapshot:
+    """
+    A host copy of a session's state at one moment, written to a file later.
+    """
     def write(self, path: str, attachment: bytes = b'') -> None:
         """
         Writes the copy, and the attachment's bytes with it, to a session file.
@@ -587,7 +590,6 @@ class SessionSnapshot:
         """
         Bytes of state it holds.
         """
-
 class Session:
     def checkpoint(self, keep: typing.SupportsInt | typing.SupportsIndex, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         """
