@@ -48,6 +48,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +58,8 @@ import bench_serve  # noqa: E402  (its model, server start and helpers)
 import httpx  # noqa: E402
 
 from serving import descendants, metrics  # noqa: E402
+
+K = TypeVar("K")  # a server's name
 
 
 def message(chat: int, turn: int) -> str:
@@ -96,11 +99,8 @@ def run(bases: list[str], chats: int, turns: int, tokens: int, tag: str,
     log: list[tuple[float, int, int, int]] = []
 
     async def main() -> float:
-        limits = httpx.Limits(max_connections=chats + 4)
-        async with contextlib.AsyncExitStack() as stack:
-            opened = [await stack.enter_async_context(httpx.AsyncClient(base_url=b, timeout=600, limits=limits))
-                      for b in bases]
-            on = [opened[i % len(opened)] for i in range(chats)]
+        async with clients(dict(enumerate(bases)), httpx.Limits(max_connections=chats + 4)) as opened:
+            on = [opened[i % len(bases)] for i in range(chats)]
             started = time.perf_counter()
             await asyncio.gather(*[chat(on[i], i, turns, tokens, tag, log) for i in range(chats)])
             wall = time.perf_counter() - started
@@ -113,9 +113,12 @@ def run(bases: list[str], chats: int, turns: int, tokens: int, tag: str,
 
 
 @contextlib.asynccontextmanager
-async def clients(bases: dict[str, str]) -> AsyncIterator[dict[str, httpx.AsyncClient]]:
-    """One client per server, by the servers' names."""
-    opened = {name: httpx.AsyncClient(base_url=url, timeout=600) for name, url in bases.items()}
+async def clients(bases: dict[K, str],
+                  limits: httpx.Limits | None = None) -> AsyncIterator[dict[K, httpx.AsyncClient]]:
+    """One client per server, by the servers' names (``limits``: each
+    client's connection pool; unbounded if None)."""
+    opened = {name: httpx.AsyncClient(base_url=url, timeout=600, limits=limits or httpx.Limits())
+              for name, url in bases.items()}
     try:
         yield opened
     finally:
@@ -427,8 +430,8 @@ def main() -> None:
             affinity.append(f"| {n} | {len(follow_ups)} | {reused} ({100 * reused / len(follow_ups):.0f}%) |")
         write(r.report(lines) + affinity, args)
     except BaseException:
-        for log in sorted(work.glob("*.log")):  # what the servers said, for a run that failed
-            print(f"--- {log.name} (its end):\n{log.read_text(errors='replace')[-4000:]}", flush=True)
+        for server_log in sorted(work.glob("*.log")):  # what the servers said, for a run that failed
+            print(f"--- {server_log.name} (its end):\n{server_log.read_text(errors='replace')[-4000:]}", flush=True)
         raise
     finally:
         single.terminate()
