@@ -76,6 +76,34 @@ def test_prompts_arriving_together_share_prefill_calls(llm: LLM) -> None:
         s.close()
 
 
+def prompt_of(llm: LLM, n: int, seed: int = 0) -> list[int]:
+    """``n`` prompt tokens: the test prompts' text, shuffled by ``seed``."""
+    tokens = llm.encode(" ".join(PROMPTS))
+    return random.Random(seed).choices(tokens, k=n)
+
+
+def test_a_one_token_chunk_within_a_prompt_picks_no_token(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's prefill budget with one token left gives the next prompt a
+    one-token chunk that is not its end (run as a decode row): its logits
+    pick nothing, and the rest of the prompt is fed before the reply."""
+    scheduler = llm._scheduler
+    budget = 24
+    first, second = prompt_of(llm, budget - 1, 1), prompt_of(llm, 20, 2)
+    want = [solo(llm, first, 8), solo(llm, second, 8)]
+    monkeypatch.setattr(scheduler, "prefill_budget", budget)
+    sessions = [llm.new_session(), llm.new_session()]
+    with scheduler._cond:  # both join the same first step
+        generations = [s.start(p, max_tokens=8, temperature=0, ignore_eos=True)
+                       for s, p in zip(sessions, (first, second))]
+    for g in generations:
+        while g.step() is not None:
+            pass
+    assert [g.token_ids for g in generations] == want
+    for s, p, w in zip(sessions, (first, second), want):
+        assert s.tokens == tuple(p + w[:-1]) and s._session.length == len(p) + len(w) - 1
+        s.close()
+
+
 def test_a_cancelled_generation_leaves_the_others_and_its_session_consistent(llm: LLM) -> None:
     want = solo(llm, llm.encode(PROMPTS[1]), 20)
     a, b = llm.new_session(), llm.new_session()

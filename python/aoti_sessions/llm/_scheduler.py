@@ -232,10 +232,16 @@ class Scheduler:
         logits: list[torch.Tensor] = []
         for start in range(0, len(decode), self.max_rows):
             rows = decode[start:start + self.max_rows]
-            out = self._decode(rows, previous)
+            out = self._decode(rows, previous)  # (rows: those that ran)
             if out is not None:
-                logits.append(out)
-                step.sampled.extend(r.generation for r in rows)
+                # A one-token chunk within a prompt runs as a decode row,
+                # but its logits pick nothing: only rows that sample join.
+                sampling = [i for i, r in enumerate(rows) if r.samples]
+                if len(sampling) < len(rows):
+                    out = out[_host_to(sampling, out.device)] if sampling else None
+                if out is not None:
+                    logits.append(out)
+                    step.sampled.extend(rows[i].generation for i in sampling)
         for group in self._prefill_groups(prefill):
             for row, out in zip(group, self._prefill(group)):
                 if out is not None and row.samples:
