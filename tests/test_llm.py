@@ -3,6 +3,8 @@ random-weight Qwen3), checked against the eager HF model's greedy generation."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -402,3 +404,25 @@ def test_threads_option_and_the_warning_without_it(caplog: pytest.LogCaptureFixt
             assert warned == []  # one CPU: nothing to leave free
     finally:
         torch.set_num_threads(before)
+
+
+EXIT_SCRIPT = """
+import sys
+from aoti_sessions.llm import LLM
+llm = LLM(sys.argv[1], threads=1)
+s = llm.new_session()
+print(s.generate("Hello there", max_tokens=4, temperature=0).text)
+s.start("Once upon a time", max_tokens=100, ignore_eos=True).step()  # still generating at exit
+"""
+
+
+def test_an_llm_left_open_exits_cleanly(tmp_path: Path):
+    """The interpreter exits with an LLM open and a generation running (the
+    README's own example leaves one open): its step loop stops first, no
+    abort while the interpreter finalizes."""
+    script = tmp_path / "left_open.py"
+    script.write_text(EXIT_SCRIPT)
+    for _ in range(3):
+        done = subprocess.run([sys.executable, str(script), str(llm_package("qwen3"))], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-2000:])

@@ -30,8 +30,10 @@ the reply keeps.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -49,6 +51,17 @@ if TYPE_CHECKING:
     from ._llm import LLM
 
 __all__ = ["Scheduler"]
+
+# Step loops running now: stopped at interpreter exit (an LLM left open must
+# not step while the interpreter finalizes: its tensors would be freed under it).
+_running: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_loops() -> None:
+    for scheduler in list(_running):
+        scheduler.close()
+
 
 # The shortest padded prefill chunk where prefill runs as CUDA graphs (on the
 # device a call of 16 tokens costs what one of 2 does).
@@ -127,6 +140,7 @@ class Scheduler:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="aoti-sessions-steps", daemon=True)
                 self._thread.start()
+                _running.add(self)
             self._cond.notify()
 
     def cancel(self, generation: Generation) -> None:
