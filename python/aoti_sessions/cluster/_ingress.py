@@ -7,7 +7,9 @@ header, ``session_id`` in a generation's or a load's JSON body, or the path
 of a ``/v1/sessions/{id}`` endpoint. ``GET /v1/sessions`` and ``/metrics``
 are the whole cluster's (every replica asked); ``/health`` is the
 ingress's own. When a replica dies with a request on its way, the request
-goes to another replica (which brings the session back from its checkpoint).
+goes to another replica (which brings the session back from its checkpoint);
+a stream cut midway ends with an error event, as one server's does when its
+engine ends.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..serve._app import authorized, unauthorized
-from ..serve._errors import error_response
+from ..serve._errors import APIError, error_response, sse_error, unexpected
+from ..serve._http import OnceAMinute
 from ..serve._metrics import CONTENT_TYPE, Registry
 from . import _local
 from ._metrics import merge
@@ -35,6 +38,9 @@ log = logging.getLogger("aoti_sessions.cluster")
 _BODY_NAMES_SESSION = ("/v1/chat/completions", "/v1/completions", "/v1/sessions/load")
 _SESSIONS = "/v1/sessions/"
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
+# A lost replica fails every request it had: one line a minute, not one each.
+_SENT_AGAIN, _CUT = "sent a request to another replica", "streams cut by a lost replica"
+log.addFilter(OnceAMinute(_SENT_AGAIN, _CUT))
 
 
 def session_of(method: str, path: str, headers: list[tuple[bytes, bytes]], body: dict[str, Any] | None) -> str | None:
@@ -154,8 +160,7 @@ class Ingress:
                 if not _replica_gone(e) or time.monotonic() > deadline:
                     raise
                 owner = AFFINITY.owner(session_id) if session_id else None
-                log.warning("replica %s was gone (%s); sending the request to another", owner or "?",
-                            type(e).__name__)
+                log.warning("%s: replica %s was gone (%s)", _SENT_AGAIN, owner or "?", type(e).__name__)
                 if owner is not None:
                     AFFINITY.gone(owner)
                 self.retries.inc()
@@ -229,8 +234,18 @@ class Ingress:
 
 
 async def _chunks(stream: Any) -> AsyncIterator[bytes]:
+    """A replica's stream passed on; cut by the replica's loss, it ends as
+    one server's stream does when its engine process ends: with an error
+    event (503 ``engine_unavailable``)."""
     try:
         async for chunk in stream:
             yield chunk
+    except Exception as e:  # noqa: BLE001 - the stream has begun: the error goes in it
+        if _replica_gone(e):
+            log.warning("%s: %s", _CUT, type(e).__name__)
+            error = APIError(503, "the model is unavailable: its replica was lost mid-stream", "engine_unavailable")
+        else:
+            error = unexpected("in a replica's stream", e)
+        yield sse_error(error)
     finally:
         stream.cancel()  # the client hung up: the replica's generation stops
