@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -221,8 +221,28 @@ def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_p
         assert seen["aoti_sessions_sessions_unparked_total"] >= len(moved)
 
 
+def test_replica_whose_engine_died_sends_its_turns_to_another(cluster: int, deploy: Any, tmp_path: Path,
+                                                              reference: Any) -> None:
+    deploy("engineless", replicas=2)
+    with client(cluster, "engineless") as http:
+        histories = open_chats(http, "e", 4, reference)
+        wait_until(lambda: all((tmp_path / ".live" / f"e-{i}").is_file() for i in histories), timeout=30,
+                   what="the checkpoints")
+        holders = _replica_of(http)
+        victim = holders["e-0"]
+        moved = [i for i in histories if holders[f"e-{i}"] == victim]
+        engine = _engine_of("engineless", victim)
+        os.kill(engine, signal.SIGKILL)
+        wait_until(lambda: not os.path.exists(f"/proc/{engine}"), what="its replica to see it end (and reap it)")
+        for i, history in histories.items():  # e-0 first: before Serve's health check replaces the victim
+            replies, cached = converse(http, f"e-{i}", [TURNS[1]], history=history)
+            assert replies == reference[i][2:3] and cached[0] > 0, (i, cached)
+        after = _replica_of(http)
+        assert all(after[f"e-{i}"] != victim for i in moved) and moved
+
+
 # The ingress alone, in front of a deployment handle whose replicas answer as
-# told (one lost mid-stream).
+# told (a replica whose engine ended, one lost mid-stream).
 _REQUEST = {"method": "POST", "path": "/v1/chat/completions", "query": b"", "headers": [], "body": b"{}"}
 
 
@@ -252,6 +272,20 @@ class _Replicas:
         return self.answers.pop(0)
 
 
+class _Answer:
+    """A replica's whole answer (awaited as Serve's response is)."""
+
+    def __init__(self, replica: str, status: int, **marks: Any) -> None:
+        from aoti_sessions.cluster._replica import REPLICA_HEADER
+
+        self.value = {"status": status, "body": json.dumps({"from": replica}).encode(), **marks,
+                      "headers": [(b"content-type", b"application/json"), (REPLICA_HEADER, replica.encode())]}
+
+    def __await__(self) -> Generator[None, None, dict[str, Any]]:
+        return self.value
+        yield
+
+
 class _Cut:
     """A replica's streamed answer: its head and chunks, then ``error``."""
 
@@ -269,6 +303,22 @@ class _Cut:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+def test_ingress_sends_again_only_what_a_replica_did_not_run(ingress: Any) -> None:
+    """A replica's 503 is sent to another replica only when marked as its
+    engine having ended before the request came; an engine that ends while
+    a request runs answers the client (the request may have run in part)."""
+    from aoti_sessions.cluster._affinity import AFFINITY
+    from aoti_sessions.cluster._replica import ENGINE_GONE
+
+    replicas = _Replicas(_Answer("r-1", 503, **{ENGINE_GONE: True}), _Answer("r-2", 200))
+    sent = asyncio.run(ingress(replicas)._forward(_REQUEST, "x-1", False))
+    assert (sent.status_code, json.loads(sent.body)) == (200, {"from": "r-2"}) and not replicas.answers
+    assert AFFINITY.is_gone("r-1") and AFFINITY.owner("x-1") == "r-2"
+    replicas = _Replicas(_Answer("r-3", 503), _Answer("r-4", 200))
+    sent = asyncio.run(ingress(replicas)._forward(_REQUEST, "x-2", False))
+    assert (sent.status_code, json.loads(sent.body)) == (503, {"from": "r-3"}) and len(replicas.answers) == 1
 
 
 def test_streams_cut_by_a_lost_replica_end_with_an_error_event_and_one_log_line(
