@@ -4,17 +4,22 @@ HTTP as clients drive it, against one server's replies to the same chats."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import json
+import logging
 import os
+import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from starlette.responses import StreamingResponse
 
 from aoti_sessions.llm import LLM
 from aoti_sessions.serve import create_app
@@ -130,6 +135,16 @@ def open_chats(http: httpx.Client, prefix: str, count: int, reference: Any) -> d
     return histories
 
 
+def _engine_of(app: str, replica: str) -> int:
+    """The engine process of ``app``'s replica ``replica`` (its unique id)."""
+    import ray
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{app}#engine#{replica}", namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+    (engine,) = descendants(pid) & _engine_processes()
+    return engine
+
+
 def _replica_of(http: httpx.Client) -> dict[str, str]:
     listed = http.get("/v1/sessions")
     assert listed.status_code == 200, listed.text
@@ -175,7 +190,25 @@ def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_p
         assert len(engines) == 2, engines  # each replica's engine in a process of its own
         import ray
 
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::failover#engine#{victim}", namespace="serve"), no_restart=True)
+        # A stream of the victim's, cut midway (its engine paused at its
+        # first event: it cannot end first), ends with an error event.
+        engine = _engine_of("failover", victim)
+        body = {"messages": [*histories[0], {"role": "user", "content": "Count to a thousand."}], "stream": True,
+                "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        with http.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": "f-0"}) as stream:
+            assert stream.status_code == 200
+            events = (line for line in stream.iter_lines() if line.startswith("data: "))
+            next(events)
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                ray.kill(ray.get_actor(f"SERVE_REPLICA::failover#engine#{victim}", namespace="serve"),
+                         no_restart=True)
+                rest = list(events)  # to the stream's end (a cut connection raises)
+            finally:
+                os.kill(engine, signal.SIGCONT)
+        assert rest and rest[-1] != "data: [DONE]", rest[-3:]
+        assert json.loads(rest[-1][6:])["error"]["code"] == "engine_unavailable", rest[-1]
+        assert all("error" not in json.loads(e[6:]) for e in rest[:-1])
         # The victim's engine process goes with it (its pipe ends); the other replica's stays.
         wait_until(lambda: len(engines - _engine_processes()) == 1, timeout=30, what="the victim's engine to end")
         for i, history in histories.items():  # every chat goes on, the victim's from their checkpoints
@@ -186,6 +219,126 @@ def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_p
         assert all(after[f"f-{i}"] != victim for i in moved) and moved
         seen = metrics(http)
         assert seen["aoti_sessions_sessions_unparked_total"] >= len(moved)
+
+
+def test_replica_whose_engine_died_sends_its_turns_to_another(cluster: int, deploy: Any, tmp_path: Path,
+                                                              reference: Any) -> None:
+    deploy("engineless", replicas=2)
+    with client(cluster, "engineless") as http:
+        histories = open_chats(http, "e", 4, reference)
+        wait_until(lambda: all((tmp_path / ".live" / f"e-{i}").is_file() for i in histories), timeout=30,
+                   what="the checkpoints")
+        holders = _replica_of(http)
+        victim = holders["e-0"]
+        moved = [i for i in histories if holders[f"e-{i}"] == victim]
+        engine = _engine_of("engineless", victim)
+        os.kill(engine, signal.SIGKILL)
+        wait_until(lambda: not os.path.exists(f"/proc/{engine}"), what="its replica to see it end (and reap it)")
+        for i, history in histories.items():  # e-0 first: before Serve's health check replaces the victim
+            replies, cached = converse(http, f"e-{i}", [TURNS[1]], history=history)
+            assert replies == reference[i][2:3] and cached[0] > 0, (i, cached)
+        after = _replica_of(http)
+        assert all(after[f"e-{i}"] != victim for i in moved) and moved
+
+
+# The ingress alone, in front of a deployment handle whose replicas answer as
+# told (a replica whose engine ended, one lost mid-stream).
+_REQUEST = {"method": "POST", "path": "/v1/chat/completions", "query": b"", "headers": [], "body": b"{}"}
+
+
+@pytest.fixture
+def ingress() -> Any:
+    """The ingress's class, imported as the cluster imports it (Serve's
+    settings first: Serve reads them as it loads)."""
+    from aoti_sessions.cluster import _env
+
+    _env.apply()
+    from aoti_sessions.cluster._ingress import Ingress
+
+    return Ingress
+
+
+class _Replicas:
+    """A deployment handle: its calls answered in turn."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers = list(answers)
+        self.answer = self.call = self
+
+    def options(self, **options: Any) -> _Replicas:
+        return self
+
+    def remote(self, request: dict[str, Any]) -> Any:
+        return self.answers.pop(0)
+
+
+class _Answer:
+    """A replica's whole answer (awaited as Serve's response is)."""
+
+    def __init__(self, replica: str, status: int, **marks: Any) -> None:
+        from aoti_sessions.cluster._replica import REPLICA_HEADER
+
+        self.value = {"status": status, "body": json.dumps({"from": replica}).encode(), **marks,
+                      "headers": [(b"content-type", b"application/json"), (REPLICA_HEADER, replica.encode())]}
+
+    def __await__(self) -> Generator[None, None, dict[str, Any]]:
+        return self.value
+        yield
+
+
+class _Cut:
+    """A replica's streamed answer: its head and chunks, then ``error``."""
+
+    def __init__(self, chunks: list[bytes], error: Exception) -> None:
+        self.items: list[Any] = [{"status": 200, "headers": [(b"content-type", b"text/event-stream")]}, *chunks]
+        self.error, self.cancelled = error, False
+
+    def __aiter__(self) -> _Cut:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.items:
+            return self.items.pop(0)
+        raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_ingress_sends_again_only_what_a_replica_did_not_run(ingress: Any) -> None:
+    """A replica's 503 is sent to another replica only when marked as its
+    engine having ended before the request came; an engine that ends while
+    a request runs answers the client (the request may have run in part)."""
+    from aoti_sessions.cluster._affinity import AFFINITY
+    from aoti_sessions.cluster._replica import ENGINE_GONE
+
+    replicas = _Replicas(_Answer("r-1", 503, **{ENGINE_GONE: True}), _Answer("r-2", 200))
+    sent = asyncio.run(ingress(replicas)._forward(_REQUEST, "x-1", False))
+    assert (sent.status_code, json.loads(sent.body)) == (200, {"from": "r-2"}) and not replicas.answers
+    assert AFFINITY.is_gone("r-1") and AFFINITY.owner("x-1") == "r-2"
+    replicas = _Replicas(_Answer("r-3", 503), _Answer("r-4", 200))
+    sent = asyncio.run(ingress(replicas)._forward(_REQUEST, "x-2", False))
+    assert (sent.status_code, json.loads(sent.body)) == (503, {"from": "r-3"}) and len(replicas.answers) == 1
+
+
+def test_streams_cut_by_a_lost_replica_end_with_an_error_event_and_one_log_line(
+        ingress: Any, caplog: pytest.LogCaptureFixture) -> None:
+    from ray.exceptions import ActorUnavailableError
+
+    async def cut() -> tuple[bytes, bool]:
+        stream = _Cut([b"data: {}\n\n"], ActorUnavailableError("the replica is gone", None))
+        response = await ingress(_Replicas(stream))._forward(_REQUEST, "x-3", True)
+        assert isinstance(response, StreamingResponse)
+        return b"".join([bytes(c) async for c in response.body_iterator]), stream.cancelled
+
+    with caplog.at_level(logging.WARNING, "aoti_sessions.cluster"):
+        cuts = [asyncio.run(cut()) for _ in range(3)]
+    for body, cancelled in cuts:
+        first, last = body.split(b"\n\n", 1)
+        assert first == b"data: {}" and last.startswith(b"data: ") and last.endswith(b"\n\n") and cancelled, body
+        assert json.loads(last[6:])["error"]["code"] == "engine_unavailable", body
+    logged = [r for r in caplog.records if r.name == "aoti_sessions.cluster"]
+    assert len(logged) == 1 and logged[0].exc_info is None, logged  # one line, not a traceback each
 
 
 def test_full_cluster_answers_429_and_places_by_room(cluster: int, deploy: Any, tmp_path: Path) -> None:

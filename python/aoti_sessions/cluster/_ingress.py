@@ -6,8 +6,10 @@ A request names its session as one server reads it: an ``X-Session-ID``
 header, ``session_id`` in a generation's or a load's JSON body, or the path
 of a ``/v1/sessions/{id}`` endpoint. ``GET /v1/sessions`` and ``/metrics``
 are the whole cluster's (every replica asked); ``/health`` is the
-ingress's own. When a replica dies with a request on its way, the request
-goes to another replica (which brings the session back from its checkpoint).
+ingress's own. When a replica dies with a request on its way, or its engine
+process had ended before the request came, the request goes to another
+replica (which brings the session back from its checkpoint); a stream cut
+midway ends with an error event, as one server's does when its engine ends.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..serve._app import authorized, unauthorized
-from ..serve._errors import error_response
+from ..serve._errors import APIError, error_response, sse_error, unexpected
+from ..serve._http import OnceAMinute
 from ..serve._metrics import CONTENT_TYPE, Registry
 from . import _local
 from ._metrics import merge
-from ._replica import REPLICA_HEADER
+from ._replica import ENGINE_GONE, REPLICA_HEADER
 from ._affinity import AFFINITY
 from ._router import TARGET
 
@@ -35,6 +38,9 @@ log = logging.getLogger("aoti_sessions.cluster")
 _BODY_NAMES_SESSION = ("/v1/chat/completions", "/v1/completions", "/v1/sessions/load")
 _SESSIONS = "/v1/sessions/"
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
+# A lost replica fails every request it had: one line a minute, not one each.
+_SENT_AGAIN, _CUT = "sent a request to another replica", "streams cut by a lost replica"
+log.addFilter(OnceAMinute(_SENT_AGAIN, _CUT))
 
 
 def session_of(method: str, path: str, headers: list[tuple[bytes, bytes]], body: dict[str, Any] | None) -> str | None:
@@ -137,8 +143,9 @@ class Ingress:
 
     async def _send(self, request: dict[str, Any], session_id: str | None, streamed: bool) -> tuple[Any, Any]:
         """A replica's answer: its head, and its body, or (``streamed``) the
-        stream of its chunks. A replica that dies before answering is
-        forgotten and the request sent again."""
+        stream of its chunks. A replica that dies before answering, or
+        whose engine had ended before the request came (it ran none of it),
+        is forgotten and the request sent again."""
         deadline, attempt = time.monotonic() + self.retry_for, 0
         options: dict[str, Any] = {"stream": streamed}
         if session_id:
@@ -147,20 +154,27 @@ class Ingress:
             try:
                 if streamed:
                     stream = self.replicas.options(**options).call.remote(request)
-                    return await stream.__anext__(), stream
-                answer = await self.replicas.options(**options).answer.remote(request)
-                return answer, answer["body"]
+                    head, rest = await stream.__anext__(), stream
+                else:
+                    answer = await self.replicas.options(**options).answer.remote(request)
+                    head, rest = answer, answer["body"]
             except Exception as e:
                 if not _replica_gone(e) or time.monotonic() > deadline:
                     raise
-                owner = AFFINITY.owner(session_id) if session_id else None
-                log.warning("replica %s was gone (%s); sending the request to another", owner or "?",
-                            type(e).__name__)
-                if owner is not None:
-                    AFFINITY.gone(owner)
-                self.retries.inc()
-                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
-                attempt += 1
+                owner, why = AFFINITY.owner(session_id) if session_id else None, type(e).__name__
+            else:
+                if not head.get(ENGINE_GONE) or time.monotonic() > deadline:
+                    return head, rest
+                if streamed:
+                    rest.cancel()
+                owner = next((v.decode() for k, v in head["headers"] if k == REPLICA_HEADER), None)
+                why = "its engine process ended"
+            log.warning("%s: replica %s was gone (%s)", _SENT_AGAIN, owner or "?", why)
+            if owner is not None:
+                AFFINITY.gone(owner)
+            self.retries.inc()
+            await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+            attempt += 1
 
     async def _forward(self, request: dict[str, Any], session_id: str | None, streamed: bool) -> Response:
         try:
@@ -229,8 +243,18 @@ class Ingress:
 
 
 async def _chunks(stream: Any) -> AsyncIterator[bytes]:
+    """A replica's stream passed on; cut by the replica's loss, it ends as
+    one server's stream does when its engine process ends: with an error
+    event (503 ``engine_unavailable``)."""
     try:
         async for chunk in stream:
             yield chunk
+    except Exception as e:  # noqa: BLE001 - the stream has begun: the error goes in it
+        if _replica_gone(e):
+            log.warning("%s: %s", _CUT, type(e).__name__)
+            error = APIError(503, "the model is unavailable: its replica was lost mid-stream", "engine_unavailable")
+        else:
+            error = unexpected("in a replica's stream", e)
+        yield sse_error(error)
     finally:
         stream.cancel()  # the client hung up: the replica's generation stops

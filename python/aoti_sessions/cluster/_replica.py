@@ -11,6 +11,7 @@ it for :meth:`record_routing_stats` (what the router places sessions by) and
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from . import _asgi, _local
 
 log = logging.getLogger("aoti_sessions.cluster")
 REPLICA_HEADER = b"x-aoti-replica"  # names the replica that answered
+ENGINE_GONE = "engine_gone"  # in an answer's head: this replica's engine had ended, it ran none of the request
 
 
 class Replica:
@@ -57,7 +59,12 @@ class Replica:
         """The answer to one HTTP request: its head (naming this replica),
         then its body's chunks."""
         await self._ready()
-        async for item in _asgi.call(self.app, request, self._lifespan.state):
+        # An engine that ended before the request came: none of it runs
+        # here, and the ingress may send it to another replica (one that
+        # ends while the request runs fails it as the server does, not sent
+        # again: it may have run in part).
+        answer = _asgi.call(self.app, request, self._lifespan.state) if self.llm.alive else _engine_gone()
+        async for item in answer:
             if isinstance(item, dict):
                 item["headers"].append((REPLICA_HEADER, self.id.encode()))
             yield item
@@ -117,6 +124,18 @@ class Replica:
                 await self._lifespan.stop()
         finally:
             self.llm.close()
+
+
+async def _engine_gone() -> AsyncIterator[Any]:
+    """The server's answer once its engine process has ended (503
+    ``engine_unavailable``), its head marked :data:`ENGINE_GONE`."""
+    from ..serve._errors import error_body
+
+    body = json.dumps(error_body(503, "the model is unavailable: this replica's engine process ended",
+                                 "engine_unavailable")).encode()
+    yield {"status": 503, "headers": [(b"content-type", b"application/json"),
+                                      (b"content-length", str(len(body)).encode())], ENGINE_GONE: True}
+    yield body
 
 
 def _visible_device(device: str) -> str:
