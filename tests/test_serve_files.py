@@ -195,3 +195,17 @@ def test_a_fork_or_a_load_never_replaces_a_parked_session(llm: LLM, tmp_path: Pa
         _error(http.post("/v1/sessions/load", json={"name": "other", "session_id": "parked"}), 409, "session_exists")
         assert [s["id"] for s in http.get("/v1/sessions").json()["data"]] == ["other"]  # (nothing made)
         assert http.get("/v1/sessions/parked").json()["tokens"] == tokens
+
+
+def test_a_failed_save_names_no_temporary_file(llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's error names its temporary file (with the server's pid):
+    the answer says "a temporary file" instead."""
+    def write(self: Any, path: str | os.PathLike[str], attachment: bytes = b"") -> None:
+        raise SessionFileError(f"writing {Path(path).parent}/.{Path(path).name}.aoti-tmp-{os.getpid()}-3 failed: "
+                               f"{os.strerror(errno.EIO)}")
+
+    monkeypatch.setattr(_session.Snapshot, "write", write)
+    with running(create_app(llm, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        _chat(http, "s", [{"role": "user", "content": "Hello"}])
+        message = _error(http.post("/v1/sessions/s/save", json={"name": "f"}), 400, "invalid_session_file")
+        assert message == f"cannot save the session as 'f': writing a temporary file failed: {os.strerror(errno.EIO)}"

@@ -67,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: ${API_KEY_ENV}, else none)")
     parser.add_argument("--api-keys", metavar="FILE",
                         help="API keys, one a line (empty lines and lines starting with '#' skipped), each a tenant: "
-                             "a key sees and uses only the sessions and session files it made (another key's "
-                             "answer 404); with --api-key, that key is one tenant more")
+                             "a key sees and uses only the sessions and session files it made (another key's are "
+                             "a 404, as absent), kept in SESSION_DIR/.tenants/HASH (a hash of the key); with "
+                             "--api-key, that key is one tenant more (its files in SESSION_DIR)")
     parser.add_argument("--max-sessions", type=_positive, help="at most this many sessions (more: 429)")
     parser.add_argument("--memory-budget", type=byte_size,
                         help="device bytes for session state (e.g. 8GiB); beyond it idle sessions go to host memory")
@@ -80,10 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a named session may sit unused before it is parked: saved to SESSION_DIR/.live "
                              "(with --session-dir) and closed; 'none': never (default %(default)g)")
     parser.add_argument("--session-dir", help="folder of session files for save and load (default: off)")
-    parser.add_argument("--max-session-files", type=_positive, default=DEFAULT_MAX_SESSION_FILES,
+    parser.add_argument("--max-session-files", type=_positive, default=DEFAULT_MAX_SESSION_FILES, metavar="N",
                         help="session files each API key may save (more: 403 until it deletes some with DELETE "
                              "/v1/session-files/NAME; default %(default)s)")
     parser.add_argument("--max-session-files-bytes", type=byte_size, default=DEFAULT_MAX_SESSION_FILES_BYTES,
+                        metavar="SIZE",
                         help="bytes of session files each API key may save (default 16GiB)")
     parser.add_argument("--persist-sessions", action=argparse.BooleanOptionalAction, default=None,
                         help="park named sessions in SESSION_DIR/.live when their TTL ends and when the server stops "

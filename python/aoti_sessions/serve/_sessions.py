@@ -153,6 +153,7 @@ class Registry:
         self.superseded = 0  # copies dropped: their checkpoint changed or went elsewhere
         self.park_failures = 0  # parks that failed (the session kept in memory, or lost when stopping)
         self._parking, self._checkpointing = _Failures("parking sessions"), _Failures("writing checkpoints")
+        self._saving_out_of_space = _Failures("saving session files")
         self.max_files, self.max_file_bytes = max_files, max_file_bytes  # a tenant's saved session files
         self._saving: dict[str, asyncio.Lock] = {}  # a tenant's saves, one at a time (each checks the limits)
         self._writes: set[asyncio.Task[None]] = set()
@@ -502,6 +503,7 @@ class Registry:
                 with self._file_errors("save the session as", name, path):
                     await in_thread(lambda: self._check_room(tenant, name))
                     await in_thread(lambda: _save(session, path))
+            self._saving_out_of_space.succeeded()
             return path.stat().st_size
 
     async def load(self, tenant: str, name: str, session_id: str | None) -> Entry:
@@ -523,7 +525,7 @@ class Registry:
             yield
         except (SessionFileError, OSError) as e:
             if out_of_space(e):
-                log.warning("cannot %s %r: %s", doing, name, _why(e))
+                self._saving_out_of_space.failed(f"cannot {doing} {name!r}: {_why(e)}")
                 raise APIError(507, f"cannot {doing} {name!r}: the server is out of space for session files; try "
                                     "again later", "out_of_space", "name") from e
             if not isinstance(e, SessionFileError):
