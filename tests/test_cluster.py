@@ -152,7 +152,7 @@ def _replica_of(http: httpx.Client) -> dict[str, str]:
 
 
 def test_affinity_40_chats_reuse_their_cache(cluster: int, deploy: Any, tmp_path: Path, reference: Any) -> None:
-    deploy("affinity", replicas=2)
+    deploy("affinity", replicas=2, api_keys=[OTHER_KEY])
     with client(cluster, "affinity") as http:
         def chat(i: int) -> tuple[list[str], list[int]]:
             return converse(http, f"chat-{i}", [f"Chat number {i}.", *TURNS[:2]], header=i % 2 == 1)
@@ -173,6 +173,40 @@ def test_affinity_40_chats_reuse_their_cache(cluster: int, deploy: Any, tmp_path
         assert len(per_replica) == 2 and sum(per_replica) == seen["aoti_sessions_checkpoints_total"] > 0
         assert http.get("/v1/sessions", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert http.get("/health", headers={"Authorization": ""}).json() == {"status": "ok", "replicas": 2}
+        _other_key_sees_none_of(http, results, tmp_path)
+
+
+OTHER_KEY = "cluster-tenant-b-51a0"
+
+
+def _other_key_sees_none_of(http: httpx.Client, results: list[tuple[list[str], list[int]]], tmp_path: Path) -> None:
+    """Another key of the cluster (item 9 of issue 34): the ingress lists
+    none of the first key's sessions to it and routes its ids apart; the
+    replicas answer 404 for them on every endpoint; its chat on one of those
+    ids is a session of its own, without that cache."""
+    from aoti_sessions.serve._tenants import tenant_id
+
+    other = {"Authorization": f"Bearer {OTHER_KEY}"}
+
+    def listed(headers: dict[str, str]) -> list[str]:
+        return sorted(s["id"] for s in http.get("/v1/sessions", headers=headers).json()["data"])
+
+    assert listed(other) == []
+    for i in range(4):
+        for method, path, body in (("GET", "", None), ("POST", "/fork", {}), ("POST", "/reset", None),
+                                   ("POST", "/save", {"name": "x"}), ("DELETE", "", None)):
+            response = http.request(method, f"/v1/sessions/chat-{i}{path}", json=body, headers=other)
+            assert response.status_code == 404, (i, method, path, response.text)
+    first = [{"role": "user", "content": "Chat number 0."}]
+    mine = http.post("/v1/chat/completions", headers=other,
+                     json={"messages": first, "max_tokens": TOKENS, "temperature": 0, "session_id": "chat-0"})
+    assert mine.status_code == 200 and mine.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert mine.json()["choices"][0]["message"]["content"] == results[0][0][0]
+    assert listed(other) == ["chat-0"] and len(listed(AUTH)) == 40
+    assert http.get("/v1/sessions/chat-0").json()["tokens"] > \
+        http.get("/v1/sessions/chat-0", headers=other).json()["tokens"]
+    wait_until(lambda: (tmp_path / ".tenants" / tenant_id(OTHER_KEY) / ".live" / "chat-0").is_file(), timeout=30,
+               what="its checkpoint, in its own folder")
 
 
 def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_path: Path,

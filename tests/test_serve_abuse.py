@@ -134,7 +134,8 @@ def test_cli_takes_a_body_limit(tmp_path: Path) -> None:
     assert default_budgets("cuda:0", 8 << 30) == (None, 2 << 30)
     line = describe_limits(parser.parse_args(["p.pt2", "--session-dir", str(tmp_path)]), 4 << 30, 2 << 30)
     assert line == (f"sessions bounded by memory, session state 4.0 GiB, offloaded 2.0 GiB, idle sessions parked "
-                    f"after 3600 s, parked to {tmp_path}/.live, bodies up to 32 bytes a context token, "
+                    f"after 3600 s, parked to {tmp_path}/.live, saved sessions 100 files, 16.0 GiB a key, "
+                    f"bodies up to 32 bytes a context token, "
                     f"1000 connections, request head in 10 s, body in 30 s")
 
 

@@ -3,9 +3,11 @@ of the engine replicas' deployment, routed by :class:`SessionRouter`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..serve._tenants import Keys, read_api_keys
 from . import _env
 from ._ingress import Ingress
 from ._replica import Replica
@@ -45,7 +47,8 @@ def engines(package: str | Path, *, replicas: int = 2, session_dir: str | Path, 
 
 
 def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, device: str = "cpu",
-        threads: int | None = None, api_key: str | None = None, engine: dict[str, Any] | None = None,
+        threads: int | None = None, api_key: str | None = None, api_keys: Sequence[str] = (),
+        engine: dict[str, Any] | None = None,
         server: dict[str, Any] | None = None, cpus_per_replica: float = 1.0, max_ongoing_requests: int = 1024,
         max_body_bytes: int = 64 << 20, engine_process: bool = True, loopback: bool = False) -> Any:
     """The application of ``replicas`` engines of ``package`` behind an
@@ -58,6 +61,9 @@ def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, devi
         device: ``cpu`` or ``cuda``; on CUDA each replica takes one GPU.
         threads: the model's CPU threads per replica.
         api_key: the key every endpoint but ``/health`` wants.
+        api_keys: more keys, each a tenant of its own, as
+            :func:`aoti_sessions.serve.create_app` takes them (the ingress
+            and every replica check them).
         engine: the engine's options (``max_sessions``, ``memory_budget``,
             ``host_budget``, ``idle_timeout``, ``rewind_checkpoints``).
         server: :func:`aoti_sessions.serve.create_app`'s options.
@@ -68,18 +74,24 @@ def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, devi
     """
     from ray import serve
 
+    api_keys = list(api_keys)
+    Keys(api_key, api_keys)  # (refused here, not in each replica)
+    server = {**(server or {}), "api_key": api_key, "api_keys": api_keys}
     bound = engines(package, replicas=replicas, session_dir=session_dir, device=device, threads=threads,
                     engine=engine, server=server, cpus_per_replica=cpus_per_replica,
                     max_ongoing_requests=max_ongoing_requests, engine_process=engine_process, loopback=loopback)
     front = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=100_000,
                              ray_actor_options={"num_cpus": 0, "runtime_env": _env.runtime_env()})(Ingress)
-    return front.bind(bound, api_key=api_key, max_body_bytes=max_body_bytes, loopback=loopback)
+    return front.bind(bound, api_key=api_key, api_keys=api_keys, max_body_bytes=max_body_bytes, loopback=loopback)
 
 
 def build_app(args: dict[str, Any]) -> Any:
     """``serve run aoti_sessions.cluster:build_app package=P session_dir=D
-    replicas=N device=cuda``: :func:`app` of those arguments."""
+    replicas=N device=cuda``: :func:`app` of those arguments (``api_keys_file``:
+    the keys of ``api_keys``, read as ``--api-keys`` reads them)."""
     options = dict(args)
+    if "api_keys_file" in options:
+        options["api_keys"] = read_api_keys(options.pop("api_keys_file"))
     for name, kind in (("replicas", int), ("threads", int), ("cpus_per_replica", float),
                        ("max_ongoing_requests", int), ("max_body_bytes", int)):
         if name in options:

@@ -11,6 +11,7 @@ import tempfile
 from typing import Any
 
 from ..serve._limits import available_memory, default_budgets
+from ..serve._tenants import Keys, read_api_keys
 
 MAX_BODY_BYTES = 64 << 20  # the front's limit; each replica checks its own (by the model's context)
 
@@ -33,6 +34,8 @@ def _positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    api_keys = read_api_keys(args.api_keys) if args.api_keys is not None else []
+    Keys(args.api_key, api_keys)  # (a bad key refused at once)
     from . import _env
 
     _env.apply()  # before Ray Serve is imported
@@ -61,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
                                 ("rewind_checkpoints", args.rewind_checkpoints)) if v is not None}
     threads = args.threads or (max(1, (usable_cpus() - 1) // replicas) if cpu and local else None)
     server = {"session_ttl": args.session_ttl, "body_timeout": args.body_timeout,
-              "max_body_bytes": args.max_body_bytes}
+              "max_body_bytes": args.max_body_bytes, "max_session_files": args.max_session_files,
+              "max_session_files_bytes": args.max_session_files_bytes,
+              "api_key": args.api_key, "api_keys": api_keys}  # (each replica checks the keys too)
     cpus_per_replica = 1.0
     if local and cpu:  # a local cluster's CPUs shared by its replicas (each runs `threads` kernels)
         cpus_per_replica = min(1.0, usable_cpus() / replicas)
@@ -76,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         _local.start(num_gpus=None if cpu else replicas)
     else:
         ray.init(address=args.ray_address, log_to_driver=False)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key and not api_keys:
         print(f"aoti-sessions serve: listening on {args.host} without an API key: anyone who can reach it can use it",
               file=sys.stderr)
     try:
@@ -89,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"aoti-sessions serve: {replicas} replicas of {args.package} on {args.device}, at "
               f"http://{args.host}:{args.port}; sessions checkpointed to {session_dir}"
               + ("; Ray dashboard http://127.0.0.1:8265" if local else ""), file=sys.stderr, flush=True)
-        serve_front(replicas_handle, args.host, args.port, api_key=args.api_key,
+        serve_front(replicas_handle, args.host, args.port, api_key=args.api_key, api_keys=api_keys,
                     max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES, max_connections=args.max_connections,
                     header_timeout=args.header_timeout)
         print("aoti-sessions serve: stopping: every replica parks its sessions in the session dir", file=sys.stderr,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -35,7 +36,7 @@ def front_app(ingress: Ingress) -> Starlette:
 
 
 def serve_front(replicas: Any, host: str, port: int, *, api_key: str | None, max_body_bytes: int,
-                max_connections: int, header_timeout: float) -> None:
+                max_connections: int, header_timeout: float, api_keys: Sequence[str] = ()) -> None:
     """Serves the cluster on ``host:port`` until SIGINT or SIGTERM."""
     import uvicorn
 
@@ -47,7 +48,7 @@ def serve_front(replicas: Any, host: str, port: int, *, api_key: str | None, max
     # GIL, up to the switch interval (5 ms by default) while the other runs.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
-    app = front_app(Ingress(replicas, api_key=api_key, max_body_bytes=max_body_bytes))
+    app = front_app(Ingress(replicas, api_key=api_key, api_keys=api_keys, max_body_bytes=max_body_bytes))
     server = uvicorn.Server(server_config(app, host, port, max_connections=max_connections,
                                           header_timeout=header_timeout, log_level="warning"))
     # uvicorn stops on SIGINT or SIGTERM, then raises the signal again for

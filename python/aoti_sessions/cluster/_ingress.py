@@ -18,16 +18,17 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..serve._app import authorized, unauthorized
+from ..serve._app import unauthorized
 from ..serve._errors import APIError, error_response, sse_error, unexpected
 from ..serve._http import OnceAMinute
 from ..serve._metrics import CONTENT_TYPE, Registry
+from ..serve._tenants import DEFAULT_TENANT, Keys, scoped
 from . import _local
 from ._metrics import merge
 from ._replica import ENGINE_GONE, REPLICA_HEADER
@@ -77,11 +78,14 @@ def _replica_gone(error: BaseException) -> bool:
 
 class Ingress:
     def __init__(self, replicas: Any, *, api_key: str | None = None, retry_for: float = 60.0,
-                 max_body_bytes: int = 64 << 20, loopback: bool = False) -> None:
+                 max_body_bytes: int = 64 << 20, loopback: bool = False, api_keys: Sequence[str] = ()) -> None:
         if loopback:
             _local.keep_replica_on_loopback()
         self.replicas = replicas  # the engine replicas' deployment handle
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        # A request's tenant (its key's): sessions are routed by their id
+        # within it, and it lists only its own; each replica checks the key
+        # again, and serves the tenant's sessions only.
+        self.keys = Keys(api_key, api_keys)
         self.retry_for, self.max_body_bytes = retry_for, max_body_bytes
         self.metrics = Registry()
         self.requests = self.metrics.counter("aoti_sessions_cluster_requests_total",
@@ -104,7 +108,8 @@ class Ingress:
         headers = [(k.lower(), v) for k, v in request.headers.raw]
         if path == "/health":
             return await self._health()
-        if self.expected is not None and not authorized(headers, self.expected):
+        tenant = self.keys.tenant(headers)
+        if tenant is None:
             return unauthorized(headers)
         body = await self._body(request)
         if body is None:
@@ -115,10 +120,11 @@ class Ingress:
         if method == "GET" and path == "/metrics":
             return await self._metrics()
         if method == "GET" and path == "/v1/sessions":
-            return await self._sessions()
+            return await self._sessions(tenant)
         parsed = json_object(body) if method == "POST" else None
         streamed = parsed is not None and parsed.get("stream") is True
-        return await self._forward(forwarded, session_of(method, path, headers, parsed), streamed)
+        session_id = session_of(method, path, headers, parsed)
+        return await self._forward(forwarded, scoped(tenant, session_id) if session_id else None, streamed)
 
     async def _body(self, request: Request) -> bytes | None:
         chunks, size = [], 0
@@ -212,22 +218,23 @@ class Ingress:
         elif method == "POST" and (path == "/v1/sessions/load" or path.endswith("/fork")):
             made = json.loads(body).get("id")
             if isinstance(made, str):
-                AFFINITY.pin(made, replica)
+                AFFINITY.pin(scoped(self.keys.tenant(request["headers"]) or DEFAULT_TENANT, made), replica)
 
-    async def _each_replica(self, method: str) -> dict[str, Any]:
+    async def _each_replica(self, method: str, **arguments: Any) -> dict[str, Any]:
         """``method()`` of every replica: replica id -> result (a replica gone
         meanwhile is left out). One at a time: the calls of one request share
         its id, by which Serve's router matches a choice to its request."""
         out = {}
         for rid in await self._replica_ids():
             try:
-                out[rid] = await getattr(self.replicas.options(stream=False), method).remote(**{TARGET: rid})
+                out[rid] = await getattr(self.replicas.options(stream=False), method).remote(**arguments,
+                                                                                            **{TARGET: rid})
             except Exception as e:  # noqa: BLE001 - the others still answer
                 log.warning("replica %s did not answer %s: %s", rid, method, e)
         return out
 
-    async def _sessions(self) -> Response:
-        answers = await self._each_replica("listing")
+    async def _sessions(self, tenant: str) -> Response:
+        answers = await self._each_replica("listing", tenant=tenant)
         newest: dict[str, dict[str, Any]] = {}
         for rid, listed in answers.items():
             for entry in listed:

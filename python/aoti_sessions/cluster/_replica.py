@@ -90,11 +90,11 @@ class Replica:
         await self._ready()
         return str(self.app.state.metrics.render())
 
-    async def listing(self, replica: str | None = None) -> list[dict[str, Any]]:
-        """The sessions held here, as ``GET /v1/sessions`` lists them."""
+    async def listing(self, tenant: str, replica: str | None = None) -> list[dict[str, Any]]:
+        """``tenant``'s sessions held here, as ``GET /v1/sessions`` lists them."""
         self._addressed(replica)
         await self._ready()
-        return [e.describe() for e in self.app.state.registry.entries() if e.id is not None]
+        return [e.describe() for e in self.app.state.registry.entries(tenant) if e.id is not None]
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the router places by: the named sessions held here, and how
@@ -107,7 +107,7 @@ class Replica:
         budget = sum(self.engine_options.get(k) or 0 for k in ("memory_budget", "host_budget"))
         if budget:
             fractions.append(stats["live_bytes"] / budget)
-        return {"sessions": [e.id for e in registry.entries() if e.id is not None],
+        return {"sessions": [e.key for e in registry.entries() if e.id is not None],  # (as the router keys them)
                 "fullness": max(fractions), "room": max(fractions) < 1.0,
                 "capacity": self.engine_options.get("max_sessions")}
 

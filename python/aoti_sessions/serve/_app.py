@@ -3,7 +3,6 @@ session management, ``/metrics`` and ``/health``."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import re
@@ -13,7 +12,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from fastapi import FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,11 +20,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _errors
 from ._errors import APIError, error_response, runtime_error, sse_error, unexpected
 from ._generate import DONE, Job
-from ._limits import DEFAULT_BODY_TIMEOUT, DEFAULT_SESSION_TTL, default_body_limit
+from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES,
+                      DEFAULT_SESSION_TTL, default_body_limit)
 from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._protocol import (SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ErrorBody, ForkRequest, LoadRequest,
                         SaveRequest)
 from ._sessions import Registry
+from ._tenants import DEFAULT_TENANT, Keys
 
 if TYPE_CHECKING:
     from ..llm import LLM, RemoteLLM
@@ -33,12 +34,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("aoti_sessions.serve")
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 OPEN_PATHS = ("/health",)  # answered without the API key
+TENANT = "aoti_sessions.tenant"  # the request's tenant, in its ASGI scope (set by _Guard)
+
+
+def tenant_of(request: Request) -> str:
+    """The tenant of the request (its API key's): whose sessions and files it sees."""
+    return str(request.scope.get(TENANT, DEFAULT_TENANT))
 
 
 def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
                model_name: str | None = None, retry_after: int = 1, max_body_bytes: int | None = None,
                session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT, checkpoint_sessions: bool = False) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, checkpoint_sessions: bool = False,
+               api_keys: Iterable[str] = (), max_session_files: int = DEFAULT_MAX_SESSION_FILES,
+               max_session_files_bytes: int = DEFAULT_MAX_SESSION_FILES_BYTES) -> FastAPI:
     """An OpenAI-compatible server of ``llm``'s sessions.
 
     Args:
@@ -46,6 +55,10 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             ``idle_timeout`` set the capacity and when idle sessions go to host memory.
         api_key: when set, every endpoint but ``/health`` wants
             ``Authorization: Bearer <api_key>`` (401 otherwise).
+        api_keys: more keys, each a tenant of its own (serve/_tenants.py):
+            a key sees, uses and deletes only the sessions and session files
+            it made (another's answer 404, as if absent). Every endpoint but
+            ``/health`` wants one of them or ``api_key``.
         session_dir: the folder ``save`` and ``load`` read and write; without
             it they answer 400.
         model_name: the model id clients name (default ``llm.name``).
@@ -64,6 +77,9 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             it to its parked file in the background, and serve a session
             whose file another server changed from that file (servers sharing
             ``session_dir``: the replicas of :mod:`aoti_sessions.cluster`).
+        max_session_files, max_session_files_bytes: each key's saved
+            session files, in number and in bytes; past either a save is
+            answered 403 until the key deletes some.
 
     A generation request names its session with ``session_id`` in the body or
     an ``X-Session-ID`` header; an id the server does not know yet is created
@@ -79,17 +95,24 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         raise ValueError(f"session_ttl must be a number of seconds > 0 (or None: never), got {session_ttl!r}")
     if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < 1e9:
         raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
+    for name, limit in (("max_session_files", max_session_files), ("max_session_files_bytes", max_session_files_bytes)):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {limit!r}")
+    keys = Keys(api_key, api_keys)
     for name, wanted in (("persist_sessions", persist_sessions), ("checkpoint_sessions", checkpoint_sessions)):
         if wanted and session_dir is None:
             raise ValueError(f"{name} needs a session_dir to keep them in")
     persist = session_dir is not None if persist_sessions is None else bool(persist_sessions)
-    registry = Registry(llm, session_dir, ttl=session_ttl, persist=persist, checkpoint=checkpoint_sessions)
+    registry = Registry(llm, session_dir, ttl=session_ttl, persist=persist, checkpoint=checkpoint_sessions,
+                        max_files=max_session_files, max_file_bytes=max_session_files_bytes)
     metrics = ServerMetrics(llm.stats, lambda: len(registry), lambda: registry.throwaway)
     counters: tuple[tuple[str, str, Callable[[], float]], ...] = (
             ("sessions_expired_total", "Named sessions parked (saved with persistence on, then closed) after their TTL.",
              lambda: float(registry.expired)),
             ("sessions_unparked_total", "Parked sessions brought back by a request naming them.",
              lambda: float(registry.unparked)),
+            ("session_park_failures_total", "Parks that failed (a full disk): the session stays in memory, or is "
+             "lost when the server stops.", lambda: float(registry.park_failures)),
             ("checkpoints_total", "Checkpoint writes of named sessions (with checkpoints on).",
              lambda: float(registry.checkpoints)),
             ("checkpoint_failures_total", "Checkpoint writes that failed (logged).",
@@ -118,15 +141,17 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
     errors: dict[int | str, dict[str, Any]] = {
         status: {"model": ErrorBody, "description": what} for status, what in (
             (400, "A request the server refuses, saying why"), (401, "No or a wrong API key"),
+            (403, "The key's saved session files are at their limit"),
             (404, "No such session, model, file or path"), (408, "The body did not arrive in time"),
             (409, "The session is busy, or the id is taken"), (413, "The body is over the limit"),
             (429, "No room for another session now (Retry-After)"), (500, "An unexpected error"),
-            (503, "The model is unavailable, or the server is at its connection limit"))}
+            (503, "The model is unavailable, or the server is at its connection limit"),
+            (507, "The server is out of space for a session file"))}
     app = FastAPI(title="aoti-sessions", lifespan=lifespan, strict_content_type=False, responses=errors)
     app.state.registry, app.state.metrics, app.state.llm = registry, metrics, llm
     _errors.install(app, retry_after)
     app.add_middleware(_BodyLimit, limit=body_limit, timeout=body_timeout)  # inside the guard: a client without the key sends no body
-    app.add_middleware(_Guard, api_key=api_key, metrics=metrics, routes=app.router)
+    app.add_middleware(_Guard, keys=keys, metrics=metrics, routes=app.router)
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
@@ -155,13 +180,14 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         _check_model(model_id, model)
         return model_card()
 
-    async def generate(request: Request, body: ChatRequest | CompletionRequest, header_id: str | None) -> Response:
+    async def generate(request: Request, body: ChatRequest | CompletionRequest, header_id: str | None,
+                       tenant: str) -> Response:
         session_id = _session_id(body.session_id, header_id)
         if body.model is not None:
             _check_model(body.model, model)
         job = Job(llm, body, model, metrics)
         await job.tokenize()
-        entry = await registry.acquire(session_id, create=True)
+        entry = await registry.acquire(tenant, session_id, create=True)
         headers = {"X-Session-ID": session_id} if session_id else {}
         if not body.stream:
             try:
@@ -187,44 +213,55 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         return _Stream(_events(job, request, retry_after), cleanup, headers)
 
     @app.post("/v1/chat/completions", responses=_GENERATED)
-    async def chat(request: Request, body: ChatRequest,
-                   x_session_id: str | None = Header(default=None)) -> Response:
-        return await generate(request, body, x_session_id)
+    async def chat(request: Request, body: ChatRequest, x_session_id: str | None = Header(default=None),
+                   tenant: str = Depends(tenant_of)) -> Response:
+        return await generate(request, body, x_session_id, tenant)
 
     @app.post("/v1/completions", responses=_GENERATED)
-    async def complete(request: Request, body: CompletionRequest,
-                       x_session_id: str | None = Header(default=None)) -> Response:
-        return await generate(request, body, x_session_id)
+    async def complete(request: Request, body: CompletionRequest, x_session_id: str | None = Header(default=None),
+                       tenant: str = Depends(tenant_of)) -> Response:
+        return await generate(request, body, x_session_id, tenant)
 
     @app.get("/v1/sessions")
-    async def sessions() -> dict[str, Any]:
-        return {"object": "list", "data": [e.describe() for e in registry.entries()]}
+    async def sessions(tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        return {"object": "list", "data": [e.describe() for e in registry.entries(tenant)]}
 
     @app.post("/v1/sessions/load")
-    async def load(body: LoadRequest) -> dict[str, Any]:
-        return (await registry.load(body.name, body.session_id)).describe()
+    async def load(body: LoadRequest, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        return (await registry.load(tenant, body.name, body.session_id)).describe()
 
     @app.get("/v1/sessions/{session_id}")
-    async def session(session_id: str) -> dict[str, Any]:
-        return (await registry.lookup(session_id)).describe()
+    async def session(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        return (await registry.lookup(tenant, session_id)).describe()
 
     @app.delete("/v1/sessions/{session_id}")
-    async def delete(session_id: str) -> dict[str, Any]:
-        await registry.delete(session_id)
+    async def delete(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        await registry.delete(tenant, session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     @app.post("/v1/sessions/{session_id}/reset")
-    async def reset(session_id: str) -> dict[str, Any]:
-        return (await registry.reset(session_id)).describe()
+    async def reset(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        return (await registry.reset(tenant, session_id)).describe()
 
     @app.post("/v1/sessions/{session_id}/fork")
-    async def fork(session_id: str, body: ForkRequest | None = None) -> dict[str, Any]:
-        return (await registry.fork(session_id, body.session_id if body else None)).describe()
+    async def fork(session_id: str, body: ForkRequest | None = None,
+                   tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        return (await registry.fork(tenant, session_id, body.session_id if body else None)).describe()
 
     @app.post("/v1/sessions/{session_id}/save")
-    async def save(session_id: str, body: SaveRequest) -> dict[str, Any]:
-        path = await registry.save(session_id, body.name)
-        return {"id": session_id, "object": "session.saved", "name": body.name, "bytes": path.stat().st_size}
+    async def save(session_id: str, body: SaveRequest, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        size = await registry.save(tenant, session_id, body.name)
+        return {"id": session_id, "object": "session.saved", "name": body.name, "bytes": size}
+
+    @app.get("/v1/session-files")
+    async def session_files(tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        return {"object": "list", "data": await registry.files(tenant), "max_files": max_session_files,
+                "max_bytes": max_session_files_bytes}
+
+    @app.delete("/v1/session-files/{name}")
+    async def delete_session_file(name: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        await registry.delete_file(tenant, name)
+        return {"name": name, "object": "session_file.deleted", "deleted": True}
 
     return app
 
@@ -358,16 +395,6 @@ class _BodyLimit:
         await response(scope, receive, send)
 
 
-def authorized(headers: Iterable[tuple[bytes, bytes]], expected: bytes) -> bool:
-    """Whether a request's (lower-case) headers carry ``Authorization:
-    Bearer KEY`` equal to ``expected`` (``b"Bearer KEY"``)."""
-    given = next((v for k, v in headers if k == b"authorization"), b"")
-    # The scheme is case-insensitive (RFC 7235): "bearer KEY" is "Bearer KEY".
-    scheme, _, credentials = given.partition(b" ")
-    given = b"Bearer " + credentials.lstrip(b" ") if scheme.lower() == b"bearer" else given
-    return hmac.compare_digest(given, expected)  # constant time: the key cannot be guessed bytewise
-
-
 def unauthorized(headers: Iterable[tuple[bytes, bytes]]) -> JSONResponse:
     """The 401 of a request without the right API key."""
     missing = not any(k == b"authorization" for k, _ in headers)
@@ -376,15 +403,11 @@ def unauthorized(headers: Iterable[tuple[bytes, bytes]]) -> JSONResponse:
 
 
 class _Guard:
-    """Outermost layer: the API key check, and the request count by route and status."""
+    """Outermost layer: the API key check (the request's tenant, for the
+    routes: :func:`tenant_of`), and the request count by route and status."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, routes: Any) -> None:
-        self.app, self.metrics, self.routes = app, metrics, routes
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    def _authorized(self, scope: Scope) -> bool:
-        assert self.expected is not None
-        return authorized(scope["headers"], self.expected)
+    def __init__(self, app: ASGIApp, keys: Keys, metrics: ServerMetrics, routes: Any) -> None:
+        self.app, self.keys, self.metrics, self.routes = app, keys, metrics, routes
 
     def _endpoint(self, scope: Scope) -> str:
         for route in self.routes.routes:
@@ -406,9 +429,11 @@ class _Guard:
             await send(message)
 
         try:
-            if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            tenant = DEFAULT_TENANT if scope["path"] in OPEN_PATHS else self.keys.tenant(scope["headers"])
+            if tenant is None:
                 await unauthorized(scope["headers"])(scope, receive, send_counted)
             else:
+                scope[TENANT] = tenant
                 try:
                     await self.app(scope, receive, send_counted)
                 except Exception as exc:  # noqa: BLE001 - every request gets an answer, every error one log line

@@ -11,8 +11,9 @@ import re
 import sys
 from pathlib import Path
 
-from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_SESSION_TTL,
-                      available_memory, default_budgets)
+from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_SESSION_FILES,
+                      DEFAULT_MAX_SESSION_FILES_BYTES, DEFAULT_SESSION_TTL, available_memory, default_budgets)
+from ._tenants import Keys, read_api_keys
 
 log = logging.getLogger("aoti_sessions.serve")
 
@@ -64,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
                              f"(default: ${API_KEY_ENV}, else none)")
+    parser.add_argument("--api-keys", metavar="FILE",
+                        help="API keys, one a line (empty lines and lines starting with '#' skipped), each a tenant: "
+                             "a key sees and uses only the sessions and session files it made (another key's are "
+                             "a 404, as absent), kept in SESSION_DIR/.tenants/HASH (a hash of the key); with "
+                             "--api-key, that key is one tenant more (its files in SESSION_DIR)")
     parser.add_argument("--max-sessions", type=_positive, help="at most this many sessions (more: 429)")
     parser.add_argument("--memory-budget", type=byte_size,
                         help="device bytes for session state (e.g. 8GiB); beyond it idle sessions go to host memory")
@@ -75,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a named session may sit unused before it is parked: saved to SESSION_DIR/.live "
                              "(with --session-dir) and closed; 'none': never (default %(default)g)")
     parser.add_argument("--session-dir", help="folder of session files for save and load (default: off)")
+    parser.add_argument("--max-session-files", type=_positive, default=DEFAULT_MAX_SESSION_FILES, metavar="N",
+                        help="session files each API key may save (more: 403 until it deletes some with DELETE "
+                             "/v1/session-files/NAME; default %(default)s)")
+    parser.add_argument("--max-session-files-bytes", type=byte_size, default=DEFAULT_MAX_SESSION_FILES_BYTES,
+                        metavar="SIZE",
+                        help="bytes of session files each API key may save (default 16GiB)")
     parser.add_argument("--persist-sessions", action=argparse.BooleanOptionalAction, default=None,
                         help="park named sessions in SESSION_DIR/.live when their TTL ends and when the server stops "
                              "(SIGTERM), and bring them back when a request names them (default: on with "
@@ -113,6 +125,7 @@ def describe_limits(args: argparse.Namespace, memory_budget: int | None, host_bu
         f"offloaded {host_budget / gib:.1f} GiB",
         f"idle sessions parked after {args.session_ttl:g} s" if args.session_ttl is not None else "no session TTL",
         f"parked to {args.session_dir}/.live" if persist else "parked = closed (no --session-dir)",
+        f"saved sessions {args.max_session_files} files, {args.max_session_files_bytes / gib:.1f} GiB a key",
         f"bodies up to {args.max_body_bytes} bytes" if args.max_body_bytes else "bodies up to 32 bytes a context token",
         f"{args.max_connections} connections",
         f"request head in {args.header_timeout:g} s, body in {args.body_timeout:g} s",
@@ -131,6 +144,8 @@ def compute_threads(requested: int | None, device: str) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    api_keys = read_api_keys(args.api_keys) if args.api_keys is not None else []
+    Keys(args.api_key, api_keys)  # (a bad key refused at once)
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -143,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.session_dir is not None:
         Path(args.session_dir).mkdir(parents=True, exist_ok=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key and not api_keys:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     if args.persist_sessions and args.session_dir is None:
         print("aoti-sessions serve: --persist-sessions needs --session-dir", file=sys.stderr)
@@ -169,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
 
         app = create_app(llm, api_key=args.api_key, session_dir=args.session_dir, max_body_bytes=args.max_body_bytes,
                          session_ttl=args.session_ttl, persist_sessions=args.persist_sessions,
-                         body_timeout=args.body_timeout)
+                         body_timeout=args.body_timeout, api_keys=api_keys,
+                         max_session_files=args.max_session_files,
+                         max_session_files_bytes=args.max_session_files_bytes)
         uvicorn.Server(server_config(app, args.host, args.port, max_connections=args.max_connections,
                                      header_timeout=args.header_timeout, log_level="info")).run()
     finally:

@@ -13,7 +13,10 @@ Statuses and codes:
                                      no ``--session-dir`` (``session_dir_not_set``),
                                      unreadable session file (``invalid_session_file``)
 401  authentication_error            missing or wrong API key (``invalid_api_key``)
-404  not_found_error                 unknown session, model, file or path
+403  invalid_request_error           the key's saved session files are at their
+                                     limit (``session_files_limit``)
+404  not_found_error                 unknown session, model, file or path (another
+                                     API key's session or file: unknown to this key)
 405  invalid_request_error           method not allowed
 409  conflict_error                  session busy (``session_busy``) or id taken
                                      (``session_exists``)
@@ -22,6 +25,8 @@ Statuses and codes:
 500  server_error                    a bug or a failed model run
 503  server_error                    the model's engine process ended
                                      (``engine_unavailable``; ``/health`` says so)
+507  server_error                    the server is out of space for a session
+                                     file (``out_of_space``)
 ===  ==============================  ==========================================
 """
 

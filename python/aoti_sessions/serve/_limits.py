@@ -16,6 +16,11 @@ DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's head to arrive whole
 # deadline, which would close it with a warning.
 KEEP_ALIVE = 8
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request's body to arrive whole (408 otherwise)
+# Each API key's saved session files (POST /v1/sessions/{id}/save): how many,
+# and their bytes in all (a save that starts under it may end past it by its
+# own size); past either, 403 until the key deletes some.
+DEFAULT_MAX_SESSION_FILES = 100
+DEFAULT_MAX_SESSION_FILES_BYTES = 16 << 30
 
 
 def default_body_limit(max_context: int) -> int:

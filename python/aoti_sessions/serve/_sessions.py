@@ -26,14 +26,26 @@ server served the session meanwhile) drops its copy and loads the file; one
 that finds it gone (deleted elsewhere) drops its copy. (A generation that
 comes while this server's own write is under way skips that check: the file
 is its own, being replaced.)
+
+Sessions belong to tenants (serve/_tenants.py): a table key, a parked file
+and a session file are the tenant's own; every method takes the tenant of
+the request, and another tenant's session or file is absent to it. A
+tenant's saved files are bounded in count and bytes (403 past them).
+
+A park that fails (a full disk) keeps the session in memory, usable, and
+the next sweep tries again; such failures, and failed checkpoint writes,
+are logged once an episode (the first failure, then one line when writing
+works again), and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -47,7 +59,9 @@ import anyio.to_thread
 
 from ..errors import SessionFileError, SessionFileNotFoundError
 from ._errors import APIError
+from ._limits import DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES
 from ._protocol import FILE_NAME_PATTERN, SESSION_ID_PATTERN
+from ._tenants import DEFAULT_TENANT, TENANTS_DIR, scoped
 
 if TYPE_CHECKING:
     from ..llm import LLM, ChatSession, RemoteLLM, RemoteSession
@@ -63,6 +77,10 @@ CHECKPOINT_WRITERS = 4  # checkpoint writes at once (each holds a host copy of a
 # enough for the writer's temporary name beside it).
 _FILE_NAME = re.compile(FILE_NAME_PATTERN)
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
+# The writer's temporary file beside a session file (csrc/core/atomic_file.cc):
+# its name carries the server's pid, kept out of answers.
+_TEMPORARY = re.compile(r"\S*\.aoti-tmp-\d+-\d+")
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 async def in_thread(call: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
@@ -83,6 +101,7 @@ class Entry:
     """One session of the server; ``id`` is None for a request's throwaway."""
 
     id: str | None
+    tenant: str = DEFAULT_TENANT  # whose it is (serve/_tenants.py)
     session: ChatSession | RemoteSession | None = None  # None while being created
     busy: bool = True  # a request holds it (a generation, a fork, a save)
     created: float = field(default_factory=time.time)
@@ -91,6 +110,12 @@ class Entry:
     writing: asyncio.Event | None = None  # set when its checkpoint write ends
     changes: int = 0  # changes made to it (each to be checkpointed)
     written: tuple[int, int, int] | None = None  # its checkpoint file as this server last wrote or read it
+
+    @property
+    def key(self) -> str:
+        """Its key in the server's table (and the cluster's router): its id within its tenant."""
+        assert self.id is not None
+        return scoped(self.tenant, self.id)
 
     def describe(self) -> dict[str, Any]:
         resident = self.session is not None  # a busy session is on the device (or on its way)
@@ -104,7 +129,9 @@ class Registry:
     """Named sessions, plus the throwaway ones of requests that name none."""
 
     def __init__(self, llm: LLM | RemoteLLM, session_dir: str | os.PathLike[str] | None = None, *,
-                 ttl: float | None = None, persist: bool = False, checkpoint: bool = False) -> None:
+                 ttl: float | None = None, persist: bool = False, checkpoint: bool = False,
+                 max_files: int = DEFAULT_MAX_SESSION_FILES,
+                 max_file_bytes: int = DEFAULT_MAX_SESSION_FILES_BYTES) -> None:
         self.llm = llm
         self.session_dir = Path(session_dir).resolve() if session_dir is not None else None
         self._entries: dict[str, Entry] = {}
@@ -124,46 +151,60 @@ class Registry:
         self.checkpoint_seconds = 0.0  # spent writing them (in the background)
         self.checkpoint_wait_seconds = 0.0  # requests spent waiting for a write to end
         self.superseded = 0  # copies dropped: their checkpoint changed or went elsewhere
+        self.park_failures = 0  # parks that failed (the session kept in memory, or lost when stopping)
+        self._parking, self._checkpointing = _Failures("parking sessions"), _Failures("writing checkpoints")
+        self._saving_out_of_space = _Failures("saving session files")
+        self.max_files, self.max_file_bytes = max_files, max_file_bytes  # a tenant's saved session files
+        self._saving: dict[str, asyncio.Lock] = {}  # a tenant's saves, one at a time (each checks the limits)
         self._writes: set[asyncio.Task[None]] = set()
         self._writers: anyio.CapacityLimiter | None = None  # (made on the event loop)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def entries(self) -> list[Entry]:
-        return list(self._entries.values())
+    def entries(self, tenant: str | None = None) -> list[Entry]:
+        """The named sessions in memory (of ``tenant`` only, if given)."""
+        return [e for e in self._entries.values() if tenant is None or e.tenant == tenant]
 
     def _missing(self, session_id: str) -> APIError:
         return APIError(404, f"no session {session_id!r}", "session_not_found", "session_id")
 
-    async def lookup(self, session_id: str) -> Entry:
+    async def lookup(self, tenant: str, session_id: str) -> Entry:
         """The named session (brought back if parked), or 404."""
-        entry = await self._current(self._entries.get(session_id))
+        entry = await self._current(self._entries.get(scoped(tenant, session_id)))
         if entry is None:
-            entry = await self._unpark(session_id)
+            entry = await self._unpark(tenant, session_id)
             if entry is None:
                 raise self._missing(session_id)
             entry.busy = False
         return entry
 
-    def _parked_file(self, session_id: str) -> Path | None:
+    def _home(self, tenant: str) -> Path:
+        """The folder of ``tenant``'s session files (its parked ones in ``.live`` inside)."""
+        assert self.session_dir is not None
+        return self.session_dir if tenant == DEFAULT_TENANT else self.session_dir / TENANTS_DIR / tenant
+
+    def _parked_path(self, tenant: str, session_id: str) -> Path:
+        return self._home(tenant) / PARKED_DIR / session_id
+
+    def _parked_file(self, tenant: str, session_id: str) -> Path | None:
         """Where session ``session_id`` is parked, if it is (an id no client
         could create never is)."""
         if self.parked is None or not _SESSION_ID.fullmatch(session_id):
             return None
-        path = self.parked / session_id
+        path = self._parked_path(tenant, session_id)
         return path if path.is_file() else None
 
-    async def _unpark(self, session_id: str) -> Entry | None:
+    async def _unpark(self, tenant: str, session_id: str) -> Entry | None:
         """A parked session back in memory, held; its file goes. None if it
         is not parked, or its file cannot be loaded (set aside as NAME.bad,
         with a log line: the id then starts afresh)."""
-        path = self._parked_file(session_id)
+        path = self._parked_file(tenant, session_id)
         if path is None:
             return None
         written = _signature(path)
         try:
-            entry = await self._add(session_id, lambda: self.llm.load_session(path))
+            entry = await self._add(tenant, session_id, lambda: self.llm.load_session(path), unparking=True)
         except SessionFileError as e:
             log.warning("parked session %r cannot be loaded (%s); set aside as %s.bad", session_id, e, path.name)
             os.replace(path, path.with_name(path.name + ".bad"))
@@ -192,12 +233,11 @@ class Registry:
             self.checkpoint_wait_seconds += time.perf_counter() - started
         if not self.checkpoint or entry.busy or entry.id is None or entry.session is None:
             return entry
-        assert self.parked is not None
-        if _signature(self.parked / entry.id) == entry.written:
+        if _signature(self._parked_path(entry.tenant, entry.id)) == entry.written:
             return entry
         log.info("session %r changed elsewhere since this server last wrote it: its copy here is dropped", entry.id)
         session, entry.session = entry.session, None
-        self._entries.pop(entry.id, None)
+        self._entries.pop(entry.key, None)
         self.superseded += 1
         await in_thread(session.close)
         return None
@@ -216,13 +256,13 @@ class Registry:
     async def _write_later(self, entry: Entry, change: int) -> None:
         while True:
             await asyncio.sleep(CHECKPOINT_DELAY_S)
-            if entry.changes != change or entry.session is None or self._entries.get(entry.id or "") is not entry:
+            if entry.changes != change or entry.session is None or self._entries.get(entry.key) is not entry:
                 return  # changed again (that change writes it), or gone
             if not entry.busy and entry.writing is None:
                 break  # (held by a request that does not change it, a save: after it)
         entry.writing = asyncio.Event()
         assert self.parked is not None and entry.id is not None
-        path, session = self.parked / entry.id, entry.session
+        path, session = self._parked_path(entry.tenant, entry.id), entry.session
         if self._writers is None:
             self._writers = anyio.CapacityLimiter(CHECKPOINT_WRITERS)
 
@@ -231,7 +271,7 @@ class Registry:
         def write() -> None:
             started = time.perf_counter()
             try:
-                session.save(path)
+                _save(session, path)
             finally:
                 took[0] = time.perf_counter() - started
 
@@ -239,30 +279,39 @@ class Registry:
             await in_thread(write, self._writers)
             entry.written = _signature(path)
             self.checkpoints += 1
+            self._checkpointing.succeeded()
         except Exception as e:  # noqa: BLE001 - the session serves on; its last good checkpoint stays
             self.checkpoint_failures += 1
-            log.warning("session %r: writing its checkpoint failed: %s", entry.id, e)
+            self._checkpointing.failed(f"session {entry.id!r}: writing its checkpoint failed: {_why(e)}")
         finally:
             self.checkpoint_seconds += took[0]
             done, entry.writing = entry.writing, None
             assert done is not None
             done.set()
 
-    async def _park(self, entry: Entry, why: str) -> bool:
+    async def _park(self, entry: Entry, why: str, *, keep: bool = True) -> bool:
         """Saves a held named session to its parked file (persistence on)
-        and closes it; out of the table. Whether it was saved: a failed save
-        is logged, and the session closed all the same."""
+        and closes it; out of the table. Whether it was saved. A save that
+        fails (a full disk) keeps the session in memory and released, to be
+        parked at a later sweep, if ``keep`` (False: the server is stopping,
+        and the session is closed all the same)."""
         assert entry.id is not None and entry.session is not None
         session = entry.session
         saved = False
         if self.parked is not None:
-            path = self.parked / entry.id
+            path = self._parked_path(entry.tenant, entry.id)
             try:
-                await in_thread(lambda: session.save(path))
+                await in_thread(lambda: _save(session, path))
                 saved = True
+                self._parking.succeeded()
             except Exception as e:  # noqa: BLE001 - one session's failure must not stop the others'
-                log.warning("session %r could not be parked (%s): %s; it is closed", entry.id, why, e)
-        self._entries.pop(entry.id, None)
+                self.park_failures += 1
+                self._parking.failed(f"session {entry.id!r} could not be parked ({why}): {_why(e)}; "
+                                     + ("it stays in memory, and a later sweep parks it" if keep else "it is closed"))
+                if keep:
+                    entry.busy = False
+                    return False
+        self._entries.pop(entry.key, None)
         entry.session = None
         try:
             await in_thread(session.close)
@@ -292,35 +341,39 @@ class Registry:
         entry.last_used = time.time()
         return entry
 
-    async def acquire(self, session_id: str | None, *, create: bool) -> Entry:
-        """The session ``session_id`` held for this request (409 when another
-        request holds it). An unknown id is created when ``create``, else 404;
-        None is a throwaway session, closed by :meth:`release`."""
+    async def acquire(self, tenant: str, session_id: str | None, *, create: bool) -> Entry:
+        """The session ``session_id`` of ``tenant`` held for this request (409
+        when another request holds it). An unknown id is created when
+        ``create``, else 404; None is a throwaway session, closed by
+        :meth:`release`."""
         if session_id is None:
             entry = Entry(None)
             entry.session = await in_thread(self.llm.new_session)
             self.throwaway += 1
             return entry
-        existing = await self._current(self._entries.get(session_id), wait=False)
+        existing = await self._current(self._entries.get(scoped(tenant, session_id)), wait=False)
         if existing is not None:
             return self._take(existing)
-        parked = await self._unpark(session_id)
+        parked = await self._unpark(tenant, session_id)
         if parked is not None:
             return parked
         if not create:
             raise self._missing(session_id)
-        return await self._add(session_id, self.llm.new_session)
+        return await self._add(tenant, session_id, self.llm.new_session)
 
-    async def _add(self, session_id: str, make: Callable[[], ChatSession | RemoteSession]) -> Entry:
-        """A new entry, held, under an id checked free; made in a thread (its
-        placeholder makes a concurrent request for the id wait its turn: 409)."""
-        if session_id in self._entries:
+    async def _add(self, tenant: str, session_id: str, make: Callable[[], ChatSession | RemoteSession], *,
+                   unparking: bool = False) -> Entry:
+        """A new entry, held, under an id checked free, in memory and (unless
+        ``unparking`` it) parked; made in a thread (its placeholder makes a
+        concurrent request for the id wait its turn: 409)."""
+        key = scoped(tenant, session_id)
+        if key in self._entries or (not unparking and self._parked_file(tenant, session_id) is not None):
             raise APIError(409, f"session {session_id!r} already exists", "session_exists", "session_id")
-        entry = self._entries[session_id] = Entry(session_id)
+        entry = self._entries[key] = Entry(session_id, tenant)
         try:
             entry.session = await in_thread(make)
         except BaseException:
-            del self._entries[session_id]
+            del self._entries[key]
             raise
         return entry
 
@@ -336,68 +389,129 @@ class Registry:
             self.throwaway -= 1
             await in_thread(session.close)
 
-    async def delete(self, session_id: str) -> None:
-        if session_id not in self._entries and (parked := self._parked_file(session_id)) is not None:
+    async def delete(self, tenant: str, session_id: str) -> None:
+        key = scoped(tenant, session_id)
+        if key not in self._entries and (parked := self._parked_file(tenant, session_id)) is not None:
             parked.unlink(missing_ok=True)
             return
-        entry = self._take(await self.lookup(session_id))
+        entry = self._take(await self.lookup(tenant, session_id))
         try:
             assert entry.session is not None
             await in_thread(entry.session.close)
         finally:
-            del self._entries[session_id]
-            if self.checkpoint and (parked := self._parked_file(session_id)) is not None:
+            del self._entries[key]
+            if self.checkpoint and (parked := self._parked_file(tenant, session_id)) is not None:
                 parked.unlink(missing_ok=True)  # (else another server would bring it back)
 
     @asynccontextmanager
-    async def _held(self, session_id: str) -> AsyncIterator[tuple[Entry, ChatSession | RemoteSession]]:
+    async def _held(self, tenant: str, session_id: str) -> AsyncIterator[tuple[Entry, ChatSession | RemoteSession]]:
         """The named session, held for one operation (409 while a request holds it)."""
-        entry = self._take(await self.lookup(session_id))
+        entry = self._take(await self.lookup(tenant, session_id))
         try:
             assert entry.session is not None
             yield entry, entry.session
         finally:
             entry.busy = False
 
-    async def reset(self, session_id: str) -> Entry:
-        async with self._held(session_id) as (entry, session):
+    async def reset(self, tenant: str, session_id: str) -> Entry:
+        async with self._held(tenant, session_id) as (entry, session):
             await in_thread(session.reset)
         self.checkpoint_soon(entry)
         return entry
 
-    async def fork(self, session_id: str, new_session_id: str | None) -> Entry:
-        async with self._held(session_id) as (_, session):
-            child = await self._add(new_session_id or new_id(), session.fork)
+    async def fork(self, tenant: str, session_id: str, new_session_id: str | None) -> Entry:
+        async with self._held(tenant, session_id) as (_, session):
+            child = await self._add(tenant, new_session_id or new_id(), session.fork)
         child.busy = False
         self.checkpoint_soon(child)
         return child
 
-    def file(self, name: str) -> Path:
-        """``name`` as a file of the session directory: a plain visible file
-        name, nothing a client could point elsewhere with (400)."""
+    def _files_on(self) -> None:
         if self.session_dir is None:
             raise APIError(400, "saving and loading sessions is off: start the server with --session-dir DIR",
                            "session_dir_not_set", "name")
+
+    def file(self, tenant: str, name: str) -> Path:
+        """``name`` as a file of ``tenant``'s in the session directory: a
+        plain visible file name, nothing a client could point elsewhere with
+        (400)."""
+        self._files_on()
         if (not _FILE_NAME.fullmatch(name) or name in (".", "..") or ".." in name
                 or os.path.basename(name) != name):
             raise APIError(400, f"invalid session file name {name!r}: a plain file name of letters, digits, "
                                 "'.', '_' and '-', not starting with '.' or '-', without '..'",
                            "invalid_name", "name")
-        return self.session_dir / name
+        return self._home(tenant) / name
 
-    async def save(self, session_id: str, name: str) -> Path:
-        path = self.file(name)
-        async with self._held(session_id) as (_, session):
-            with self._file_errors("save the session as", name, path):
-                await in_thread(lambda: session.save(path))
-        return path
+    def _files(self, tenant: str) -> list[tuple[str, os.stat_result]]:
+        """``tenant``'s session files: (name, stat) of each plain file a
+        client could have named."""
+        try:
+            found = list(os.scandir(self._home(tenant)))
+        except FileNotFoundError:
+            return []
+        out = []
+        for item in found:
+            if _FILE_NAME.fullmatch(item.name) and ".." not in item.name:
+                try:
+                    if item.is_file(follow_symlinks=False):
+                        out.append((item.name, item.stat(follow_symlinks=False)))
+                except OSError:
+                    pass  # (gone meanwhile)
+        return sorted(out)
 
-    async def load(self, name: str, session_id: str | None) -> Entry:
-        path = self.file(name)
+    async def files(self, tenant: str) -> list[dict[str, Any]]:
+        """``tenant``'s session files, as ``GET /v1/session-files`` lists them."""
+        self._files_on()
+        return [{"name": name, "object": "session_file", "bytes": st.st_size, "modified": int(st.st_mtime)}
+                for name, st in await in_thread(lambda: self._files(tenant))]
+
+    async def delete_file(self, tenant: str, name: str) -> None:
+        path = self.file(tenant, name)
+
+        def delete() -> bool:
+            try:
+                if not stat.S_ISREG(path.lstat().st_mode):
+                    return False  # (not a file a client saved)
+                path.unlink()
+            except FileNotFoundError:
+                return False
+            return True
+
+        if not await in_thread(delete):
+            raise APIError(404, f"no session file {name!r}", "file_not_found", "name")
+
+    def _check_room(self, tenant: str, name: str) -> None:
+        """403 when ``tenant``'s session files are at the server's limits
+        (their count, or their bytes: a save that starts under it may end
+        past it by its own size); a file of the same name counts as replaced."""
+        others = [st.st_size for file, st in self._files(tenant) if file != name]
+        if len(others) >= self.max_files:
+            raise APIError(403, f"cannot save the session as {name!r}: your saved sessions are {len(others)} files, "
+                                f"the server's limit; delete one (DELETE /v1/session-files/NAME) or save over one",
+                           "session_files_limit", "name")
+        if sum(others) >= self.max_file_bytes:
+            raise APIError(403, f"cannot save the session as {name!r}: your saved sessions hold {sum(others)} bytes, "
+                                f"the server's limit is {self.max_file_bytes}; delete some "
+                                "(DELETE /v1/session-files/NAME)", "session_files_limit", "name")
+
+    async def save(self, tenant: str, session_id: str, name: str) -> int:
+        """Saves the session as ``tenant``'s file ``name``; its bytes."""
+        path = self.file(tenant, name)
+        async with self._saving.setdefault(tenant, asyncio.Lock()):
+            async with self._held(tenant, session_id) as (_, session):
+                with self._file_errors("save the session as", name, path):
+                    await in_thread(lambda: self._check_room(tenant, name))
+                    await in_thread(lambda: _save(session, path))
+            self._saving_out_of_space.succeeded()
+            return path.stat().st_size
+
+    async def load(self, tenant: str, name: str, session_id: str | None) -> Entry:
+        path = self.file(tenant, name)
         if not path.is_file():
             raise APIError(404, f"no session file {name!r}", "file_not_found", "name")
         with self._file_errors("load the session file", name, path):
-            entry = await self._add(session_id or new_id(), lambda: self.llm.load_session(path))
+            entry = await self._add(tenant, session_id or new_id(), lambda: self.llm.load_session(path))
         entry.busy = False
         self.checkpoint_soon(entry)
         return entry
@@ -405,12 +519,21 @@ class Registry:
     @contextmanager
     def _file_errors(self, doing: str, name: str, path: Path) -> Iterator[None]:
         """A session file's failure as a 400 that names the file as the
-        client did: no server path in the answer."""
+        client did: no server path or temporary name in the answer; the
+        server out of space, 507."""
         try:
             yield
-        except SessionFileError as e:
+        except (SessionFileError, OSError) as e:
+            if out_of_space(e):
+                self._saving_out_of_space.failed(f"cannot {doing} {name!r}: {_why(e)}")
+                raise APIError(507, f"cannot {doing} {name!r}: the server is out of space for session files; try "
+                                    "again later", "out_of_space", "name") from e
+            if not isinstance(e, SessionFileError):
+                raise
             assert self.session_dir is not None
-            message = str(e).replace(str(path), repr(name)).replace(str(self.session_dir), "--session-dir")
+            message = _TEMPORARY.sub("a temporary file", str(e).replace(str(path), repr(name)))
+            message = message.replace(str(path.parent), "--session-dir").replace(str(self.session_dir),
+                                                                                 "--session-dir")
             if isinstance(e, SessionFileNotFoundError):
                 raise APIError(404, f"no session file {name!r}", "file_not_found", "name") from e
             raise APIError(400, f"cannot {doing} {name!r}: {message}", "invalid_session_file", "name") from e
@@ -421,18 +544,23 @@ class Registry:
         while self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
         entries = list(self._entries.values())
-        parked = 0
+        parked = lost = 0
         for entry in entries:
             if entry.session is None:
                 continue
             if entry.id is not None and self.parked is not None:
-                parked += await self._park(entry, "the server is stopping")
+                if await self._park(entry, "the server is stopping", keep=False):
+                    parked += 1
+                else:
+                    lost += 1
             else:
                 await in_thread(entry.session.close)
         self._entries = {}
         if parked:
             log.info("parked %d sessions in %s: a server started with this --session-dir serves them on",
                      parked, self.parked)
+        if lost:
+            log.warning("%d sessions could not be parked: their caches are lost", lost)
 
 
 def _signature(path: Path) -> tuple[int, int, int] | None:
@@ -443,3 +571,44 @@ def _signature(path: Path) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+
+def _save(session: ChatSession | RemoteSession, path: Path) -> None:
+    """Writes ``session`` to ``path``, making its folder first (a tenant's,
+    at its first file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    session.save(path)
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` is a write that found its disk (or the writer's
+    quota) full: an OSError, or the runtime's SessionFileError, which says
+    so in the C library's words."""
+    if isinstance(error, OSError) and error.errno in _OUT_OF_SPACE:
+        return True
+    return isinstance(error, SessionFileError) and any(os.strerror(n) in str(error) for n in _OUT_OF_SPACE)
+
+
+def _why(error: BaseException) -> str:
+    return str(error) or type(error).__name__
+
+
+class _Failures:
+    """The log of one kind of write that may fail over and over (a full
+    disk fails every park and checkpoint until space is made): the first
+    failure of an episode is logged, the rest only counted, and one line
+    says when writing works again."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.count = what, 0
+
+    def failed(self, message: str) -> None:
+        self.count += 1
+        if self.count == 1:
+            log.warning("%s (further failures of %s are not logged until one succeeds)", message, self.what)
+
+    def succeeded(self) -> None:
+        if self.count:
+            log.info("%s works again, after %d failures", self.what, self.count)
+            self.count = 0
