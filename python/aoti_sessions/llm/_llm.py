@@ -7,8 +7,9 @@ common prefix of that list and its prompt and feeds only the rest: a follow-up
 turn prefills what is new, and a history that diverges rewinds to where it
 diverged (a position change, nothing copied). Recurrent state (hybrid models)
 took in every position and cannot rewind by position: a session keeps it as
-it was at the start of its last turns (checkpoints) and rewinds to the latest
-one at most where the history diverged, feeding the rest again.
+it was at the start of its last turns and at the end of their prompts
+(checkpoints) and rewinds to the latest one at most where the history
+diverged, feeding the rest again.
 """
 
 from __future__ import annotations
@@ -82,12 +83,14 @@ class LLM(Prompts, Closable):
 
     ``rewind_checkpoints``: for a model with recurrent state (hybrid), how
     many turns back a chat session can rewind cheaply: it keeps the state at
-    the start of its last that many turns (device memory: one slot of
-    recurrent state each, counted as the session's). A request whose history
-    diverges within them (a regenerated or edited last turn, a template that
-    drops the previous reply's thinking) rewinds to the latest one before the
-    divergence and feeds the rest; further back, or with 0, the whole history
-    is fed again. An offloaded session loses its checkpoints.
+    the start of its last that many turns and at the end of their prompts
+    (device memory: one slot of recurrent state each, two a turn at most,
+    counted as the session's). A request whose history diverges within them
+    (a regenerated or edited last turn at its start, a reply that comes back
+    edited or without its thinking at its prompt's end) rewinds to the latest
+    one before the divergence and feeds the rest; further back, or with 0,
+    the whole history is fed again. An offloaded session loses its
+    checkpoints.
 
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``, ...).
@@ -306,7 +309,8 @@ class ChatSession(Closable):
         """At the start of a turn (locked): forgets the tokens from ``keep``
         on (at most the session's) and returns how many stay. Recurrent state
         goes back to its latest checkpoint at most ``keep``, or empty; then
-        (recurrent) it is checkpointed there, the start of this turn."""
+        (recurrent) it is checkpointed there, the start of this turn (and
+        again at its prompt's end: :meth:`_prompt_fed`)."""
         llm = self._llm
         if keep < len(self._tokens):
             if not llm.spec.recurrent:
@@ -320,11 +324,33 @@ class ChatSession(Closable):
                 keep = 0
             del self._tokens[keep:]
         if llm.spec.recurrent and llm.rewind_checkpoints and keep:
-            try:
-                self._session.checkpoint(llm.rewind_checkpoints)
-            except CapacityError:  # no room: an edit of this turn feeds everything again
-                llm._checkpoints_skipped += 1
+            self._checkpoint()
         return keep
+
+    def _checkpoint(self) -> None:
+        """(Locked, recurrent state) keeps the state at the session's length
+        to rewind to: two a turn (its start, its prompt's end) for the last
+        ``rewind_checkpoints`` turns."""
+        llm = self._llm
+        try:
+            self._session.checkpoint(2 * llm.rewind_checkpoints)
+        except CapacityError:  # no room: an edit after it feeds more again
+            llm._checkpoints_skipped += 1
+
+    def _prompt_fed(self, generation: Generation) -> None:
+        """(The step loop's, once the first token of ``generation`` is read)
+        Recurrent state is checkpointed at the prompt's end, where a reply
+        that comes back changed (edited, or its thinking dropped by the chat
+        template) diverges: the next turn rewinds there instead of feeding
+        the whole history again. (A recurrent model's sampled token is fed
+        once read, so the state is the prompt's here.)"""
+        llm = self._llm
+        if not (llm.spec.recurrent and llm.rewind_checkpoints):
+            return
+        with self._lock:
+            if self._active is generation and not generation.finished \
+                    and len(self._tokens) == generation.prompt_tokens:
+                self._checkpoint()
 
     def _idle(self, what: str) -> None:
         if self._active is not None:
