@@ -239,7 +239,7 @@ def test_a_two_turn_chat_with_a_fork_matches_transformers(arch: str, device: str
         other = fork.generate(branch, max_tokens=STEPS, temperature=0, ignore_eos=True)
         assert other.cached_tokens == two.cached_tokens
         assert other.token_ids == _reference(model, branch)[0]
-        assert s._session.checkpoints == (two.cached_tokens,)
+        assert s._session.checkpoints == (two.cached_tokens, len(second))  # its start, its prompt's end
         regenerated = second[:two.cached_tokens + 2] + llm.encode(" by the sea")
         three = s.generate(regenerated, max_tokens=STEPS, temperature=0, ignore_eos=True)
         assert three.cached_tokens == two.cached_tokens and llm.stats()["checkpoint_rewinds"] == 1
@@ -495,7 +495,8 @@ def test_info_shows_what_an_llm_package_says(arch: str) -> None:
     assert f"  end of sequence: {', '.join(map(str, spec.eos_token_ids))}; bos: {spec.bos_token_id}; " \
            f"pad: {spec.pad_token_id}" in lines
     assert "  chat template: yes" in lines  # every tested family's tokenizer has one
-    rewinds = "rewinds only to a turn's start kept as a checkpoint: a history changed before it is fed again"
+    rewinds = "rewinds only to a checkpoint kept at a turn's start or its prompt's end: a history changed before " \
+              "it is fed again"
     if spec.window_ring:
         state = f"  state: window layers' ring of 16 positions ({rewinds}), and the global layers' KV cache if it has any"
     elif spec.recurrent:

@@ -5,6 +5,7 @@ the ``openai`` client and httpx, checked against the eager transformers model.""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -185,6 +186,37 @@ def test_follow_up_turn_prefills_only_new_tokens(client: openai.OpenAI, http: ht
         == second.usage.prompt_tokens
     assert after["aoti_sessions_generated_tokens_total"] - before["aoti_sessions_generated_tokens_total"] \
         == second.usage.completion_tokens
+
+
+def test_a_reply_sent_back_as_its_text_keeps_the_ids_generated(http: httpx.Client, llm: LLM) -> None:
+    """A second turn sent as messages, the first reply as its text (one that
+    encodes to other ids than the ones generated), reuses everything the
+    session holds (the prompt made here, in the server's process, keeps its
+    text: the session, in an engine process too, keeps its own ids for the
+    reply) and answers as a fresh session given the same ids."""
+    from test_chat_history import FIRST, SEEDS, TOKENS, whole_reply
+
+    s = llm.new_session()  # (the turns as the server gives them: one found here)
+    one, seed, messages = whole_reply(llm, s, [FIRST], {"role": "user", "content": "And the weather?"},
+                                      itertools.chain([SEEDS["qwen3"]], itertools.count()))
+    two = s.generate(messages, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    assert two.cached_tokens == one.prompt_tokens + one.completion_tokens - 1
+    with llm.new_session() as fresh:
+        expected = fresh.generate(list(s.tokens[:two.prompt_tokens]), max_tokens=TOKENS, temperature=0,
+                                  ignore_eos=True)
+    s.close()
+
+    def turn(messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
+        response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": TOKENS,
+                                                           "ignore_eos": True, "session_id": "own-ids", **params})
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    assert turn([FIRST], temperature=1.5, seed=seed)["choices"][0]["message"]["content"] == one.text
+    second = turn(messages, temperature=0)
+    assert second["usage"]["prompt_tokens"] == two.prompt_tokens
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == two.cached_tokens
+    assert second["choices"][0]["message"]["content"] == expected.text
 
 
 def test_stream_equals_non_stream(client: openai.OpenAI, llm: LLM) -> None:

@@ -113,7 +113,8 @@ def _llm_lines(model: str) -> list[str]:
 
 
 def _state_line(spec: LLMSpec) -> str:
-    rewinds = "rewinds only to a turn's start kept as a checkpoint: a history changed before it is fed again"
+    rewinds = "rewinds only to a checkpoint kept at a turn's start or its prompt's end: a history changed before " \
+              "it is fed again"
     if spec.window_ring:
         return (f"  state: window layers' ring of {spec.window_ring} positions ({rewinds}), and the global layers' "
                 "KV cache if it has any")

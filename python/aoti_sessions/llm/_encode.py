@@ -56,15 +56,22 @@ class PieceEncoder:
     def _encode_whole(self, text: str) -> list[int]:
         return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=False)]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, starts: dict[int, int] | None = None) -> list[int]:
+        """The ids of ``text``; where encoded by pieces, ``starts`` gets the
+        character offset of each added token in it and that token's index:
+        the ids from there on are those of the text from there on, alone."""
         if not self.enabled:
             return self._encode_whole(text)
         out: list[int] = []
+        at = 0
         for i, piece in enumerate(self._split.split(text)):
             if i % 2:  # an added token
+                if starts is not None:
+                    starts[at] = len(out)
                 out.append(self._added[piece])
             elif piece:
                 out += self._piece(piece)
+            at += len(piece)
         if self._to_check > 0:
             self._to_check -= 1
             whole = self._encode_whole(text)
@@ -72,6 +79,8 @@ class PieceEncoder:
                 self.enabled = False
                 log.warning("the tokenizer encodes a prompt differently by pieces between its added tokens than "
                             "whole; prompts are encoded whole from now on (slower)")
+                if starts is not None:
+                    starts.clear()
                 return whole
         return out
 

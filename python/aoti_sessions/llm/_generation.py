@@ -164,6 +164,8 @@ class Generation(Pieces):
         forgets it; then the session's lock goes."""
         fed, self._fed_ahead = self._fed_ahead, False
         session = self._session
+        if not fed and not self.token_ids:  # the first: the whole prompt is in (and, recurrent, no more)
+            session._prompt_fed(self)
         keep = not self.finished and token not in self._stop_ids
         error: Exception | None = None
         if fed:

@@ -7,8 +7,10 @@ common prefix of that list and its prompt and feeds only the rest: a follow-up
 turn prefills what is new, and a history that diverges rewinds to where it
 diverged (a position change, nothing copied). Recurrent state (hybrid models)
 took in every position and cannot rewind by position: a session keeps it as
-it was at the start of its last turns (checkpoints) and rewinds to the latest
-one at most where the history diverged, feeding the rest again.
+it was at the start of its last turns and at the end of their prompts
+(checkpoints) and rewinds to the latest one at most where the history
+diverged, feeding the rest again. A chat prompt keeps the session's own ids
+for the history it fed as text, its replies as generated (_prompts.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -31,16 +33,18 @@ from ..errors import CapacityError, PackageError, SessionBusyError, SessionClose
 from ._generation import Completion, Generation
 from ._sampling import SamplingParams, sampling_params
 from ._scheduler import Scheduler
-from ._prompts import ContextLengthError, Prompt, Prompts
+from ._prompts import ChatPrompt, ContextLengthError, Prompt, Prompts, Spelling
 
 __all__ = ["LLM", "ChatSession", "Prompt", "ContextLengthError"]
 
 # A saved chat: one session file, whose attachment (Session.save) is this
-# JSON document of the tokens its cache holds. (Sessions saved before that
-# kept them in a file beside it, PATH + LEGACY_HISTORY_SUFFIX: still read.)
+# JSON document of the tokens its cache holds (and, under "chat", the text
+# its last chat turn fed and its ids: Spelling). (Sessions saved before that
+# kept the tokens in a file beside it, PATH + LEGACY_HISTORY_SUFFIX: still read.)
 TOKENS_FORMAT = "aoti_sessions.llm.tokens"
 LEGACY_HISTORY_SUFFIX = ".tokens.json"
 MAX_LEGACY_HISTORY = 16 << 20  # bytes of such a file read at most
+MAX_ATTACHMENT = 16 << 20  # bytes a session file's attachment holds (the core's kMaxAttachment)
 
 
 log = logging.getLogger("aoti_sessions.llm")
@@ -82,12 +86,14 @@ class LLM(Prompts, Closable):
 
     ``rewind_checkpoints``: for a model with recurrent state (hybrid), how
     many turns back a chat session can rewind cheaply: it keeps the state at
-    the start of its last that many turns (device memory: one slot of
-    recurrent state each, counted as the session's). A request whose history
-    diverges within them (a regenerated or edited last turn, a template that
-    drops the previous reply's thinking) rewinds to the latest one before the
-    divergence and feeds the rest; further back, or with 0, the whole history
-    is fed again. An offloaded session loses its checkpoints.
+    the start of its last that many turns and at the end of their prompts
+    (device memory: one slot of recurrent state each, two a turn at most,
+    counted as the session's). A request whose history diverges within them
+    (a regenerated or edited last turn at its start, a reply that comes back
+    edited or without its thinking at its prompt's end) rewinds to the latest
+    one before the divergence and feeds the rest; further back, or with 0,
+    the whole history is fed again. An offloaded session loses its
+    checkpoints.
 
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``, ...).
@@ -185,18 +191,19 @@ class LLM(Prompts, Closable):
             raise FileNotFoundError(errno.ENOENT, "no saved session", where)
         session, attachment = self.engine.load_session_attached(where)
         try:
-            tokens = self._saved_tokens(where, attachment)
+            tokens, spelling = self._saved_tokens(where, attachment)
             if len(tokens) != session.length:
                 raise SessionFileError(f"{where}: holds {len(tokens)} tokens for a state of {session.length} "
                                        "positions")
         except BaseException:
             session.close()
             raise
-        return ChatSession(self, session, tokens)
+        return ChatSession(self, session, tokens, spelling)
 
-    def _saved_tokens(self, where: str, attachment: bytes) -> list[int]:
+    def _saved_tokens(self, where: str, attachment: bytes) -> tuple[list[int], Spelling | None]:
         """The token list a saved chat's attachment holds (or, saved before
-        there were attachments, the file beside it)."""
+        there were attachments, the file beside it), and its spelling."""
+        chat = None
         if attachment:
             try:
                 doc = json.loads(attachment)
@@ -205,13 +212,27 @@ class LLM(Prompts, Closable):
             if not isinstance(doc, dict) or doc.get("format") != TOKENS_FORMAT or doc.get("version") != 1:
                 raise SessionFileError(f"{where}: its attachment is not a chat's tokens (not saved by "
                                        "ChatSession.save)")
-            tokens = doc.get("tokens")
+            tokens, chat = doc.get("tokens"), doc.get("chat")
         else:
             tokens = _read_legacy_history(where)
-        if not isinstance(tokens, list) or len(tokens) > self.max_context or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.spec.vocab_size for t in tokens):
+        if not self._token_list(tokens, self.max_context):
             raise SessionFileError(f"{where}: not a token history of this model")
-        return tokens
+        spelling = None
+        if chat is not None:  # (its ids: the first `shared` of the tokens', then its own)
+            text, shared, ids, marks = (chat.get(k) for k in ("text", "shared", "ids", "marks")) \
+                if isinstance(chat, dict) else [None] * 4
+            # (A reply's last id may be one the cache never took: at the context's end.)
+            if not isinstance(text, str) or type(shared) is not int or not 0 <= shared <= len(tokens) \
+                    or not self._token_list(ids, self.max_context + 1 - shared) or not isinstance(marks, list) \
+                    or not all(isinstance(m, list) and len(m) == 2 and all(type(v) is int for v in m)
+                               and 0 <= m[0] <= len(text) and 0 <= m[1] <= shared + len(ids) for m in marks):
+                raise SessionFileError(f"{where}: not a chat's text and tokens of this model")
+            spelling = Spelling(text, (*tokens[:shared], *ids), tuple((m[0], m[1]) for m in marks))
+        return tokens, spelling
+
+    def _token_list(self, tokens: object, most: int) -> TypeGuard[list[int]]:
+        return isinstance(tokens, list) and len(tokens) <= most and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.spec.vocab_size for t in tokens)
 
     def close(self) -> None:
         """Stops the step loop (generations still running end with
@@ -227,10 +248,14 @@ class ChatSession(Closable):
     """One conversation: a session of the engine and the tokens in its cache.
     One generation at a time; its steps may run on any thread."""
 
-    def __init__(self, llm: LLM, session: Session, tokens: list[int]) -> None:
+    def __init__(self, llm: LLM, session: Session, tokens: list[int], spelling: Spelling | None = None) -> None:
         self._llm = llm
         self._session = session
         self._tokens = tokens
+        # The text its last chat turn fed and the ids (_prompts.py), and
+        # that turn's generation, whose reply joins it once it ended.
+        self._spelling = spelling
+        self._last: Generation | None = None
         # Held while the model runs for this session and while its token list
         # changes: a fork or save sees state and tokens that agree.
         self._lock = threading.Lock()
@@ -272,14 +297,18 @@ class ChatSession(Closable):
         """Begins generating a reply to ``prompt``; run it with :meth:`Generation.step`.
         Keyword arguments are :class:`SamplingParams` fields (instead of ``params``)."""
         params = sampling_params(params, kwargs)
-        ids = self._llm.prompt_ids(prompt)
+        prepared = self._llm.prepare(prompt)
         with self._lock:
             if self._active is not None:
                 raise SessionBusyError(f"session {self.id} is busy: a generation is running on it")
             if self._session.closed:
                 raise SessionClosedError(f"session {self.id} is closed")
+            # Chat messages: the ids this session fed for the text they start with, if any, not those text's again.
+            ids, spelling = self._llm._respell(self._spelled(), prepared) if isinstance(prepared, ChatPrompt) \
+                else (prepared, None)
             generation = Generation(self, ids, params)
             self._active = generation
+            self._spelling, self._last = spelling, generation
         try:
             generation.submitted = time.perf_counter()
             self._llm._scheduler.submit(generation)
@@ -306,7 +335,8 @@ class ChatSession(Closable):
         """At the start of a turn (locked): forgets the tokens from ``keep``
         on (at most the session's) and returns how many stay. Recurrent state
         goes back to its latest checkpoint at most ``keep``, or empty; then
-        (recurrent) it is checkpointed there, the start of this turn."""
+        (recurrent) it is checkpointed there, the start of this turn (and
+        again at its prompt's end: :meth:`_prompt_fed`)."""
         llm = self._llm
         if keep < len(self._tokens):
             if not llm.spec.recurrent:
@@ -320,11 +350,43 @@ class ChatSession(Closable):
                 keep = 0
             del self._tokens[keep:]
         if llm.spec.recurrent and llm.rewind_checkpoints and keep:
-            try:
-                self._session.checkpoint(llm.rewind_checkpoints)
-            except CapacityError:  # no room: an edit of this turn feeds everything again
-                llm._checkpoints_skipped += 1
+            self._checkpoint()
         return keep
+
+    def _checkpoint(self) -> None:
+        """(Locked, recurrent state) keeps the state at the session's length
+        to rewind to: two a turn (its start, its prompt's end) for the last
+        ``rewind_checkpoints`` turns."""
+        llm = self._llm
+        try:
+            self._session.checkpoint(2 * llm.rewind_checkpoints)
+        except CapacityError:  # no room: an edit after it feeds more again
+            llm._checkpoints_skipped += 1
+
+    def _prompt_fed(self, generation: Generation) -> None:
+        """(The step loop's, once the first token of ``generation`` is read)
+        Recurrent state is checkpointed at the prompt's end, where a reply
+        that comes back changed (edited, or its thinking dropped by the chat
+        template) diverges: the next turn rewinds there instead of feeding
+        the whole history again. (A recurrent model's sampled token is fed
+        once read, so the state is the prompt's here.)"""
+        llm = self._llm
+        if not (llm.spec.recurrent and llm.rewind_checkpoints):
+            return
+        with self._lock:
+            if self._active is generation and not generation.finished \
+                    and len(self._tokens) == generation.prompt_tokens:
+                self._checkpoint()
+
+    def _spelled(self) -> Spelling | None:
+        """(Locked) The text the last chat turn fed and its ids, its reply
+        included once it ended."""
+        last = self._last
+        if last is not None and last.finished:
+            self._last = None
+            if self._spelling is not None:
+                self._spelling = self._llm._with_reply(self._spelling, list(last.token_ids), last.text)
+        return self._spelling
 
     def _idle(self, what: str) -> None:
         if self._active is not None:
@@ -336,11 +398,12 @@ class ChatSession(Closable):
             self._idle("reset")
             self._session.reset()
             self._tokens = []
+            self._spelling = self._last = None
 
     def fork(self) -> ChatSession:
         """A new session holding a copy of this one's cache and tokens."""
         with self._lock:
-            return ChatSession(self._llm, self._session.fork(), list(self._tokens))
+            return ChatSession(self._llm, self._session.fork(), list(self._tokens), self._spelled())
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the state and the tokens it holds to one session file at
@@ -349,8 +412,15 @@ class ChatSession(Closable):
         steps of a generation running on it, if one is): it runs on while
         the file is written."""
         with self._lock:
-            tokens = json.dumps({"format": TOKENS_FORMAT, "version": 1, "tokens": self._tokens},
-                                separators=(",", ":")).encode()
+            doc: dict[str, Any] = {"format": TOKENS_FORMAT, "version": 1, "tokens": self._tokens}
+            if (spelling := self._spelled()) is not None:
+                ids = list(spelling.ids)
+                shared = min(len(ids), len(self._tokens))  # (most often all of one or the other)
+                shared = shared if ids[:shared] == self._tokens[:shared] else 0
+                doc["chat"] = {"text": spelling.text, "shared": shared, "ids": ids[shared:], "marks": spelling.marks}
+            tokens = json.dumps(doc, separators=(",", ":")).encode()
+            if len(tokens) > MAX_ATTACHMENT and doc.pop("chat", None) is not None:
+                tokens = json.dumps(doc, separators=(",", ":")).encode()  # (a next turn encodes its text again)
             snapshot = self._session.snapshot()
         snapshot.write(path, tokens)
 

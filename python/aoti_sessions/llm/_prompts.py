@@ -1,21 +1,55 @@
 """The text side of an LLM package: its tokenizer, chat template and limits,
 turning a prompt into token ids. Needs no model: an LLM in another process
-(RemoteLLM) makes its prompts here."""
+(RemoteLLM) makes its prompts here.
+
+A chat's follow-up turn sends the history back as text, the session's own
+replies included, and encoding that text again may give other ids than the
+ones the session generated (byte-level BPE merges a reply's tokens
+differently): its cache would then be reused only up to there. So a chat
+session remembers the text it was fed with its ids (:class:`Spelling`), and
+a chat prompt whose text starts with that text, up to one of the template's
+added tokens, keeps those ids for that part (:meth:`Prompts._respell`).
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Union
 
 from ._encode import PieceEncoder
 from ._spec import read_llm_package
 
-__all__ = ["Prompts", "Prompt", "ContextLengthError"]
+__all__ = ["Prompts", "Prompt", "ChatPrompt", "Spelling", "ContextLengthError"]
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages through the template (:meth:`Prompts.chat_prompt`): the
+    text, its ids, and where its added tokens start (character offset ->
+    index in ``ids``; empty where the tokenizer does not encode by pieces)."""
+
+    text: str
+    ids: list[int]
+    starts: dict[int, int]
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """Token ids and the chat text they spell, as a chat session fed them: a
+    prompt's ids, then a reply's as generated. At each mark ``(o, n)``,
+    ``ids[:n]`` spell ``text[:o]`` (the ends of prompts and replies)."""
+
+    text: str
+    ids: tuple[int, ...]
+    marks: tuple[tuple[int, int], ...]
+
 
 # A prompt: text (tokenized as is), token ids, or chat messages
-# ({"role": ..., "content": ...}) put through the model's chat template.
-Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
+# ({"role": ..., "content": ...}) put through the model's chat template (or
+# those made into a ChatPrompt already).
+Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]], ChatPrompt]
 
 
 class ContextLengthError(ValueError):
@@ -68,6 +102,11 @@ class Prompts:
     def chat_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """``messages`` through the chat template, ending with the prompt for
         the assistant's reply."""
+        return self.chat_prompt(messages).ids
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> ChatPrompt:
+        """``messages`` through the chat template: the text, its ids (as
+        :meth:`chat_tokens`) and where its added tokens start."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
         for i, m in enumerate(messages):
@@ -85,7 +124,9 @@ class Prompts:
                 raise
             raise ValueError(f"the chat template of {self.name} refused the messages: {e}") from e
         # As apply_chat_template(tokenize=True) encodes it (the template wrote the special tokens).
-        return self._pieces.encode(text)
+        starts: dict[int, int] = {}
+        ids = self._pieces.encode(text, starts)
+        return ChatPrompt(text, ids, starts)
 
     def _check_tokens(self, count: int) -> None:
         """Refuses a prompt of ``count`` tokens that the context cannot hold."""
@@ -102,22 +143,96 @@ class Prompts:
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages."""
-        if isinstance(prompt, str):
+        prepared = self.prepare(prompt)
+        return prepared.ids if isinstance(prepared, ChatPrompt) else prepared
+
+    def prepare(self, prompt: Prompt) -> list[int] | ChatPrompt:
+        """A prompt made ready for a chat session: chat messages as a
+        :class:`ChatPrompt` (a session keeps its own ids for the part of its
+        text that it fed: :meth:`_respell`), anything else as token ids;
+        checked as :meth:`prompt_ids` checks them."""
+        chat = None
+        if isinstance(prompt, ChatPrompt):
+            chat = prompt
+            if not isinstance(chat.text, str) or not isinstance(chat.starts, dict):
+                raise TypeError("a ChatPrompt holds the prompt's text and its added tokens' starts")
+            self._check_ids(chat.ids)
+            ids = chat.ids
+        elif isinstance(prompt, str):
             self._check_length(len(prompt))
             ids = self.encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             contents = (m.get("content") for m in prompt if isinstance(m, Mapping))
             self._check_length(sum(len(c) for c in contents if isinstance(c, str)))
-            ids = self.chat_tokens(prompt)  # type: ignore[arg-type]
+            chat = self.chat_prompt(prompt)  # type: ignore[arg-type]
+            ids = chat.ids
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
-            self._check_tokens(len(prompt))  # (before each id is checked)
             ids = list(prompt)  # type: ignore[arg-type]
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.spec.vocab_size:
-                    raise ValueError(f"token ids must be ints in [0, {self.spec.vocab_size}), got {t!r}")
+            self._check_ids(ids)
         else:
             raise TypeError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
         self._check_tokens(len(ids))
-        return ids
+        return chat if chat is not None else ids
+
+    def _check_ids(self, ids: Sequence[Any]) -> None:
+        self._check_tokens(len(ids))  # (before each id is checked)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.spec.vocab_size:
+                raise ValueError(f"token ids must be ints in [0, {self.spec.vocab_size}), got {t!r}")
+
+    def _respell(self, spelling: Spelling | None, prompt: ChatPrompt) -> tuple[list[int], Spelling]:
+        """The ids to feed for ``prompt`` on a session that fed ``spelling``,
+        and the spelling of those: where the prompt's text starts with the
+        spelling's up to one of its marks, and an added token of the prompt
+        starts there, the spelling's ids to there and the prompt's from there
+        on (the ids of the rest of the text alone, as the tokenizer splits
+        its input at added tokens): the text's own parts' ids, end to end,
+        so a valid encoding of it. Else the prompt's ids."""
+        ids = prompt.ids
+        kept: tuple[tuple[int, int], ...] = ()
+        if spelling is not None and prompt.starts:
+            same = _common_start(prompt.text, spelling.text)
+            for chars, count in reversed(spelling.marks):
+                at = prompt.starts.get(chars)
+                if chars <= same and at is not None:
+                    respelled = [*spelling.ids[:count], *prompt.ids[at:]]
+                    if len(respelled) <= self.max_context:
+                        ids = respelled
+                        kept = tuple(m for m in spelling.marks if m[0] <= chars)
+                    break
+        return ids, Spelling(prompt.text, tuple(ids), (*kept, (len(prompt.text), len(ids))))
+
+    def _with_reply(self, spelling: Spelling, reply: Sequence[int], text: str) -> Spelling:
+        """``spelling`` (a prompt's) and the reply generated after it: its
+        ids and ``text``, its text as handed out, where they spell it there:
+        the ids decode to it after the prompt's last token, whole characters
+        (no U+FFFD, which a character's bytes split over ids decode to)
+        with no special token left out."""
+        if not reply or not text or not spelling.ids or "\ufffd" in text:
+            return spelling
+        last = [spelling.ids[-1]]
+        if self._decode([*last, *reply]) != self._decode(last) + text:
+            return spelling
+        ids = (*spelling.ids, *reply)
+        whole = spelling.text + text
+        return Spelling(whole, ids, (*spelling.marks, (len(whole), len(ids))))
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+def _common_start(a: str, b: str) -> int:
+    """The length of the longest common start of ``a`` and ``b`` (compared
+    in halves, each compare a C loop)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low], a[:high] != b[:high]
+        mid = (low + high) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid
+    return low

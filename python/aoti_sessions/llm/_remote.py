@@ -27,7 +27,7 @@ import sys
 import threading
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -253,9 +253,10 @@ class RemoteSession(Closable):
 
     def start(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> RemoteGeneration:
         """Begins generating a reply to ``prompt`` (text and messages made
-        into token ids here; the engine process checks the ids)."""
+        into token ids here, messages as a ChatPrompt; the engine process
+        checks the ids)."""
         params = sampling_params(params, kwargs)
-        ids = list(prompt) if _token_ids(prompt) else self._llm.prompt_ids(prompt)
+        ids = list(prompt) if _token_ids(prompt) else self._llm.prepare(prompt)
         if self.busy:
             raise SessionBusyError(f"session {self.id} is busy: a generation is running on it")
         generation: RemoteGeneration = self._llm._call("start", self.id, ids, params)
@@ -343,6 +344,6 @@ class RemoteGeneration(Pieces):
             self._cond.notify_all()
 
 
-def _token_ids(prompt: Prompt) -> bool:
+def _token_ids(prompt: Prompt) -> TypeGuard[list[int] | tuple[int, ...]]:
     """Whether ``prompt`` is token ids (a list or tuple of ints, checked by the LLM's ``prompt_ids``)."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(type(t) is int for t in prompt)

@@ -108,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds for a request's body to arrive whole, else 408 (default %(default)g)")
     parser.add_argument("--rewind-checkpoints", type=_count,
                         help="models with recurrent state (hybrid): turns back a chat can rewind without feeding "
-                             "its history again, each one slot of recurrent state per session (default 1)")
+                             "its history again, each up to two slots of recurrent state per session (its start, its "
+                             "prompt's end; default 1)")
     parser.add_argument("--threads", type=_positive,
                         help="threads for the model's CPU kernels (torch.set_num_threads); default on a CPU "
                              "device: one fewer than the CPUs this process may use (at least 1), leaving one to "

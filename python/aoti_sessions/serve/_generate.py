@@ -23,6 +23,7 @@ from ._sessions import Entry, in_thread
 
 if TYPE_CHECKING:
     from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM
+    from ..llm._prompts import ChatPrompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # How often a request asks whether its client left (Starlette's check costs
@@ -48,7 +49,7 @@ class Job:
         self._counted = False
         # Checked before any session is touched: a bad request changes nothing.
         self.params = self._params()
-        self.prompt: list[int] = []  # token ids, from tokenize()
+        self.prompt: list[int] | ChatPrompt = []  # token ids (chat: with the text), from tokenize()
         self._piece_frame: tuple[bytes, bytes] | None = None  # piece_chunk's bytes around the text
 
     # -- start -----------------------------------------------------------
@@ -75,13 +76,14 @@ class Job:
     async def tokenize(self) -> None:
         """The prompt as token ids (chat template, tokenizer, the runtime's
         checks), in a worker thread, before any session is touched (400 for a
-        prompt the runtime refuses)."""
+        prompt the runtime refuses). A chat prompt keeps its text: the
+        session keeps its own ids for the history it fed (llm/_prompts.py)."""
         from ..llm import ContextLengthError
 
         r = self.request
         prompt: Any = [m.as_dict() for m in r.messages] if isinstance(r, ChatRequest) else r.the_prompt()
         try:
-            self.prompt = await in_thread(lambda: self.llm.prompt_ids(prompt))
+            self.prompt = await in_thread(lambda: self.llm.prepare(prompt))
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
             raise APIError(400, str(e), code, "messages" if self.chat else "prompt") from e
