@@ -14,13 +14,13 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._extraction import cache_dir, extract as _extract, remove_extraction
+from ._extraction import cache_dir, extract as _extract, remove_extraction  # _extract: llm/_spec.py's name
 from ._json import Field, read_json
 from .errors import PackageError
 
 __all__ = ["MethodFiles", "SessionsMetadata", "PoolDoc", "InputDoc", "OutputDoc", "WeightDoc", "cache_dir", "open_model",
            "top_folder", "METADATA_KEY", "METADATA_VERSION", "WEIGHTS_INDEX", "WEIGHTS_BLOB", "WEIGHTS_VERSION",
-           "WEIGHTS_ALIGN"]
+           "WEIGHTS_ALIGN", "_extract"]
 
 # Key of the JSON document ais.compile stores in the AOTI package metadata.
 METADATA_KEY = "aoti_sessions"
