@@ -20,8 +20,15 @@ def test_demo_passes(decoder_pkg, device: str) -> None:  # the fixture compiles 
 
 
 def test_info_command(counter_pkg, device: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "info", str(counter_pkg), "--device", device],
+    """From the package's files by default; loaded (its libraries run) with --load."""
+    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "info", str(counter_pkg)],
                             capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "  model(x: float32[1, 8], slot: int64[1], /) -> float32[1, 8]" in lines
+    assert "per-session state (declared): acc, hits" in lines and "--load shows them" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "info", "--load", str(counter_pkg), "--device",
+                             device], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "acc: float32[4, 8]" in result.stdout and "hits: int64[4] in model (zero initial)" in result.stdout
 

@@ -76,16 +76,18 @@ def test_a_failing_op_is_a_run_error_that_leaves_the_engine(package: Path, devic
         assert s.run("model", x).shape == (3, 8)
 
 
-def _load_elsewhere(package: Path, device: str = "cpu", *, path: str = "") -> str:
+def _load_elsewhere(package: Path, device: str = "cpu", *, path: str = "", trust: object = False) -> str:
     """What loading ``package`` and running it prints in a fresh interpreter
-    that has not imported proxy_ops (``path``: its PYTHONPATH)."""
+    that has not imported proxy_ops (``path``: its PYTHONPATH; ``trust``:
+    the engine's trust_op_modules)."""
     code = ("import torch, aoti_sessions as ais\n"
             "try:\n"
-            f"    e = ais.Engine({str(package)!r}, device={device!r})\n"
+            f"    e = ais.Engine({str(package)!r}, device={device!r}, trust_op_modules={trust!r})\n"
             f"    print('ran:', e.new_session().run('model', torch.ones(3, 8, device={device!r})).shape)\n"
             "except ais.errors.PackageError as e:\n"
             "    print('refused:', e)\n")
-    env = {**os.environ, "PYTHONPATH": path}
+    # The aoti_sessions under test, wherever it is imported from here.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(Path(ais.__file__).parent.parent)]))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                          cwd=HERE.parent)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -93,8 +95,10 @@ def _load_elsewhere(package: Path, device: str = "cpu", *, path: str = "") -> st
 
 
 def test_the_ops_module_the_package_records_is_imported_at_load(package: Path, device: str) -> None:
-    assert "ran: torch.Size([3, 8])" in _load_elsewhere(package, device, path=str(HERE))
-    refused = _load_elsewhere(package, device)
+    """Where the caller allows it (proxy_ops is no module of an installed
+    package the engine trusts by default: tests/test_package_trust.py)."""
+    assert "ran: torch.Size([3, 8])" in _load_elsewhere(package, device, path=str(HERE), trust=["proxy_ops"])
+    refused = _load_elsewhere(package, device, trust=True)
     assert "refused:" in refused and "proxy_ops" in refused and "cannot be imported" in refused, refused
 
 

@@ -15,7 +15,7 @@ import torch
 
 from . import _core
 from ._graphs import TorchGraphHost
-from ._methods import ModelSource, describe, method_source, resolve_methods
+from ._methods import ModelSource, describe, method_source, resolve_methods, trust_option
 from ._session import Closable, MethodCall, Session, from_handles, to_handles
 from ._signature import signature
 from ._words import first_names, shown
@@ -175,6 +175,8 @@ class Engine(Closable):
             tensors (no copy) instead of fresh copies. Graphs replayed on one
             stream share their memory: such a view is valid until the next
             graph run on that stream, of any session.
+        trust_op_modules: op modules (``op_modules.json``) the package may have imported: by default only
+            installed transformers' and aoti_sessions' (README: "A package is code"); names: those too; True: any.
 
     Each weight is held once, whatever the number of methods: libraries
     compiled without weights (multi-method ``ais.compile``) bind to the
@@ -197,6 +199,7 @@ class Engine(Closable):
         lanes: int | None = None,
         cuda_graphs: bool | str = "auto",
         graph_output_views: bool = False,
+        trust_op_modules: bool | Sequence[str] = False,
     ) -> None:
         self._device = _device(device)
         if self._device.type == "cuda" and self._device.index is None and torch.cuda.is_available():
@@ -219,7 +222,7 @@ class Engine(Closable):
             source = "package metadata"
         else:
             source = "every buffer (no declaration in the package; pass mutable= to choose)"
-        sources = [method_source(f, self._device) for f in files]
+        sources = [method_source(f, self._device, trust_option(trust_op_modules)) for f in files]
         # The raw handle of torch's current stream (0 on the CPU), without
         # building a Stream object: what every call into the core passes.
         if self._device.type == "cuda":

@@ -5,7 +5,7 @@ them (MethodCall: pytree specs, positional and keyword inputs)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -13,11 +13,11 @@ import torch.utils._pytree as pytree
 
 from . import _core
 from ._package import MethodFiles, open_model
-from ._proxy import proxy_call
+from ._proxy import proxy_call, trust_option
 from ._session import MethodCall
 from .errors import PackageError
 
-__all__ = ["ModelSource", "method_source", "resolve_methods", "describe"]
+__all__ = ["ModelSource", "method_source", "resolve_methods", "describe", "trust_option"]
 
 ModelSource = str | os.PathLike[str]
 
@@ -31,13 +31,15 @@ def _dtype_code(method: str, what: str, dtype: str) -> int:
     return code
 
 
-def method_source(f: MethodFiles, device: torch.device) -> _core.MethodSource:
-    """The core's description of one method to load (on ``device``)."""
+def method_source(f: MethodFiles, device: torch.device, trust_op_modules: bool | Sequence[str] = False
+                  ) -> _core.MethodSource:
+    """The core's description of one method to load (on ``device``;
+    ``trust_op_modules``: see :class:`aoti_sessions.Engine`)."""
     src = _core.MethodSource()
     src.name = f.name
     src.library_path = f.library
     src.cubin_dir = f.cubin_dir
-    proxy = proxy_call(f.library, f.name, device, f.op_modules)
+    proxy = proxy_call(f.library, f.name, device, f.op_modules, trust_op_modules)
     if proxy is not None:
         src.set_proxy(cast(Any, proxy))  # handles: capsules (the stub's CapsuleType)
     if f.metadata is not None and f.metadata.inputs is not None:

@@ -2,32 +2,25 @@
 raw ``.so``, and reading what ``ais.compile`` stored in it. The writer
 (``_compile.py``) takes its names and versions from here.
 
-Packages are extracted once into a cache directory keyed by the package's
-content hash. Entries that could escape that directory (absolute paths, ``..``,
-links) refuse the whole package. Every document read from a package is checked
-field by field: anything malformed is a :class:`PackageError` naming the file
-and the field.
+Packages are extracted once into the package cache (``_extraction.py``).
+Every document read from a package is checked field by field: anything
+malformed is a :class:`PackageError` naming the file and the field.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import os
-import shutil
 import stat
-import tempfile
-import zipfile
-import zlib
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
+
+from ._extraction import cache_dir, extract as _extract, remove_extraction  # _extract: llm/_spec.py's name
 from ._json import Field, read_json
 from .errors import PackageError
 
 __all__ = ["MethodFiles", "SessionsMetadata", "PoolDoc", "InputDoc", "OutputDoc", "WeightDoc", "cache_dir", "open_model",
            "top_folder", "METADATA_KEY", "METADATA_VERSION", "WEIGHTS_INDEX", "WEIGHTS_BLOB", "WEIGHTS_VERSION",
-           "WEIGHTS_ALIGN"]
+           "WEIGHTS_ALIGN", "_extract"]
 
 # Key of the JSON document ais.compile stores in the AOTI package metadata.
 METADATA_KEY = "aoti_sessions"
@@ -130,124 +123,10 @@ class MethodFiles:
                            self.weights_file, self.weights, self.op_modules)
 
 
-def cache_dir() -> Path:
-    """Root of aoti_sessions' caches: ``$AOTI_SESSIONS_CACHE``, else the user cache dir."""
-    env = os.environ.get("AOTI_SESSIONS_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "aoti_sessions"
-
-
 def top_folder(names: list[str]) -> str:
     """The folder a package's entries sit under (named after its file, as
     torch writes packages), from the archive's names; "" for an empty one."""
     return names[0].split("/", 1)[0] if names else ""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _check_entry(info: zipfile.ZipInfo) -> None:
-    name = info.filename
-    parts = PurePosixPath(name.replace("\\", "/")).parts
-    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
-        raise PackageError(f"package entry '{name}' is an absolute path")
-    if ".." in parts:
-        raise PackageError(f"package entry '{name}' escapes the package directory")
-    mode = info.external_attr >> 16
-    if stat.S_ISLNK(mode):
-        raise PackageError(f"package entry '{name}' is a symbolic link")
-
-
-def _packages_dir(package: Path) -> Path:
-    """The extraction cache, created if needed; a PackageError if it cannot be."""
-    folder = cache_dir() / "packages"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        origin = "AOTI_SESSIONS_CACHE" if os.environ.get("AOTI_SESSIONS_CACHE") else "the user cache folder"
-        raise PackageError(f"cannot extract {package}: the package cache {folder} ({origin}) is not a "
-                           f"usable folder: {e.strerror or e}") from None
-    return folder
-
-
-log = logging.getLogger("aoti_sessions")
-
-# Extracted files up to this size are checked against their CRC-32 in the
-# package at every load; larger ones (weights) by their size only.
-CRC_CHECKED_BYTES = 64 << 20
-
-
-def _changed_entry(package: Path, target: Path) -> str | None:
-    """What differs between ``package``'s files and those extracted at
-    ``target`` (a size, or the content of one up to CRC_CHECKED_BYTES), or
-    None where they agree."""
-    try:
-        with zipfile.ZipFile(package) as archive:
-            infos = [i for i in archive.infolist() if not i.is_dir()]
-    except (OSError, zipfile.BadZipFile):
-        return None  # the extraction below says what is wrong with the package
-    for info in infos:
-        path = target / info.filename
-        try:
-            size = os.stat(path).st_size
-            if size != info.file_size:
-                return f"{info.filename} has {size} bytes, the package's {info.file_size}"
-            if size <= CRC_CHECKED_BYTES:
-                crc = 0
-                with open(path, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        crc = zlib.crc32(chunk, crc)
-                if crc != info.CRC:
-                    return f"{info.filename} differs from the package's"
-        except OSError as e:
-            return f"{info.filename} is unreadable ({e.strerror or e})"
-    return None
-
-
-def _extract(package: Path) -> Path:
-    if not zipfile.is_zipfile(package):
-        raise PackageError(f"{package} is neither a .pt2 package (zip) nor a .so library")
-    packages = _packages_dir(package)
-    target = packages / _sha256(package)
-    if target.is_dir():
-        changed = _changed_entry(package, target)
-        if changed is None:
-            return target
-        # Set aside (a process using the old files keeps them), then extracted anew.
-        log.warning("the package cache's copy of %s was changed (%s): extracting it again", package.name, changed)
-        aside = Path(tempfile.mkdtemp(prefix=".stale-", dir=packages))
-        try:
-            os.rename(target, aside / "old")
-        except OSError:
-            pass  # another process set it aside first
-        shutil.rmtree(aside, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=packages))
-    try:
-        with zipfile.ZipFile(package) as archive:
-            infos = archive.infolist()
-            for info in infos:
-                _check_entry(info)
-            for info in infos:
-                archive.extract(info, staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not target.is_dir():  # not a concurrent extraction of the same package
-                raise
-    except zipfile.BadZipFile as e:
-        raise PackageError(f"{package} is a corrupt package: {e}") from None
-    except OSError as e:
-        raise PackageError(f"cannot extract {package} into {packages}: {e}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _sessions_metadata(raw: Field) -> SessionsMetadata:
@@ -408,5 +287,11 @@ def open_model(path: str | os.PathLike[str]) -> list[MethodFiles]:
     if p.suffix == ".so":
         return [MethodFiles(name="forward", library=str(p.resolve()), cubin_dir=str(p.parent.resolve()),
                             device_key=None)]
-    return _methods_in(_extract(p), p)
+    target = _extract(p)
+    try:
+        return _methods_in(target, p)
+    except PackageError:
+        remove_extraction(target)  # refused for what it holds: every later load would be too
+        raise
+
 

@@ -19,14 +19,22 @@ tensors (``as_tensor``, ``as_tensors``, ``as_optional_tensors``) and
 integers (``as_int``, ``as_ints``, their symbolic forms, an int Scalar) come
 with the call, in schema order; everything else (floats, bools, strings,
 dtypes, layouts, memory formats, devices, None) is in the description.
+
+Where an op is not registered yet, the package's recorded op modules
+(``op_modules.json``) would define it; importing a module runs its code, so
+only these are imported without the caller's leave (``trust_op_modules``):
+modules of the installed packages in :data:`TRUSTED_OP_PACKAGES`, found
+outside the current directory and the package cache.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import keyword
 import os
+import sys
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,9 +43,10 @@ from typing import Any
 
 import torch
 
+from ._package import cache_dir
 from .errors import PackageError
 
-__all__ = ["proxy_call", "description_path", "op_modules"]
+__all__ = ["proxy_call", "description_path", "op_modules", "trust_option", "trusted_by_default", "TRUSTED_OP_PACKAGES"]
 
 ProxyCall = Callable[[int, list[int], list[Any]], list[tuple[int, Any]]]
 
@@ -224,18 +233,83 @@ def _lookup(target: str) -> Any:
         return None
 
 
-def _resolve(target: str, method: str, modules: Sequence[str]) -> Any:
+# The installed packages whose modules a package may name as its op modules
+# without the caller's leave: those whose custom ops the models this project
+# exports call (transformers' MoE grouped_mm_fallback, aoti_sessions' own).
+# Importing one of their modules runs only code installed here. Any other
+# module, a file beside the package or in the current directory included,
+# may be the package's own code: it needs trust_op_modules.
+TRUSTED_OP_PACKAGES = ("transformers", "aoti_sessions")
+
+
+def _module_name(name: str) -> bool:
+    return bool(name) and all(part.isidentifier() for part in name.split("."))
+
+
+def trust_option(value: object) -> bool | tuple[str, ...]:
+    """``trust_op_modules`` checked: True (import whatever the package names),
+    False (only modules of TRUSTED_OP_PACKAGES) or module names also allowed."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(m, str) for m in value):
+        raise TypeError(f"trust_op_modules must be True, False or a sequence of module names, got {value!r}")
+    for name in value:
+        if not _module_name(name):
+            raise ValueError(f"trust_op_modules: {name!r} is not a module name")
+    return tuple(value)
+
+
+def trusted_by_default(module: str) -> bool:
+    """Whether ``module`` belongs to one of TRUSTED_OP_PACKAGES as installed
+    here: that package found (by its finders, which run none of its code) or
+    already imported from a folder that is neither the current directory
+    (``sys.path``'s ``''``) nor in the package cache."""
+    top = module.partition(".")[0]
+    if top not in TRUSTED_OP_PACKAGES or not _module_name(module):
+        return False
+    try:
+        spec = importlib.util.find_spec(top)
+        here, cache = Path.cwd().resolve(), cache_dir().resolve()
+    except (ImportError, ValueError, OSError):
+        return False
+    if spec is None:
+        return False
+    # The folders the package was found in: a package's parent, a module's own.
+    if spec.submodule_search_locations:
+        folders = [Path(p).resolve().parent for p in spec.submodule_search_locations]
+    else:
+        folders = [Path(spec.origin).resolve().parent] if spec.origin else []
+    return bool(folders) and all(f != here and not f.is_relative_to(cache) for f in folders)
+
+
+def _import_op_modules(method: str, modules: Sequence[str], trust: bool | Sequence[str]) -> None:
+    """Imports the package's op modules, or refuses (before importing any)
+    where one is neither installed as TRUSTED_OP_PACKAGES are nor allowed."""
+    if trust is not True:
+        allowed = set() if trust is False else set(trust)
+        refused = [m for m in modules if m not in allowed and m not in sys.modules and not trusted_by_default(m)]
+        if refused:
+            raise PackageError(
+                f"method '{method}' calls ops this process has not registered; the package says the Python "
+                f"modules {', '.join(refused)} define them, and importing a module runs its code: nothing was "
+                f"imported. For a package you trust, allow them: trust_op_modules={refused!r} (Engine, LLM) or "
+                f"--trust-op-modules {','.join(refused)} (aoti-sessions serve, info --load); or import them before "
+                "loading the package")
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure of the import is the package's to report
+            raise PackageError(f"method '{method}' calls custom ops defined in the Python module {module} "
+                               f"(recorded in the package), which cannot be imported here: "
+                               f"{type(e).__name__}: {e}") from None
+
+
+def _resolve(target: str, method: str, modules: Sequence[str], trust: bool | Sequence[str] = False) -> Any:
     """The op ``target`` names; where it is not registered, the package's
-    recorded op modules are imported first."""
+    recorded op modules are imported first, as ``trust`` allows."""
     op = _lookup(target)
     if op is None and modules:
-        for module in modules:
-            try:
-                importlib.import_module(module)
-            except Exception as e:  # noqa: BLE001 - any failure of the import is the package's to report
-                raise PackageError(f"method '{method}' calls custom ops defined in the Python module {module} "
-                                   f"(recorded in the package), which cannot be imported here: "
-                                   f"{type(e).__name__}: {e}") from None
+        _import_op_modules(method, modules, trust)
         op = _lookup(target)
     if op is None:
         raise PackageError(f"method '{method}' calls the op {target} through AOTInductor's proxy executor, and no "
@@ -244,12 +318,13 @@ def _resolve(target: str, method: str, modules: Sequence[str]) -> Any:
     return op
 
 
-def _node(serialized: dict[str, Any], method: str, device: torch.device, modules: Sequence[str]) -> Plan:
+def _node(serialized: dict[str, Any], method: str, device: torch.device, modules: Sequence[str],
+          trust: bool | Sequence[str] = False) -> Plan:
     target = serialized["target"]
     if target == "call_torchbind":
         raise PackageError(f"method '{method}' calls a torchbind object's method through AOTInductor's proxy "
                            "executor, which aoti_sessions does not run")
-    op = _resolve(target, method, modules)
+    op = _resolve(target, method, modules, trust)
     schema = op._schema
     given = {item["name"]: item["arg"] for item in serialized.get("inputs", [])}
     args = []
@@ -267,11 +342,13 @@ def _node(serialized: dict[str, Any], method: str, device: torch.device, modules
     return _plan(op, args, _outputs(target, schema, serialized.get("outputs", [])))
 
 
-def proxy_call(library: str, method: str, device: torch.device, modules: Sequence[str] = ()) -> ProxyCall | None:
+def proxy_call(library: str, method: str, device: torch.device, modules: Sequence[str] = (),
+               trust: bool | Sequence[str] = False) -> ProxyCall | None:
     """The core's proxy call for ``library`` (see the module's doc), or None
     where it calls no op through the proxy executor; ``modules``: the
-    package's op modules, imported where an op is not registered. Raises
-    PackageError for a description it cannot read or an op it cannot run."""
+    package's op modules, imported where an op is not registered, as
+    ``trust`` (``trust_op_modules``) allows. Raises PackageError for a
+    description it cannot read or an op it cannot run."""
     path = description_path(library)
     if not path.is_file():
         return None
@@ -282,7 +359,7 @@ def proxy_call(library: str, method: str, device: torch.device, modules: Sequenc
     if not nodes:
         return None
     try:
-        plans = [_node(n["node"], method, device, modules) for n in nodes]
+        plans = [_node(n["node"], method, device, modules, trust) for n in nodes]
     except (KeyError, TypeError, ValueError) as e:
         raise PackageError(f"method '{method}': malformed extern-kernel description {path.name}: {e!r}") from None
 

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     engine = {k: v for k, v in (("max_sessions", args.max_sessions),
                                 ("memory_budget", args.memory_budget or memory_budget),
                                 ("host_budget", args.host_budget or host_budget), ("idle_timeout", args.idle_timeout),
-                                ("rewind_checkpoints", args.rewind_checkpoints)) if v is not None}
+                                ("rewind_checkpoints", args.rewind_checkpoints),
+                                ("trust_op_modules", args.trust_op_modules)) if v is not None}
     threads = args.threads or (max(1, (usable_cpus() - 1) // replicas) if cpu and local else None)
     server = {"session_ttl": args.session_ttl, "body_timeout": args.body_timeout,
               "max_body_bytes": args.max_body_bytes, "max_session_files": args.max_session_files,

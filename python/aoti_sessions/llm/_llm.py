@@ -96,7 +96,8 @@ class LLM(Prompts, Closable):
     checkpoints.
 
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
-    ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``, ...).
+    ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``,
+    ``trust_op_modules``, ...).
     Every chat session's generation runs on one step loop (a thread of the
     LLM's, _scheduler.py): each step decodes one token for every session that
     is generating, in one batched call, plus chunks of new prompts.

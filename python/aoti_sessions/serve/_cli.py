@@ -58,6 +58,26 @@ def _seconds_or_none(text: str) -> float | None:
     return None if text.strip().lower() in ("none", "never") else _seconds(text)
 
 
+def trusted_modules(text: str) -> bool | tuple[str, ...]:
+    """``--trust-op-modules``: ``all``, or module names separated by commas."""
+    from .._proxy import trust_option
+
+    if text.strip() == "all":
+        return True
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give module names separated by commas, or 'all'")
+    try:
+        return trust_option(names)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+TRUST_HELP = ("Python modules the package may have imported for custom ops this process lacks (module names "
+              "separated by commas, or 'all'); importing one runs its code. Default: only modules of installed "
+              "transformers and aoti_sessions, never one in the current directory")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("package", help="LLM package made by aoti_sessions.llm.export")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -110,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="models with recurrent state (hybrid): turns back a chat can rewind without feeding "
                              "its history again, each up to two slots of recurrent state per session (its start, its "
                              "prompt's end; default 1)")
+    parser.add_argument("--trust-op-modules", type=trusted_modules, default=False, metavar="MODULES",
+                        help=TRUST_HELP)
     parser.add_argument("--threads", type=_positive,
                         help="threads for the model's CPU kernels (torch.set_num_threads); default on a CPU "
                              "device: one fewer than the CPUs this process may use (at least 1), leaving one to "
@@ -169,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     host_budget = args.host_budget if args.host_budget is not None else host_budget
     engine_options = {k: v for k, v in (("max_sessions", args.max_sessions), ("memory_budget", memory_budget),
                                         ("host_budget", host_budget), ("idle_timeout", args.idle_timeout),
-                                        ("rewind_checkpoints", args.rewind_checkpoints)) if v is not None}
+                                        ("rewind_checkpoints", args.rewind_checkpoints),
+                                        ("trust_op_modules", args.trust_op_modules)) if v is not None}
     # The model's kernels and the server's event loop share the CPUs: a
     # parallel kernel waits for its slowest thread, so one the loop preempts
     # stalls every step.
