@@ -339,8 +339,8 @@ class RemoteGeneration(Pieces):
                 if finals is not None:
                     self._final(finals)
                 self._session._tokens = tokens
-        with self._cond:
-            self._cond.notify_all()
+        # Its events from here on are dropped (it is out of the table): the end is this one.
+        self._end_stream(self.finish_reason is not None or self._error is not None)
 
 
 def _token_ids(prompt: Prompt) -> bool:
