@@ -273,8 +273,8 @@ class Registry:
     async def expire_idle(self) -> int:
         """Parks every named session unused for ``ttl`` seconds (not one a
         request holds); returns how many."""
-        if self.ttl is None:
-            return 0
+        if self.ttl is None or not self.llm.alive:
+            return 0  # (an engine that does not answer would fail every park: the next sweep's)
         cutoff = time.time() - self.ttl
 
         def idle(e: Entry) -> bool:
