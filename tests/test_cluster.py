@@ -5,6 +5,7 @@ HTTP as clients drive it, against one server's replies to the same chats."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import logging
@@ -485,3 +486,29 @@ def test_build_app_refuses_a_flag_that_is_neither_true_nor_false(package: Path, 
 
     with pytest.raises(ValueError, match="engine_process must be true or false, got 'maybe'"):
         build_app({"package": str(package), "session_dir": str(tmp_path), "engine_process": "maybe"})
+
+
+def test_a_wedged_replica_is_replaced(cluster: int, deploy: Any, tmp_path: Path, reference: Any) -> None:
+    """A replica whose engine process stops answering (SIGSTOP) fails Serve's
+    health check once its engine's deadline passed (3 s here) and is
+    replaced; its chats go on, from their checkpoints, on the new one."""
+    deploy("wedged", replicas=1, engine={"engine_timeout": 3})
+    with client(cluster, "wedged") as http:
+        histories = open_chats(http, "w", 2, reference)
+        wait_until(lambda: all((tmp_path / ".live" / f"w-{i}").is_file() for i in histories), timeout=30,
+                   what="the checkpoints")
+        engines = _engine_processes()
+        assert len(engines) == 1, engines
+        stopped = engines.pop()
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            wait_until(lambda: bool(_engine_processes() - {stopped}), timeout=180, what="a new replica's engine")
+            wait_until(lambda: http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "session_id": "probe"}
+                ).status_code == 200, timeout=120, what="the new replica to answer")
+            for i, history in histories.items():
+                replies, cached = converse(http, f"w-{i}", TURNS[1:2], history=history)
+                assert replies == reference[i][2:3] and cached[0] > 0, (i, cached)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)  # (a stopped process never sees its pipe end)

@@ -587,6 +587,7 @@ def test_engine_process_failures_are_clean(package: Path, device: str, tmp_path:
                 rest = [line for line in lines if line.startswith("data: ")]
             assert rest and "engine process ended" in rest[-1] and rest[-1] != "data: [DONE]", rest[-3:]
             assert http.get("/health").status_code == 503 and not remote.alive
+            assert metrics(http)["aoti_sessions_engine_up"] == 0  # /metrics answers all the same
             again = http.post("/v1/chat/completions", json={**body, "stream": False, "session_id": "after"})
             assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable", again.text
     finally:

@@ -123,6 +123,11 @@ class EngineProcessError(Error):
     :class:`aoti_sessions.llm.RemoteLLM`."""
 
 
+class EngineUnresponsiveError(EngineProcessError):
+    """An LLM's engine process does not answer (no heartbeat: stopped or
+    wedged; or its step loop stuck in one step); it may answer again."""
+
+
 class SessionBusyError(Error):
     """A generation is already running on this chat session (one at a time;
     close it, or wait for it to finish)."""

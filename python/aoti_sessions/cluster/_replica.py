@@ -88,7 +88,8 @@ class Replica:
     async def metrics(self, replica: str | None = None) -> str:
         self._addressed(replica)
         await self._ready()
-        return str(self.app.state.metrics.render())
+        # (The engine's figures are a call into its process: in a thread, not a wait of the event loop.)
+        return str(await asyncio.to_thread(self.app.state.metrics.render))
 
     async def listing(self, tenant: str, replica: str | None = None) -> list[dict[str, Any]]:
         """``tenant``'s sessions held here, as ``GET /v1/sessions`` lists them."""
@@ -112,8 +113,12 @@ class Replica:
                 "capacity": self.engine_options.get("max_sessions")}
 
     def check_health(self) -> None:
+        """Serve replaces a replica this raises for: its engine closed or
+        dead, or (an engine process) unresponsive: no heartbeat, or its step
+        loop stuck in one step (RemoteLLM's deadlines)."""
         if not self.llm.alive:
-            raise RuntimeError(f"replica {self.id}: its engine is gone")
+            why = getattr(self.llm, "unavailable", None) or "it is closed"
+            raise RuntimeError(f"replica {self.id}: its engine is unavailable: {why}")
 
     async def __del__(self) -> None:
         """Serve is stopping this replica (scaling down, redeploying): its

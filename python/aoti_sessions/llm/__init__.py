@@ -19,8 +19,8 @@ from __future__ import annotations
 from ._export import export
 from ._generation import Completion, Generation
 from ._llm import LLM, ChatSession, ContextLengthError, Prompt
-from ._remote import EngineProcessError, RemoteGeneration, RemoteLLM, RemoteSession
+from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteGeneration, RemoteLLM, RemoteSession
 from ._sampling import SamplingParams
 
 __all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "ContextLengthError",
-           "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError"]
+           "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]

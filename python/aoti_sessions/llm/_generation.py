@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 from .._session import Closable
+from ..errors import SessionClosedError
 from ._sampling import SamplingParams, Sampler
 from ._text import TextStream
 
@@ -45,6 +46,8 @@ class Pieces(Closable):
         self._cond = threading.Condition()
         self._events: deque[Event] = deque()
         self._sink: Callable[[Event], None] | None = None
+        self._over = False  # the end (None or an error) went out
+        self._cut: BaseException | None = None  # a sink's end of a generation closed before it finished
 
     @property
     def finished(self) -> bool:
@@ -72,15 +75,33 @@ class Pieces(Closable):
         with self._cond:
             while self._events:
                 sink(self._events.popleft())
+            if self._cut is not None:
+                sink(self._cut)
             self._sink = sink
 
     def _emit(self, event: Event) -> None:
         with self._cond:
+            self._over = self._over or event is None or isinstance(event, BaseException)
             if self._sink is not None:
                 self._sink(event)
             else:
                 self._events.append(event)
                 self._cond.notify_all()
+
+    def _end_stream(self, finished: bool) -> None:
+        """Ends the stream of a generation just closed, unless its end went
+        out: a sink (whose reader waits for an end) gets None where the
+        generation had finished, else an error saying it was closed first;
+        :meth:`step` says None (it was closed)."""
+        with self._cond:  # (a reentrant lock)
+            if finished and not self._over:
+                self._emit(None)
+            elif not self._over:
+                self._over = True
+                self._cut = SessionClosedError("the generation was closed before it finished")
+                if self._sink is not None:
+                    self._sink(self._cut)
+            self._cond.notify_all()
 
 
 class Generation(Pieces):
@@ -233,5 +254,5 @@ class Generation(Pieces):
         self._closed = True
         self._session.llm._scheduler.cancel(self)
         self._session._release(self)
-        with self._cond:
-            self._cond.notify_all()
+        # (The step loop is done with it: no piece can follow this end.)
+        self._end_stream(self.finish_reason is not None or self._error is not None)

@@ -15,16 +15,31 @@ child; lists of ``("reply", call_id, ok, value)`` and ``("event", gen_id,
 event, completion_tokens, token_count, finals)`` back, read by one thread
 here. If the child dies, every pending and later call raises
 :class:`EngineProcessError` and every running generation ends with it.
+
+Liveness: calls go out through an outbox (a child that stopped reading holds
+up its sender thread, never a caller), and the child sends a heartbeat every
+second or so, with how long its step loop has been in one step
+(_remote_engine.StepWatch). A child silent for ``engine_timeout`` seconds
+(stopped, wedged), or whose step loop has been in one step for
+``step_timeout`` with generations to run (a hung device, a deadlock), is
+unresponsive: pending calls and running generations end with
+:class:`EngineUnresponsiveError` (a call's deadline is thus the engine's
+silence, not its own length: a long save or prefill is not a wedge), later
+calls raise it at once, and ``alive`` is False, until the child answers
+again. What the child does meanwhile for calls given up (a session made, a
+generation started) is undone once it answers.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection
 from typing import Any, TypeGuard
@@ -32,20 +47,33 @@ from typing import Any, TypeGuard
 import torch
 
 from .._session import Closable
-from ..errors import EngineProcessError, Error, SessionBusyError, SessionClosedError
+from ..errors import EngineProcessError, EngineUnresponsiveError, Error, SessionBusyError, SessionClosedError
 from ._generation import Event, Pieces
 from ._prompts import Prompt, Prompts
-from ._remote_engine import Finals, Started
+from ._remote_engine import Finals, Outbox, Started
 from ._sampling import SamplingParams, sampling_params
 
-__all__ = ["RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError"]
+__all__ = ["RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]
 
+log = logging.getLogger("aoti_sessions.llm")
 START_TIMEOUT_S = 600.0  # loading a package (and a first CUDA context) may take a while
 CLOSE_TIMEOUT_S = 60.0
+# Defaults of RemoteLLM's deadlines (aoti-sessions serve --engine-timeout, --step-timeout), long
+# enough for a loaded machine: the heartbeat comes from a thread of its own every second or so,
+# and one step is at most a batched decode and a prefill chunk (a big model's on a slow CPU:
+# a minute or more).
+ENGINE_TIMEOUT_S = 30.0
+STEP_TIMEOUT_S = 600.0
+BEATS_PER_TIMEOUT = 4  # heartbeats (and checks here) per engine_timeout, at most one a second
+# Calls whose effect stays in the child though the caller gave up: undone when their reply comes.
+_MAKES_SESSION = ("new_session", "load_session", "fork")
+# Calls that free what the child holds: while it does not answer, sent all the same (run once it does).
+_FREES = ("close_session", "close_generation")
 
 
 class _Call:
-    def __init__(self) -> None:
+    def __init__(self, op: str) -> None:
+        self.op = op
         self.done = threading.Event()
         self.ok = False
         self.value: Any = None
@@ -56,11 +84,22 @@ class RemoteLLM(Prompts, Closable):
     arguments); sessions and generations are proxies with the API the server
     uses: ``new_session``, ``load_session``, ``stats``; a session's ``start``,
     ``fork``, ``reset``, ``save``, ``close``, ``token_count``, ``resident``;
-    a generation's ``step``, ``on_event``, ``close`` and counts."""
+    a generation's ``step``, ``on_event``, ``close`` and counts.
+
+    ``engine_timeout``: seconds without a heartbeat after which the engine
+    process is unresponsive (stopped, wedged); ``step_timeout``: seconds its
+    step loop may spend in one step while generations wait (module docstring).
+    """
 
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
-                 threads: int | None = None, **engine_options: Any) -> None:
+                 threads: int | None = None, *, engine_timeout: float = ENGINE_TIMEOUT_S,
+                 step_timeout: float = STEP_TIMEOUT_S, **engine_options: Any) -> None:
+        for name, value in (("engine_timeout", engine_timeout), ("step_timeout", step_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         super().__init__(package)
+        self.engine_timeout, self.step_timeout = float(engine_timeout), float(step_timeout)
+        self._tick = min(1.0, self.engine_timeout / BEATS_PER_TIMEOUT)  # the heartbeat's period, and the checks
         # A new interpreter (no fork of a process with threads or CUDA, and
         # unlike multiprocessing's spawn, no import of the caller's script):
         # its end of a socket pair is its pipe, read for its arguments first.
@@ -70,22 +109,29 @@ class RemoteLLM(Prompts, Closable):
                                               str(there.fileno())], pass_fds=(there.fileno(),),
                                              stdin=subprocess.DEVNULL)
         self._conn = Connection(here.detach())
-        self._conn.send((os.fspath(package), str(device), threads, engine_options))
-        self._send_lock = threading.Lock()
-        self._lock = threading.Lock()  # the tables below and _ended
+        self._conn.send((os.fspath(package), str(device), threads, engine_options, self._tick))
+        self._lock = threading.Lock()  # the tables below, _ended and _unresponsive
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
+        self._given_up: dict[int, str] = {}  # calls whose reply nobody waits for: their ops
         self._generations: dict[int, RemoteGeneration] = {}
         self._sessions: weakref.WeakValueDictionary[int, RemoteSession] = weakref.WeakValueDictionary()
         self._ended: BaseException | None = None
+        self._unresponsive: str | None = None  # why, while the child does not answer
         self._closing = False
         ready = self._first_message()
         if isinstance(ready, BaseException):
             self._process.wait(CLOSE_TIMEOUT_S)
             raise ready
         self._device = torch.device(ready["device"])
+        self._heard = time.monotonic()  # the child's last message
+        self._stalled = 0.0  # its step loop's time in one step, as of that message
+        self._over = threading.Event()  # set once it ended (closed or died)
+        self._outbox = Outbox(self._conn, "aoti-sessions-engine-sender")
         self._reader = threading.Thread(target=self._read, name="aoti-sessions-engine-reader", daemon=True)
         self._reader.start()
+        self._watchdog = threading.Thread(target=self._watch, name="aoti-sessions-engine-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _first_message(self) -> Any:
         try:
@@ -104,8 +150,22 @@ class RemoteLLM(Prompts, Closable):
 
     @property
     def alive(self) -> bool:
-        """Whether the engine process serves calls (not closed, not ended)."""
-        return self._ended is None
+        """Whether the engine process serves calls (not closed, not ended,
+        not unresponsive)."""
+        return self._ended is None and self._unresponsive is None
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the engine process serves no calls now (None while it does)."""
+        ended = self._ended
+        return str(ended) if ended is not None else self._unresponsive
+
+    def wait_ended(self, timeout: float | None = None) -> BaseException | None:
+        """Waits until the engine process ends (closed, or died); the error
+        its calls now raise (EngineProcessError where it died), or None
+        after ``timeout`` seconds."""
+        self._over.wait(timeout)
+        return self._ended
 
     @property
     def pid(self) -> int | None:
@@ -131,6 +191,8 @@ class RemoteLLM(Prompts, Closable):
             self._closing = True
         try:
             self._call("close")
+        except EngineUnresponsiveError:
+            self._process.kill()  # (stopped or wedged: it would not exit by itself)
         except EngineProcessError:
             pass
         try:
@@ -139,6 +201,7 @@ class RemoteLLM(Prompts, Closable):
             self._process.kill()
             self._process.wait()
         self._end(SessionClosedError("the LLM is closed"))
+        self._outbox.stop(CLOSE_TIMEOUT_S)
         self._conn.close()
 
     def __repr__(self) -> str:
@@ -151,30 +214,40 @@ class RemoteLLM(Prompts, Closable):
         return session
 
     def _call(self, op: str, *args: Any) -> Any:
-        call = _Call()
+        call = _Call(op)
         with self._lock:
             if self._ended is not None:
                 raise type(self._ended)(*self._ended.args)  # a fresh one: no traceback piling up
+            if self._unresponsive is not None:
+                if op in _FREES:
+                    self._post(op, *args)  # run once it answers again
+                raise EngineUnresponsiveError(self._unresponsive)
             cid = next(self._ids)
             self._calls[cid] = call
-        try:
-            with self._send_lock:
-                self._conn.send((cid, op, args))
-        except (OSError, ValueError):
-            self._end(self._death())
-        call.done.wait()
+        self._outbox.put((cid, op, args))
+        call.done.wait()  # (the watchdog ends the wait of a call to a child that went silent)
         if call.ok:
             return call.value
         raise call.value
 
+    def _post(self, op: str, *args: Any) -> None:
+        """A call nobody waits for (with the lock held)."""
+        cid = next(self._ids)
+        self._given_up[cid] = op
+        self._outbox.put((cid, op, args))
+
     def _read(self) -> None:
         try:
             while True:
-                for item in self._conn.recv():
+                items = self._conn.recv()
+                self._heard = time.monotonic()
+                for item in items:
                     if item[0] == "reply":
                         self._reply(*item[1:])
-                    else:
+                    elif item[0] == "event":
                         self._event(*item[1:])
+                    else:  # a heartbeat
+                        self._stalled = item[1]
         except (EOFError, OSError):
             pass
         except Exception as e:  # noqa: BLE001 - a message this end cannot read: the pipe is lost
@@ -185,7 +258,14 @@ class RemoteLLM(Prompts, Closable):
 
     def _reply(self, cid: int, ok: bool, value: Any) -> None:
         with self._lock:
-            call = self._calls.pop(cid)
+            call = self._calls.pop(cid, None)
+            if call is None:  # given up: undo what it made
+                op = self._given_up.pop(cid, None)
+                if ok and op == "start":
+                    self._post("close_generation", value.generation)
+                elif ok and op in _MAKES_SESSION:
+                    self._post("close_session", value if op == "new_session" else value[0])
+                return
         if ok and isinstance(value, Started):  # before its events, which follow in order
             session = self._sessions[value.session]
             value = RemoteGeneration(session, value)
@@ -193,6 +273,45 @@ class RemoteLLM(Prompts, Closable):
                 self._generations[value.id] = value
         call.ok, call.value = ok, value
         call.done.set()
+
+    # -- liveness ----------------------------------------------------------------
+    def _watch(self) -> None:
+        """The watchdog: every tick, whether the child answers (its heartbeat) and its step loop moves."""
+        while not self._over.wait(self._tick):
+            silent = time.monotonic() - self._heard
+            why = None
+            if silent > self.engine_timeout:
+                why = (f"no heartbeat for more than {self.engine_timeout:g} s (engine timeout): the process is "
+                       "stopped or wedged")
+            elif self._stalled > self.step_timeout:
+                why = (f"its step loop has been in one step for more than {self.step_timeout:g} s with "
+                       "generations waiting (step timeout): a hung device or a deadlock")
+            if why is not None and self._unresponsive is None:
+                self._give_up(f"the engine process (pid {self._process.pid}) is unresponsive: {why}")
+            elif why is None and self._unresponsive is not None:
+                with self._lock:
+                    self._unresponsive = None
+                log.warning("the engine process (pid %s) answers again", self._process.pid)
+
+    def _give_up(self, why: str) -> None:
+        """The child does not answer: pending calls and running generations
+        end with EngineUnresponsiveError; later calls raise it at once."""
+        with self._lock:
+            if self._ended is not None:
+                return
+            self._unresponsive = why
+            calls, self._calls = self._calls, {}
+            self._given_up.update((cid, call.op) for cid, call in calls.items())
+            generations, self._generations = self._generations, {}
+            for gid in generations:
+                self._post("close_generation", gid)  # (its session is free again once the child answers)
+        log.error("%s; %d calls and %d generations fail", why, len(calls), len(generations))
+        for call in calls.values():
+            call.ok, call.value = False, EngineUnresponsiveError(why)
+            call.done.set()
+        for g in generations.values():
+            g._event(EngineUnresponsiveError(why), g.completion_tokens, g._session.token_count,
+                     Finals(None, g.prefilled_tokens, g.completion_tokens))
 
     def _event(self, gid: int, event: Event, completion_tokens: int, token_count: int, finals: Finals | None) -> None:
         with self._lock:
@@ -216,12 +335,14 @@ class RemoteLLM(Prompts, Closable):
                 self._ended = error
             calls, self._calls = self._calls, {}
             generations, self._generations = self._generations, {}
+            self._given_up.clear()
         for call in calls.values():
             call.ok, call.value = False, error
             call.done.set()
         for g in generations.values():
             g._event(error, g.completion_tokens, g._session.token_count, Finals(None, g.prefilled_tokens,
                                                                                 g.completion_tokens))
+        self._over.set()
 
 
 class RemoteSession(Closable):
@@ -340,8 +461,8 @@ class RemoteGeneration(Pieces):
                 if finals is not None:
                     self._final(finals)
                 self._session._tokens = tokens
-        with self._cond:
-            self._cond.notify_all()
+        # Its events from here on are dropped (it is out of the table): the end is this one.
+        self._end_stream(self.finish_reason is not None or self._error is not None)
 
 
 def _token_ids(prompt: Prompt) -> TypeGuard[list[int] | tuple[int, ...]]:

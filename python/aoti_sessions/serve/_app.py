@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..errors import SessionClosedError
 from . import _errors
 from ._errors import APIError, error_response, runtime_error, sse_error, unexpected
 from ._generate import DONE, Job
@@ -25,7 +26,7 @@ from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_SESSION_FILES, DEFAULT_M
 from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._protocol import (SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ErrorBody, ForkRequest, LoadRequest,
                         SaveRequest)
-from ._sessions import Registry
+from ._sessions import Entry, Registry, in_thread
 from ._tenants import DEFAULT_TENANT, Keys
 
 if TYPE_CHECKING:
@@ -155,15 +156,19 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
+        # An engine process is alive while its heartbeat comes and its step
+        # loop moves (RemoteLLM): a stopped or wedged one is 503 within its deadline.
         if not llm.alive:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
+            reason = getattr(llm, "unavailable", None) or "the model is closed"
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text exposition"}})
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+        # (The engine's figures are a call into it: in a thread, never a wait of the event loop.)
+        return PlainTextResponse(await in_thread(metrics.render), media_type=CONTENT_TYPE)
 
     started = int(time.time())
 
@@ -224,15 +229,15 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
 
     @app.get("/v1/sessions")
     async def sessions(tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return {"object": "list", "data": [e.describe() for e in registry.entries(tenant)]}
+        return {"object": "list", "data": await _described(registry.entries(tenant))}
 
     @app.post("/v1/sessions/load")
     async def load(body: LoadRequest, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return (await registry.load(tenant, body.name, body.session_id)).describe()
+        return await _described_one(await registry.load(tenant, body.name, body.session_id))
 
     @app.get("/v1/sessions/{session_id}")
     async def session(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return (await registry.lookup(tenant, session_id)).describe()
+        return await _described_one(await registry.lookup(tenant, session_id))
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
@@ -241,12 +246,12 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
 
     @app.post("/v1/sessions/{session_id}/reset")
     async def reset(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return (await registry.reset(tenant, session_id)).describe()
+        return await _described_one(await registry.reset(tenant, session_id))
 
     @app.post("/v1/sessions/{session_id}/fork")
     async def fork(session_id: str, body: ForkRequest | None = None,
                    tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return (await registry.fork(tenant, session_id, body.session_id if body else None)).describe()
+        return await _described_one(await registry.fork(tenant, session_id, body.session_id if body else None))
 
     @app.post("/v1/sessions/{session_id}/save")
     async def save(session_id: str, body: SaveRequest, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
@@ -280,6 +285,29 @@ async def _sweep(registry: Registry, every: float) -> None:
             await registry.expire_idle()
         except Exception:  # noqa: BLE001 - the sweep goes on
             log.exception("parking idle sessions failed")
+
+
+async def _described(entries: list[Entry]) -> list[dict[str, Any]]:
+    """``entries`` described, in a worker thread: where a session's state is
+    is the engine's to say (with an engine process, a call with a deadline),
+    never a wait of the event loop. One closed meanwhile (parked) is left out."""
+    def describe() -> list[dict[str, Any]]:
+        out = []
+        for entry in entries:
+            try:
+                out.append(entry.describe())
+            except SessionClosedError:
+                pass
+        return out
+
+    return await in_thread(describe)
+
+
+async def _described_one(entry: Entry) -> dict[str, Any]:
+    described = await _described([entry])
+    if not described:
+        raise APIError(404, f"no session {entry.id!r}", "session_not_found", "session_id")
+    return described[0]
 
 
 def _check_model(name: str, model: str) -> None:

@@ -9,8 +9,11 @@ import logging
 import os
 import re
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
+from ..llm._remote import ENGINE_TIMEOUT_S, STEP_TIMEOUT_S
 from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_SESSION_FILES,
                       DEFAULT_MAX_SESSION_FILES_BYTES, DEFAULT_SESSION_TTL, available_memory, default_budgets)
 from ._tenants import Keys, read_api_keys
@@ -115,6 +118,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the model and its step loop in a process of their own, HTTP and tokenizing in "
                              "this one, so they share no GIL (default on; --no-engine-process: one process)")
+    parser.add_argument("--engine-timeout", type=_seconds, default=ENGINE_TIMEOUT_S,
+                        help="seconds without a heartbeat from the engine process (one comes every second or so, "
+                             "whatever the step loop does) after which it is unresponsive (stopped, wedged): requests "
+                             "get 503 at once and /health 503 until it answers again (default %(default)g)")
+    parser.add_argument("--step-timeout", type=_seconds, default=STEP_TIMEOUT_S,
+                        help="seconds the engine process's step loop may spend in one step (a batched decode and a "
+                             "prefill chunk) while generations wait, after which it is unresponsive (a hung device, "
+                             "a deadlock) (default %(default)g)")
     parser.add_argument("--max-body-bytes", type=byte_size,
                         help="a request body longer than this is answered 413 unread (default: 32 bytes a token "
                              "of the model's context, at least 1MiB)")
@@ -193,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
                                         ("host_budget", host_budget), ("idle_timeout", args.idle_timeout),
                                         ("rewind_checkpoints", args.rewind_checkpoints),
                                         ("trust_op_modules", args.trust_op_modules)) if v is not None}
+    if args.engine_process:
+        engine_options.update(engine_timeout=args.engine_timeout, step_timeout=args.step_timeout)
     # The model's kernels and the server's event loop share the CPUs: a
     # parallel kernel waits for its slowest thread, so one the loop preempts
     # stalls every step.
@@ -211,8 +224,40 @@ def run(args: argparse.Namespace) -> int:
                          body_timeout=args.body_timeout, api_keys=api_keys,
                          max_session_files=args.max_session_files,
                          max_session_files_bytes=args.max_session_files_bytes)
-        uvicorn.Server(server_config(app, args.host, args.port, max_connections=args.max_connections,
-                                     header_timeout=args.header_timeout, log_level="info")).run()
+        server = uvicorn.Server(server_config(app, args.host, args.port, max_connections=args.max_connections,
+                                              header_timeout=args.header_timeout, log_level="info"))
+        if args.engine_process:
+            threading.Thread(target=_stop_when_the_engine_dies, args=(llm, server), name="aoti-sessions-engine-death",
+                             daemon=True).start()
+        server.run()
     finally:
         llm.close()
-    return 0
+    return _exit_status(llm)
+
+
+def _stop_when_the_engine_dies(llm: Any, server: Any) -> None:
+    """Stops the server (as SIGTERM does) once its engine process died."""
+    from ..errors import EngineProcessError
+
+    error = llm.wait_ended()
+    if isinstance(error, EngineProcessError):
+        log.error("%s: the server stops", error)
+        server.should_exit = True
+
+
+def _exit_status(llm: Any) -> int:
+    """1 where the engine process died (the server stopped for it), else 0.
+
+    The server does not start a new engine process itself: the sessions the
+    dead one held are gone, and whatever killed it (the out-of-memory killer, a
+    device fault) is a supervisor's to see and count; a supervisor (systemd,
+    Kubernetes; Serve for a cluster's replica) starts the server again, which
+    serves the sessions parked in --session-dir (at their TTL, or at stops)."""
+    from ..errors import EngineProcessError
+
+    ended = llm.wait_ended(0) if hasattr(llm, "wait_ended") else None
+    if not isinstance(ended, EngineProcessError):
+        return 0
+    print(f"aoti-sessions serve: {ended}: stopped with exit status 1, for a supervisor to start it again",
+          file=sys.stderr, flush=True)
+    return 1

@@ -23,8 +23,9 @@ Statuses and codes:
 429  rate_limit_error                no room for a session (``capacity``), with
                                      ``Retry-After``
 500  server_error                    a bug or a failed model run
-503  server_error                    the model's engine process ended
-                                     (``engine_unavailable``; ``/health`` says so)
+503  server_error                    the model's engine process ended or is
+                                     unresponsive (``engine_unavailable``;
+                                     ``/health`` says so)
 507  server_error                    the server is out of space for a session
                                      file (``out_of_space``)
 ===  ==============================  ==========================================

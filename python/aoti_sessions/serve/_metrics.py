@@ -9,6 +9,8 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ..errors import EngineProcessError, SessionClosedError
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds: token latencies of a CPU model are milliseconds, of a GPU one less.
@@ -200,14 +202,24 @@ class ServerMetrics:
         def read(key: str) -> Callable[[], float]:
             return lambda: float(stats.get(key, 0))
 
+        up = [1.0]
+
         def refresh() -> dict[Labels, float]:
-            stats.clear()
-            stats.update(engine_stats())
-            return {("resident",): float(stats["resident_sessions"]),
-                    ("offloaded",): float(stats["offloaded_sessions"])}
+            try:
+                fresh = engine_stats()
+            except (EngineProcessError, SessionClosedError):  # its last figures stand, engine_up says so
+                up[0] = 0.0
+            else:
+                up[0] = 1.0
+                stats.clear()
+                stats.update(fresh)
+            return {("resident",): float(stats.get("resident_sessions", 0)),
+                    ("offloaded",): float(stats.get("offloaded_sessions", 0))}
 
         # Read first: it refreshes the engine's figures the gauges below show.
         r.gauge(p + "sessions", "Sessions open in the engine, by where their state is.", refresh, ("state",))
+        r.gauge(p + "engine_up", "1 while the engine answered this scrape, 0 while it does not (an engine process "
+                "dead or unresponsive: the engine's figures here are its last).", lambda: up[0])
         r.gauge(p + "named_sessions", "Sessions of the server with an id.", lambda: float(named_sessions()))
         r.gauge(p + "throwaway_sessions", "Sessions of requests that named none, alive now.",
                 lambda: float(throwaway_sessions()))

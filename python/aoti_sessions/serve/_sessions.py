@@ -322,16 +322,25 @@ class Registry:
     async def expire_idle(self) -> int:
         """Parks every named session unused for ``ttl`` seconds (not one a
         request holds); returns how many."""
-        if self.ttl is None:
-            return 0
+        if self.ttl is None or not self.llm.alive:
+            return 0  # (an engine that does not answer would fail every park: the next sweep's)
         cutoff = time.time() - self.ttl
-        idle = [e for e in self._entries.values()
-                if not e.busy and e.writing is None and e.session is not None and e.last_used < cutoff]
-        for entry in idle:
-            entry.busy = True
-            await self._park(entry, f"idle for {self.ttl:g} s")
-            self.expired += 1
-        return len(idle)
+
+        def idle(e: Entry) -> bool:
+            return not e.busy and e.writing is None and e.session is not None and e.last_used < cutoff \
+                and e.id is not None and self._entries.get(e.key) is e
+
+        parked = 0
+        for entry in [e for e in self._entries.values() if idle(e)]:
+            # Checked again: parking the ones before it let requests in, which
+            # may have taken this one (parking it would close their generation).
+            if idle(entry):
+                entry.busy = True
+                await self._park(entry, f"idle for {self.ttl:g} s")
+                if entry.session is None:  # (a park that failed kept it in memory)
+                    self.expired += 1
+                    parked += 1
+        return parked
 
     def _take(self, entry: Entry) -> Entry:
         if entry.busy:
