@@ -18,7 +18,7 @@ from aoti_sessions.llm import LLM
 from aoti_sessions.serve import create_app
 from aoti_sessions.serve._tenants import Keys, read_api_keys, tenant_id
 from llm_models import llm_package
-from serving import running
+from serving import running, wait_until
 
 KEY_A, KEY_B, KEY_ROOT = "tenant-a-3f9d", "tenant-b-71c2", "root-key-0b5e"
 
@@ -145,3 +145,15 @@ def test_the_api_keys_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             with pytest.raises(SystemExit) as exit:
                 main(["serve", str(tmp_path / "none.pt2"), *args, *extra])
             assert exit.value.code == 2 and message in capsys.readouterr().err, extra
+
+
+def test_a_keys_idle_session_is_parked_in_its_folder(llm: LLM, tmp_path: Path) -> None:
+    """The idle sweep parks another key's sessions as the default key's (it
+    once looked them up by their bare id, and never parked one)."""
+    app = create_app(llm, api_keys=[KEY_A], session_dir=tmp_path, session_ttl=0.5)
+    with running(app) as url, _as(url, KEY_A) as a:
+        _chat(a, "idle", "Hello there")
+        tokens = a.get("/v1/sessions/idle").json()["tokens"]
+        parked = tmp_path / ".tenants" / tenant_id(KEY_A) / ".live" / "idle"
+        wait_until(parked.is_file, 30, "the idle session parked")
+        assert a.get("/v1/sessions/idle").json()["tokens"] == tokens  # back from its file
