@@ -136,6 +136,19 @@ def open_chats(http: httpx.Client, prefix: str, count: int, reference: Any) -> d
     return histories
 
 
+def _checkpointed_chats(http: httpx.Client, prefix: str, count: int, reference: Any,
+                        tmp_path: Path) -> tuple[dict[int, list[dict[str, str]]], str, list[int]]:
+    """``open_chats``, once each chat's last turn is checkpointed (it is,
+    once left alone a moment); with the replica holding chat 0 (the victim)
+    and the chats it holds."""
+    histories = open_chats(http, prefix, count, reference)
+    wait_until(lambda: all((tmp_path / ".live" / f"{prefix}-{i}").is_file() for i in histories), timeout=30,
+               what="the checkpoints")
+    holders = _replica_of(http)
+    victim = holders[f"{prefix}-0"]
+    return histories, victim, [i for i in histories if holders[f"{prefix}-{i}"] == victim]
+
+
 def _engine_of(app: str, replica: str) -> int:
     """The engine process of ``app``'s replica ``replica`` (its unique id)."""
     import ray
@@ -214,13 +227,7 @@ def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_p
                                                 reference: Any) -> None:
     deploy("failover", replicas=2)
     with client(cluster, "failover") as http:
-        histories = open_chats(http, "f", 8, reference)
-        # (each chat's last turn is checkpointed once it has been left alone a moment)
-        wait_until(lambda: all((tmp_path / ".live" / f"f-{i}").is_file() for i in histories), timeout=30,
-                   what="the checkpoints")
-        holders = _replica_of(http)
-        victim = holders["f-0"]
-        moved = [i for i in histories if holders[f"f-{i}"] == victim]
+        histories, victim, moved = _checkpointed_chats(http, "f", 8, reference, tmp_path)
         engines = _engine_processes()
         assert len(engines) == 2, engines  # each replica's engine in a process of its own
         import ray
@@ -240,7 +247,8 @@ def test_killed_replica_loses_no_completed_turn(cluster: int, deploy: Any, tmp_p
                          no_restart=True)
                 rest = list(events)  # to the stream's end (a cut connection raises)
             finally:
-                os.kill(engine, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):  # (gone with its replica, where Ray killed it too)
+                    os.kill(engine, signal.SIGCONT)
         assert rest and rest[-1] != "data: [DONE]", rest[-3:]
         assert json.loads(rest[-1][6:])["error"]["code"] == "engine_unavailable", rest[-1]
         assert all("error" not in json.loads(e[6:]) for e in rest[:-1])
@@ -260,12 +268,7 @@ def test_replica_whose_engine_died_sends_its_turns_to_another(cluster: int, depl
                                                               reference: Any) -> None:
     deploy("engineless", replicas=2)
     with client(cluster, "engineless") as http:
-        histories = open_chats(http, "e", 4, reference)
-        wait_until(lambda: all((tmp_path / ".live" / f"e-{i}").is_file() for i in histories), timeout=30,
-                   what="the checkpoints")
-        holders = _replica_of(http)
-        victim = holders["e-0"]
-        moved = [i for i in histories if holders[f"e-{i}"] == victim]
+        histories, victim, moved = _checkpointed_chats(http, "e", 4, reference, tmp_path)
         engine = _engine_of("engineless", victim)
         os.kill(engine, signal.SIGKILL)
         wait_until(lambda: not os.path.exists(f"/proc/{engine}"), what="its replica to see it end (and reap it)")
