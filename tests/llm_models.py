@@ -38,6 +38,10 @@ from aoti_sessions.llm import _export, _linear_attention, _paged, _paged_attenti
 # gemma3 and gpt_oss (MoE experts, attention sinks) have window layers of 16
 # beside global ones, in a context of 128 (8x the window): each session keeps
 # a ring of 16 positions for each window layer (llm/_ring.py).
+# Where a family's own layer pattern or head ratios can matter, its test
+# model has them, or a layer after a global one (a layer's slot or ring
+# index then differs from its own, as in every real checkpoint; a 1:1
+# pattern of two layers never has that).
 ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2", "gemma3",
          "gpt_oss", "mamba2")
 KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window of 16 on every layer (the context is 8x that)
@@ -99,12 +103,17 @@ def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.Pret
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=64, tie_word_embeddings=True)
-    if arch in ("qwen3_next", "qwen3_5_moe"):
+    if arch in ("qwen3_next", "qwen3_5_moe"):  # untied embeddings, as both configs' default
+        # Qwen3.5-MoE in its config's own pattern (three delta-net layers to a full one) with a key head to a
+        # value head; Qwen3-Next with its config's two value heads to a key head, and a delta-net layer after
+        # the full one.
         config = transformers.Qwen3NextConfig if arch == "qwen3_next" else transformers.Qwen3_5MoeTextConfig
-        return config(**common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                      shared_expert_intermediate_size=64, linear_num_value_heads=4, linear_num_key_heads=2,
-                      linear_key_head_dim=16, linear_value_head_dim=16,
-                      layer_types=["linear_attention", "full_attention"], tie_word_embeddings=True)
+        shape = dict(num_hidden_layers=4, linear_num_value_heads=2) if arch == "qwen3_5_moe" else \
+            dict(layer_types=["linear_attention", "full_attention", "linear_attention"], num_hidden_layers=3,
+                 linear_num_value_heads=4)
+        return config(**{**common, **shape}, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64, shared_expert_intermediate_size=64, linear_num_key_heads=2,
+                      linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
     if arch == "mamba2":  # 8 SSM heads of 16 (2 x 64 inner), chunks of 16 (prefill spans several)
         return transformers.Mamba2Config(
             vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16,
@@ -119,9 +128,9 @@ def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.Pret
     if arch == "gpt_oss":  # MoE experts, attention sinks, window layers of 16 beside global ones
         return transformers.GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=16, layer_types=["sliding_attention", "full_attention"])
-    if arch == "gemma3":  # a window layer, then a global one (Gemma 3's own pattern is five to one)
-        return transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=16,
-                                             layer_types=["sliding_attention", "full_attention"])
+    if arch == "gemma3":  # a window layer, a global one, a window layer (Gemma 3's own pattern is five to one)
+        return transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=16,
+                                             layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     if arch == "phi3":
         return transformers.Phi3Config(**common)
     raise ValueError(f"unknown arch {arch!r}; known: {', '.join(KNOWN)}")
