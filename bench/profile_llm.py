@@ -3,6 +3,7 @@
     python bench/profile_llm.py [--device cuda] [--graphs auto|off]
     python bench/profile_llm.py --attention-sweep LAYERS   (CUDA)
     python bench/profile_llm.py --chat-scaling LAYERS      (CUDA)
+    python bench/profile_llm.py --step-loop ROWS[,ROWS...] [--device cpu]
 
 On the bench_serve model: prefill time by chunk length (host time until the
 call returns, and until the device is done), decode, the chat template, prefill
@@ -247,8 +248,74 @@ def chat_scaling(layers: int) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def step_loop(rows_list: list[int], device: str) -> None:
+    """ROWS chats decoding together through one LLM (no server): the step
+    loop's host time a step (LLM.stats: queueing, waiting, text) with and
+    without cProfile, then cProfile's table of the step thread alone."""
+    import cProfile
+    import pstats
+
+    from aoti_sessions.llm import _scheduler
+
+    profile = cProfile.Profile()
+    loop = _scheduler.Scheduler._loop
+
+    def profiled(self: _scheduler.Scheduler) -> None:
+        profile.enable()  # (on the step thread: cProfile sees only the thread that enables it)
+        try:
+            loop(self)
+        finally:
+            profile.disable()
+
+    package = bench_package(device)
+    for rows in rows_list:
+        firsts = [[{"role": "user", "content": user_message(i, 0)}] for i in range(rows)]
+        with LLM(package, device=device) as llm:
+            chats = [llm.new_session() for _ in range(rows)]
+
+            def turn(tokens: int) -> tuple[float, dict[str, float]]:
+                before = dict(llm.stats())
+                t0 = time.perf_counter()
+                gens = [c.start(first, max_tokens=tokens, temperature=0, ignore_eos=True)
+                        for first, c in zip(firsts, chats)]
+                for g in gens:
+                    while g.step() is not None:
+                        pass
+                wall = time.perf_counter() - t0
+                after = llm.stats()
+                return wall, {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+
+            turn(16)
+            for c in chats:
+                c.reset()
+            wall, d = turn(96)
+            steps = max(1, d["steps"])
+            print(f"rows {rows}: {steps} steps, {1e3 * wall / steps:.3f} ms a step by the wall, "
+                  f"{d['decode_rows'] / steps:.1f} decode rows a step; host ms a step: queue "
+                  f"{1e3 * d['step_queue_seconds'] / steps:.3f}, wait {1e3 * d['step_wait_seconds'] / steps:.3f}, "
+                  f"text {1e3 * d['step_text_seconds'] / steps:.3f}", flush=True)
+        # Profiled: a new LLM whose step thread starts profiled.
+        _scheduler.Scheduler._loop = profiled  # type: ignore[method-assign]
+        try:
+            with LLM(package, device=device) as llm:
+                chats = [llm.new_session() for _ in range(rows)]
+                gens = [c.start(first, max_tokens=96, temperature=0, ignore_eos=True)
+                        for first, c in zip(firsts, chats)]
+                for g in gens:
+                    while g.step() is not None:
+                        pass
+        finally:
+            _scheduler.Scheduler._loop = loop  # type: ignore[method-assign]
+        print(f"cProfile of the step thread, {rows} rows (prefill included):")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+        profile = cProfile.Profile()
+
+
 if __name__ == "__main__":
-    if "--chat-scaling" in sys.argv:
+    if "--step-loop" in sys.argv:
+        device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
+        step_loop([int(r) for r in sys.argv[sys.argv.index("--step-loop") + 1].split(",")], device)
+    elif "--chat-scaling" in sys.argv:
         chat_scaling(int(sys.argv[sys.argv.index("--chat-scaling") + 1]))
     elif "--attention-sweep" in sys.argv:
         attention_sweep(int(sys.argv[sys.argv.index("--attention-sweep") + 1]))

@@ -141,6 +141,9 @@ class Generation(Pieces):
         self._ending: str | None = None  # the finish reason once the last token's text is out
         self._error: BaseException | None = None
         self._released = threading.Event()  # set once the scheduler no longer holds it
+        # Read for every row of every step: kept here, not looked up each time.
+        self._max_context = llm.max_context
+        self._recurrent = llm.spec.recurrent
         self.submitted = 0.0  # time.perf_counter() when it joined the step loop
 
     @property
@@ -169,14 +172,14 @@ class Generation(Pieces):
         fed, unless it is a stop token: not at max_tokens or the context's end."""
         max_tokens = self.params.max_tokens
         return (max_tokens is None or len(self.token_ids) + 1 < max_tokens) \
-            and len(self._session._tokens) < self._session.llm.max_context
+            and len(self._session._tokens) < self._max_context
 
     def _feeds_next(self) -> bool:
         """Whether the step queued next feeds the last step's token before it
         is read: where there is room, except for a model with recurrent state,
         which could not take a stop token back out (its token is fed once
         read, as a one-token chunk)."""
-        return self._room_for_next() and not self._session.llm.spec.recurrent
+        return not self._recurrent and self._room_for_next()
 
     def _accept_token(self, token: int) -> None:
         """Records a sampled token once read, before its text is made. Where

@@ -235,10 +235,12 @@ def sample(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor:
     rows, vocab = logits.shape
     if len(samplers) != rows:
         raise ValueError(f"{rows} rows of logits but {len(samplers)} samplers")
-    keys = [s._next_key() for s in samplers]
     greedy = [r for r, s in enumerate(samplers) if s.greedy]
-    if len(greedy) == rows:
+    if len(greedy) == rows:  # (no draw: a step needs no key)
+        for s in samplers:
+            s.step += 1
         return logits.argmax(dim=-1)
+    keys = [s._next_key() for s in samplers]
     race = [r for r, s in enumerate(samplers) if not s.greedy and s.top_p >= 1.0]
     nucleus = [r for r, s in enumerate(samplers) if not s.greedy and s.top_p < 1.0]
     order = greedy + race + nucleus

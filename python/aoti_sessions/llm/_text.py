@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 # How many tokens before the newest ones are decoded again with them, so a
 # character split over tokens, or a space the tokenizer merges, comes out right.
 _CONTEXT_TOKENS = 6
@@ -25,6 +27,10 @@ class TextStream:
         self._decoded = 0     # ids whose text is in _text
         self._shown = 0       # characters of _text already returned
         self.stopped = False  # a stop string was found; the text ends before it
+        # Where the Rust tokenizer decodes directly: its incremental decoder, one
+        # call a token (it holds back an unfinished character itself).
+        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        self._streamed = 0    # ids given to it
 
     @property
     def text(self) -> str:
@@ -52,6 +58,18 @@ class TextStream:
     def _catch_up(self, final: bool) -> bool:
         if self._decoded == len(self._ids):
             return True
+        if self._stream is not None:
+            while self._streamed < len(self._ids):
+                piece = self._stream.step(self._backend, self._ids[self._streamed])
+                self._streamed += 1
+                if piece is not None:  # the text of every id so far
+                    self._text += piece
+                    self._decoded = self._streamed
+            if self._decoded == len(self._ids):
+                return True
+            if not final:
+                return False  # a character is still being spelled
+            self._stream = None  # (an unfinished character at the end: decoded below, with its replacement)
         start = max(0, self._decoded - _CONTEXT_TOKENS)
         before = self._decode(self._ids[start:self._decoded])
         now = self._decode(self._ids[start:])
