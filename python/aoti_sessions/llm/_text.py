@@ -83,6 +83,10 @@ class TextStream:
         if self.stopped:
             return ""
         text = self._text
+        if not self._stop:  # (every step of most replies: nothing to look for)
+            piece = text[self._shown:]
+            self._shown = len(text)
+            return piece
         longest = max((len(s) for s in self._stop), default=0)
         search_from = max(0, self._shown - longest)
         cut = -1
