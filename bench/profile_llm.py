@@ -293,7 +293,8 @@ def step_loop(rows_list: list[int], device: str) -> None:
             print(f"rows {rows}: {steps} steps, {1e3 * wall / steps:.3f} ms a step by the wall, "
                   f"{d['decode_rows'] / steps:.1f} decode rows a step; host ms a step: queue "
                   f"{1e3 * d['step_queue_seconds'] / steps:.3f}, wait {1e3 * d['step_wait_seconds'] / steps:.3f}, "
-                  f"text {1e3 * d['step_text_seconds'] / steps:.3f}", flush=True)
+                  f"text {1e3 * d['step_text_seconds'] / steps:.3f}; of queue, engine calls "
+                  f"{1e3 * d['step_engine_seconds'] / steps:.3f}", flush=True)
         # Profiled: a new LLM whose step thread starts profiled.
         _scheduler.Scheduler._loop = profiled  # type: ignore[method-assign]
         try:

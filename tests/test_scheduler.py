@@ -71,6 +71,8 @@ def test_prompts_arriving_together_share_prefill_calls(llm: LLM) -> None:
     assert after["prefill_tokens"] - before["prefill_tokens"] == sum(map(len, prompts))
     assert after["decode_rows"] - before["decode_rows"] == sum(len(w) - 1 for w in want)
     assert after["step_queue_seconds"] > before["step_queue_seconds"]
+    engine = after["step_engine_seconds"] - before["step_engine_seconds"]
+    assert 0 < engine <= after["step_queue_seconds"] - before["step_queue_seconds"]  # (a part of queueing)
     for s, p, w in zip(sessions, prompts, want):
         assert s.token_count == s._session.length == len(p) + len(w) - 1  # no padding position kept
         s.close()

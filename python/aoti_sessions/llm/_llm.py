@@ -171,7 +171,8 @@ class LLM(Prompts, Closable):
         ``prefill_rows``, ``prefill_tokens``, and the seconds it spent queueing
         steps (``step_queue_seconds``), waiting for the step before
         (``step_wait_seconds``), and reading its tokens and making their text
-        (``step_text_seconds``); for recurrent state, the turns that rewound
+        (``step_text_seconds``), and of the queueing, the seconds in the
+        engine's calls (``step_engine_seconds``); for recurrent state, the turns that rewound
         to a checkpoint (``checkpoint_rewinds``) and checkpoints not kept for
         want of room (``checkpoints_skipped``)."""
         return {**self.engine.stats(), **self._scheduler.stats(), "checkpoint_rewinds": self._rewinds,

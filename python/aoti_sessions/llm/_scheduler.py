@@ -123,13 +123,14 @@ class Scheduler:
         self.wait_seconds = 0.0
         self.queue_seconds = 0.0
         self.text_seconds = 0.0
+        self.engine_seconds = 0.0  # of queue_seconds: in the engine's calls (inputs to launches, in C++)
 
     def stats(self) -> dict[str, float]:
         """The step loop's counters (LLM.stats())."""
         return {"steps": self.steps, "decode_rows": self.decode_rows, "prefill_calls": self.prefill_calls,
                 "prefill_rows": self.prefill_rows_fed, "prefill_tokens": self.prefill_tokens,
                 "step_wait_seconds": self.wait_seconds, "step_queue_seconds": self.queue_seconds,
-                "step_text_seconds": self.text_seconds}
+                "step_text_seconds": self.text_seconds, "step_engine_seconds": self.engine_seconds}
 
     # -- from other threads ----------------------------------------------------
     def submit(self, generation: Generation) -> None:
@@ -277,7 +278,9 @@ class Scheduler:
         sessions = [r.generation._session for r in rows]
         try:
             with _Locked(sessions) as locked:
+                called = time.perf_counter()
                 out: torch.Tensor = self._engine.run_batch("decode", [s._session for s in sessions], ids)
+                self.engine_seconds += time.perf_counter() - called
                 self.decode_rows += len(rows)
                 for r, s in zip(rows, sessions):
                     if r.fed:
@@ -344,10 +347,12 @@ class Scheduler:
             with _Locked(sessions):
                 ids = [t for r in rows for t in (*r.fed, *[PAD_ID] * (width - len(r.fed)))]
                 inputs = _host_to(ids, self._engine.device).view(len(rows), width)
+                called = time.perf_counter()
                 if len(rows) == 1:
                     out: torch.Tensor = sessions[0]._session.run("prefill", inputs)
                 else:
                     out = self._engine.run_batch("prefill", [s._session for s in sessions], inputs)
+                self.engine_seconds += time.perf_counter() - called
                 for r, s in zip(rows, sessions):
                     if len(r.fed) < width:  # the padding's positions go
                         s._session.truncate(len(s._tokens) + len(r.fed))

@@ -242,6 +242,9 @@ class ServerMetrics:
                 "step before), waiting for the step before to end, reading its tokens and making their text.",
                 lambda: {(phase,): float(stats.get(f"step_{phase}_seconds", 0.0))
                          for phase in ("wait", "queue", "text")}, ("phase",), kind="counter")
+        r.gauge(p + "step_engine_seconds_total",
+                "Of the step loop's queueing time, the part spent in the engine's calls (the model's inputs "
+                "made and its work launched).", read("step_engine_seconds"), kind="counter")
 
     def render(self) -> str:
         return self.registry.render()
