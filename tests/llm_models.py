@@ -128,9 +128,8 @@ def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.Pret
     if arch == "gpt_oss":  # MoE experts, attention sinks, window layers of 16 beside global ones
         return transformers.GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=16, layer_types=["sliding_attention", "full_attention"])
-    if arch == "gemma3":  # a window layer, a global one, a window layer (Gemma 3's own pattern is five to one)
-        return transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=16,
-                                             layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if arch == "gemma3":  # Gemma 3's own pattern: five window layers to a global one (7 layers: one after it)
+        return transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 7}, head_dim=16, sliding_window=16)
     if arch == "phi3":
         return transformers.Phi3Config(**common)
     raise ValueError(f"unknown arch {arch!r}; known: {', '.join(KNOWN)}")
