@@ -3,6 +3,7 @@ random-weight Qwen3), checked against the eager HF model's greedy generation."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -376,6 +377,21 @@ def test_text_is_held_back_only_while_it_may_begin_a_stop_string(llm):
     assert out == text and not stopped and not "".join(pieces).endswith("mill")
     pieces, out, stopped = run(["zzz"])
     assert "".join(pieces) == text == out
+
+
+def test_text_of_any_token_ids_is_the_tokenizers_decode(llm):
+    """TextStream's pieces (the tokenizer's incremental decoder) join to the
+    tokenizer's own decode of the ids, for random ids: characters split over
+    tokens, special tokens (skipped), an unfinished character at the end."""
+    from aoti_sessions.llm._text import TextStream
+
+    tokenizer = llm.tokenizer
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        stream = TextStream(tokenizer, [])
+        text = "".join(stream.push(t) for t in ids) + stream.flush()
+        assert text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), ids
 
 
 def test_threads_option_and_the_warning_without_it(caplog: pytest.LogCaptureFixture) -> None:
