@@ -253,6 +253,7 @@ class ChatSession(Closable):
     def __init__(self, llm: LLM, session: Session, tokens: list[int], spelling: Spelling | None = None) -> None:
         self._llm = llm
         self._session = session
+        self._id = session.id  # (its session's, for good: the step loop sorts by it every step)
         self._tokens = tokens
         # The text its last chat turn fed and the ids (_prompts.py), and
         # that turn's generation, whose reply joins it once it ended.
@@ -265,7 +266,7 @@ class ChatSession(Closable):
 
     @property
     def id(self) -> int:
-        return self._session.id
+        return self._id
 
     @property
     def llm(self) -> LLM:
