@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import bench_package, user_message  # noqa: E402
 
-from aoti_sessions.llm import LLM  # noqa: E402
+from aoti_sessions.llm import LLM, ChatSession  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -250,67 +250,60 @@ def chat_scaling(layers: int) -> None:
 
 def step_loop(rows_list: list[int], device: str) -> None:
     """ROWS chats decoding together through one LLM (no server): the step
-    loop's host time a step (LLM.stats: queueing, waiting, text) with and
-    without cProfile, then cProfile's table of the step thread alone."""
+    loop's host time a step (LLM.stats: queueing, of it the engine's calls,
+    waiting, text), then cProfile's table of the step thread alone, from a
+    second LLM whose step thread runs profiled."""
     import cProfile
     import pstats
 
     from aoti_sessions.llm import _scheduler
 
-    profile = cProfile.Profile()
     loop = _scheduler.Scheduler._loop
-
-    def profiled(self: _scheduler.Scheduler) -> None:
-        profile.enable()  # (on the step thread: cProfile sees only the thread that enables it)
-        try:
-            loop(self)
-        finally:
-            profile.disable()
-
     package = bench_package(device)
     for rows in rows_list:
         firsts = [[{"role": "user", "content": user_message(i, 0)}] for i in range(rows)]
+
+        def turn(chats: list[ChatSession], tokens: int) -> None:
+            gens = [c.start(first, max_tokens=tokens, temperature=0, ignore_eos=True)
+                    for first, c in zip(firsts, chats)]
+            for g in gens:
+                while g.step() is not None:
+                    pass
+
         with LLM(package, device=device) as llm:
             chats = [llm.new_session() for _ in range(rows)]
-
-            def turn(tokens: int) -> tuple[float, dict[str, float]]:
-                before = dict(llm.stats())
-                t0 = time.perf_counter()
-                gens = [c.start(first, max_tokens=tokens, temperature=0, ignore_eos=True)
-                        for first, c in zip(firsts, chats)]
-                for g in gens:
-                    while g.step() is not None:
-                        pass
-                wall = time.perf_counter() - t0
-                after = llm.stats()
-                return wall, {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
-
-            turn(16)
+            turn(chats, 16)
             for c in chats:
                 c.reset()
-            wall, d = turn(96)
+            before = dict(llm.stats())
+            t0 = time.perf_counter()
+            turn(chats, 96)
+            wall = time.perf_counter() - t0
+            after = llm.stats()
+            d = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
             steps = max(1, d["steps"])
             print(f"rows {rows}: {steps} steps, {1e3 * wall / steps:.3f} ms a step by the wall, "
                   f"{d['decode_rows'] / steps:.1f} decode rows a step; host ms a step: queue "
                   f"{1e3 * d['step_queue_seconds'] / steps:.3f}, wait {1e3 * d['step_wait_seconds'] / steps:.3f}, "
                   f"text {1e3 * d['step_text_seconds'] / steps:.3f}; of queue, engine calls "
                   f"{1e3 * d['step_engine_seconds'] / steps:.3f}", flush=True)
-        # Profiled: a new LLM whose step thread starts profiled.
+        profile = cProfile.Profile()
+
+        def profiled(self: _scheduler.Scheduler) -> None:
+            profile.enable()  # (on the step thread: cProfile sees only the thread that enables it)
+            try:
+                loop(self)
+            finally:
+                profile.disable()
+
         _scheduler.Scheduler._loop = profiled  # type: ignore[method-assign]
         try:
             with LLM(package, device=device) as llm:
-                chats = [llm.new_session() for _ in range(rows)]
-                gens = [c.start(first, max_tokens=96, temperature=0, ignore_eos=True)
-                        for first, c in zip(firsts, chats)]
-                for g in gens:
-                    while g.step() is not None:
-                        pass
+                turn([llm.new_session() for _ in range(rows)], 96)
         finally:
             _scheduler.Scheduler._loop = loop  # type: ignore[method-assign]
         print(f"cProfile of the step thread, {rows} rows (prefill included):")
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
-        profile = cProfile.Profile()
-
 
 if __name__ == "__main__":
     if "--step-loop" in sys.argv:
