@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,45 @@ def test_streamed_pieces_join_to_the_text(llm):
     with llm.new_session() as s:
         pieces = list(s.stream("Once upon a time", max_tokens=16, temperature=0, ignore_eos=True))
     assert "".join(pieces) == greedy(llm, "Once upon a time", 16).text
+
+
+def test_text_is_made_where_it_is_read(llm, monkeypatch):
+    """The step loop hands out token ids: a reply's text is made by the
+    thread that reads it (here the caller's, through step(), and a sink's
+    caller), and only a reply with stop strings has text made in the step
+    loop as well; every way gives the same text."""
+    from aoti_sessions.llm import _text
+
+    threads: list[str] = []
+    push = _text.TextStream.push
+
+    def spied(self, token):
+        threads.append(threading.current_thread().name)
+        return push(self, token)
+
+    monkeypatch.setattr(_text.TextStream, "push", spied)
+    read = "".join(greedy_stream(llm, "Once upon a time", 12))
+    assert threads and set(threads) == {threading.current_thread().name}
+    threads.clear()
+    with llm.new_session() as s:
+        got: list[str] = []
+        done = threading.Event()
+        g = s.start("Once upon a time", max_tokens=12, temperature=0, ignore_eos=True)
+        g.on_event(lambda e: done.set() if e is None else got.append(e))
+        assert done.wait(60)
+    assert "".join(got) == read == g.text
+    assert threads and set(threads) <= {threading.current_thread().name, "aoti-sessions-steps"}
+    threads.clear()
+    with llm.new_session() as s:
+        stopped = "".join(s.stream("Once upon a time", max_tokens=12, temperature=0, ignore_eos=True,
+                                   stop=["\x00never"]))
+    assert stopped == read
+    assert threads.count("aoti-sessions-steps") == 12 and threads.count(threading.current_thread().name) == 12
+
+
+def greedy_stream(llm: LLM, prompt, n: int):
+    with llm.new_session() as s:
+        yield from s.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True)
 
 
 def test_stop_strings_and_stop_tokens(llm):

@@ -1,6 +1,15 @@
 """One reply being generated on a chat session. The LLM's scheduler
 (_scheduler.py) runs its model steps, batched with every other generation;
-the caller reads the text as it comes, with ``step()`` or a callback."""
+the caller reads the text as it comes, with ``step()`` or a callback.
+
+The step loop hands out token ids, never text: the text is made where it is
+read (:class:`Pieces`: by the thread calling ``step()``, or for a callback
+the thread that hands the tokens over). Only a generation with stop strings
+has its text made in the step loop too, to end where one appears; the
+reading side's text then ends there as well (the same tokens, the same
+decoder). (An engine process hands its server the text, made by such a
+callback: with one front end, the server's process is the busier of the
+two: docs/batching.md.)as well (the same tokens, the same decoder)."""
 
 from __future__ import annotations
 
@@ -13,16 +22,19 @@ from typing import TYPE_CHECKING, Union
 from .._session import Closable
 from ..errors import SessionClosedError
 from ._sampling import SamplingParams, Sampler
-from ._text import TextStream
+from ._text import TextStream, decoded
 
 if TYPE_CHECKING:
     from ._llm import ChatSession
 
-__all__ = ["Completion", "Generation", "Pieces", "Event"]
+__all__ = ["Completion", "Generation", "Pieces", "Event", "TokenEvent"]
 
 # What a generation hands out: a piece of text, None once finished, or the
 # error that ended it.
 Event = Union[str, None, BaseException]
+# What the step loop hands out: a token id, None once finished, or the error
+# (or, from an engine process, text already made).
+TokenEvent = Union[int, str, None, BaseException]
 
 
 @dataclass(frozen=True)
@@ -38,16 +50,20 @@ class Completion:
 
 
 class Pieces(Closable):
-    """The reading side of a generation: the pieces of text it hands out, read
-    with :meth:`step` or handed to a sink (``with`` closes it)."""
+    """The reading side of a generation: its token ids made into pieces of
+    text, read with :meth:`step` or handed to a sink (``with`` closes it).
+    The text is made by the reading thread (``reading``: a TextStream with
+    the generation's stop strings; None where the events are text already)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reading: TextStream | None) -> None:
         self._closed = False
         self._cond = threading.Condition()
-        self._events: deque[Event] = deque()
-        self._sink: Callable[[Event], None] | None = None
+        self._events: deque[TokenEvent] = deque()
+        self._sink: Callable[[TokenEvent], None] | None = None
         self._over = False  # the end (None or an error) went out
         self._cut: BaseException | None = None  # a sink's end of a generation closed before it finished
+        self._reading = reading  # the text read so far
+        self._flushed = False  # the text held back at the end went out
 
     @property
     def finished(self) -> bool:
@@ -66,20 +82,47 @@ class Pieces(Closable):
                 self._events.appendleft(None)  # finished: every later step says so too
         if isinstance(event, BaseException):
             raise event
-        return event
+        return self._piece(event)
+
+    def _piece(self, event: int | str | None) -> str | None:
+        """The text of a token id, or at the end (None) the text held back
+        (if any: None follows it)."""
+        if isinstance(event, str):
+            return event  # (text already)
+        if event is not None:
+            assert self._reading is not None, "a token id where text was expected"
+            return self._reading.push(event)
+        if not self._flushed and self._reading is not None:
+            self._flushed = True
+            rest = self._reading.flush()
+            if rest:
+                return rest
+        return None
 
     def on_event(self, sink: Callable[[Event], None]) -> None:
-        """Hands every later piece (and ``None`` at the end, or the error) to
-        ``sink``, called on the thread that makes them (the scheduler's; it
-        must not block); what came before is handed over first, here."""
+        """Hands every later piece of text (and ``None`` at the end, or the
+        error) to ``sink``, called on the thread that hands out the tokens
+        (the scheduler's; it must not block), which then makes their text;
+        what came before is handed over first, here."""
+
+        def texts(event: TokenEvent) -> None:
+            if isinstance(event, BaseException):
+                sink(event)
+                return
+            piece = self._piece(event)
+            if event is None and piece is not None:  # the text held back, then the end
+                sink(piece)
+                piece = self._piece(None)
+            sink(piece)
+
         with self._cond:
             while self._events:
-                sink(self._events.popleft())
+                texts(self._events.popleft())
             if self._cut is not None:
                 sink(self._cut)
-            self._sink = sink
+            self._sink = texts
 
-    def _emit(self, event: Event) -> None:
+    def _emit(self, event: TokenEvent) -> None:
         with self._cond:
             self._over = self._over or event is None or isinstance(event, BaseException)
             if self._sink is not None:
@@ -112,8 +155,8 @@ class Generation(Pieces):
     """
 
     def __init__(self, session: ChatSession, prompt: list[int], params: SamplingParams) -> None:
-        super().__init__()
         llm = session.llm
+        super().__init__(TextStream(llm.tokenizer, params.stop))
         self._session = session
         self.params = params
         self.prompt_tokens = len(prompt)
@@ -134,7 +177,9 @@ class Generation(Pieces):
         # (the scheduler holds the session's lock until it is read).
         self._fed_ahead = False
         self._sampler = Sampler(params, llm.generation_config, llm.device)
-        self._text = TextStream(llm.tokenizer, params.stop)
+        # Stop strings end the reply in the step loop: its text is made there too (else only where it is read).
+        self._stops = TextStream(llm.tokenizer, params.stop) if params.stop else None
+        self._whole: tuple[int, str] | None = None  # (tokens, text) once finished, without stop strings
         self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else llm.eos_token_ids)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -148,8 +193,17 @@ class Generation(Pieces):
 
     @property
     def text(self) -> str:
-        """The text generated so far."""
-        return self._text.text
+        """The text of the tokens generated so far (what a reader was, or
+        will be, handed: without an unfinished character at the end, cut
+        where a stop string begins; made here if not read)."""
+        if self._stops is not None:
+            return self._stops.text
+        if self._whole is None or self._whole[0] != len(self.token_ids):
+            text = decoded(self._session.llm.tokenizer, self.token_ids, final=self.finished)
+            if not self.finished:
+                return text
+            self._whole = (len(self.token_ids), text)
+        return self._whole[1]
 
     @property
     def completion_tokens(self) -> int:
@@ -207,7 +261,7 @@ class Generation(Pieces):
         if error is not None:
             self._fail(error)
         elif not keep:
-            self._finish("stop", "")
+            self._finish("stop", None)
         else:
             room = self._room_for_next()  # (counted before the token joins token_ids)
             self.token_ids.append(token)
@@ -218,24 +272,30 @@ class Generation(Pieces):
                     self._ending = "length"
 
     def _deliver(self, token: int) -> None:
-        """The text of an accepted token (after the next step was queued)."""
+        """Hands out an accepted token (after the next step was queued); with
+        stop strings, ends the generation where its text has one."""
         if self.finished:
             return
-        piece = self._text.push(token)
-        if self._text.stopped:
-            self._finish("stop", piece)
-        elif self._ending is not None:
-            self._finish(self._ending, piece)
+        if self._stops is not None:
+            self._stops.push(token)
+            if self._stops.stopped:
+                self._finish("stop", token)
+                return
+        if self._ending is not None:
+            self._finish(self._ending, token)
         else:
-            self._emit(piece)
+            self._emit(token)
 
-    def _finish(self, reason: str, piece: str) -> None:
+    def _finish(self, reason: str, token: int | None) -> None:
+        """Ends the generation (``token``: its last one to hand out, if any)."""
         self.finish_reason = reason
         self._session._release(self)
-        text = piece + self._text.flush()
-        if text:
-            self._emit(text)
-        self._emit(None)
+        if self._stops is not None:
+            self._stops.flush()
+        with self._cond:  # (the last token and the end together: a reader sees both at once)
+            if token is not None:
+                self._emit(token)
+            self._emit(None)
 
     def _fail(self, error: BaseException) -> None:
         self._error = error

@@ -170,8 +170,8 @@ class LLM(Prompts, Closable):
         step loop's: ``steps``, ``decode_rows``, ``prefill_calls``,
         ``prefill_rows``, ``prefill_tokens``, and the seconds it spent queueing
         steps (``step_queue_seconds``), waiting for the step before
-        (``step_wait_seconds``), and reading its tokens and making their text
-        (``step_text_seconds``), and of the queueing, the seconds in the
+        (``step_wait_seconds``), and reading its tokens and handing them out
+        (``step_text_seconds``: the text is made where it is read, but for stop strings), and of the queueing, the seconds in the
         engine's calls (``step_engine_seconds``); for recurrent state, the turns that rewound
         to a checkpoint (``checkpoint_rewinds``) and checkpoints not kept for
         want of room (``checkpoints_skipped``)."""

@@ -415,7 +415,7 @@ class RemoteGeneration(Pieces):
     engine process (on this process's reader thread)."""
 
     def __init__(self, session: RemoteSession, started: Started) -> None:
-        super().__init__()
+        super().__init__(None)  # (its events are text: the engine process makes it)
         self._session = session
         self.id = started.generation
         self.submitted = started.submitted

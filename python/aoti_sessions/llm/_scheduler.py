@@ -17,8 +17,9 @@ the device still computes the one before, feeding that step's sampled
 tokens (still on the device) to every generation whose next token the host
 knows it will feed unless it is a stop token (max_tokens and the context
 are counted on the host). Then the loop reads the step before, and while
-the device runs the new one, records its tokens, detokenizes, checks stop
-strings and hands out text. The host's work a step thus overlaps the
+the device runs the new one, records its tokens and hands them out (their
+text is made where they are read: _generation.py; only stop strings are
+looked for here). The host's work a step thus overlaps the
 device's instead of adding to it. A token fed ahead that turns out to end
 the reply (a stop token, or a generation closed meanwhile) is taken back
 out of the cache (a truncation) and its row's sample dropped; until a
@@ -119,7 +120,8 @@ class Scheduler:
         self.prefill_tokens = 0
         # Where the loop's time goes, in seconds: queueing a step (the host's
         # work, while the device computes the step before), waiting for the
-        # step before to end, reading its tokens and making their text.
+        # step before to end, reading its tokens and handing them out ("text":
+        # their text is made where they are read, but for stop strings).
         self.wait_seconds = 0.0
         self.queue_seconds = 0.0
         self.text_seconds = 0.0
@@ -186,7 +188,7 @@ class Scheduler:
                 read = time.perf_counter()
                 if previous is not None:
                     self._accept_tokens(previous, tokens)
-                    self._deliver_text(previous, tokens)
+                    self._deliver(previous, tokens)
                 self._drop_finished()
                 previous = step if step.sampled else None
                 self.steps += 1
@@ -379,7 +381,7 @@ class Scheduler:
         room = self._llm.max_context - max(len(r.generation._session._tokens) for r in rows)
         return max(width, min(bucket, self._llm.spec.max_prefill, room))
 
-    def _deliver_text(self, step: _Step, tokens: list[int]) -> None:
+    def _deliver(self, step: _Step, tokens: list[int]) -> None:
         for g, token in zip(step.sampled, tokens):
             g._deliver(token)
 

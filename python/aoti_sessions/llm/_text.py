@@ -119,6 +119,15 @@ class TextStream:
         return piece
 
 
+def decoded(tokenizer: Any, ids: Sequence[int], final: bool = True) -> str:
+    """The text :class:`TextStream` makes of ``ids`` (without stop strings):
+    all of it once ``final``, else without an unfinished character at the end."""
+    stream = TextStream(tokenizer, ())
+    for token in ids:
+        stream.push(token)
+    return stream.text + (stream.flush() if final else "")
+
+
 def _backend(tokenizer: Any) -> Any:
     """The Rust tokenizer that ``tokenizer.decode`` (without clean-up) calls,
     where calling it directly gives the same text: a tokenizer whose class
