@@ -171,10 +171,12 @@ class LLM(Prompts, Closable):
         ``prefill_rows``, ``prefill_tokens``, and the seconds it spent queueing
         steps (``step_queue_seconds``), waiting for the step before
         (``step_wait_seconds``), and reading its tokens and handing them out
-        (``step_text_seconds``: the text is made where it is read, but for stop strings), and of the queueing, the seconds in the
-        engine's calls (``step_engine_seconds``); for recurrent state, the turns that rewound
-        to a checkpoint (``checkpoint_rewinds``) and checkpoints not kept for
-        want of room (``checkpoints_skipped``)."""
+        (``step_text_seconds``: their text included for stop strings, and
+        for a callback, which gets text on the step loop's thread), and of the
+        queueing, the seconds in the engine's calls (``step_engine_seconds``);
+        for recurrent state, the turns that rewound to a checkpoint
+        (``checkpoint_rewinds``) and checkpoints not kept for want of room
+        (``checkpoints_skipped``)."""
         return {**self.engine.stats(), **self._scheduler.stats(), "checkpoint_rewinds": self._rewinds,
                 "checkpoints_skipped": self._checkpoints_skipped}
 

@@ -121,7 +121,8 @@ class Scheduler:
         # Where the loop's time goes, in seconds: queueing a step (the host's
         # work, while the device computes the step before), waiting for the
         # step before to end, reading its tokens and handing them out ("text":
-        # their text is made where they are read, but for stop strings).
+        # their text is made where they are read, here only for stop strings
+        # and for callbacks, which take text on this thread).
         self.wait_seconds = 0.0
         self.queue_seconds = 0.0
         self.text_seconds = 0.0

@@ -239,8 +239,8 @@ class ServerMetrics:
             r.gauge(f"{p}{key}_total", help, read(key), kind="counter")
         r.gauge(p + "step_seconds_total",
                 "The step loop's time by phase: queueing a step (the host's work, while the device computes the "
-                "step before), waiting for the step before to end, reading its tokens and handing them out (their "
-                "text is made where they are read, but for stop strings).",
+                "step before), waiting for the step before to end, reading its tokens and handing them out (with "
+                "their text: the server's callback makes it on the step loop's thread).",
                 lambda: {(phase,): float(stats.get(f"step_{phase}_seconds", 0.0))
                          for phase in ("wait", "queue", "text")}, ("phase",), kind="counter")
         r.gauge(p + "step_engine_seconds_total",
