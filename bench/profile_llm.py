@@ -4,6 +4,7 @@
     python bench/profile_llm.py --attention-sweep LAYERS   (CUDA)
     python bench/profile_llm.py --chat-scaling LAYERS      (CUDA)
     python bench/profile_llm.py --step-loop ROWS[,ROWS...] [--device cpu]
+    python bench/profile_llm.py --one-chat [ROUNDS]          (CUDA)
 
 On the bench_serve model: prefill time by chunk length (host time until the
 call returns, and until the device is done), decode, the chat template, prefill
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import bench_package, user_message  # noqa: E402
 
 from aoti_sessions.llm import LLM, ChatSession  # noqa: E402
+from aoti_sessions.llm._remote_engine import SWITCH_INTERVAL_S  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -260,6 +262,7 @@ def step_loop(rows_list: list[int], device: str) -> None:
 
     loop = _scheduler.Scheduler._loop
     package = bench_package(device)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # (as a server's processes do: serve/_engine.py)
     for rows in rows_list:
         firsts = [[{"role": "user", "content": user_message(i, 0)}] for i in range(rows)]
 
@@ -272,7 +275,7 @@ def step_loop(rows_list: list[int], device: str) -> None:
 
         with LLM(package, device=device) as llm:
             chats = [llm.new_session() for _ in range(rows)]
-            turn(chats, 16)
+            turn(chats, 96)  # (as long as the timed turn: its graph widths captured, the pool grown)
             for c in chats:
                 c.reset()
             before = dict(llm.stats())
@@ -286,7 +289,8 @@ def step_loop(rows_list: list[int], device: str) -> None:
                   f"{d['decode_rows'] / steps:.1f} decode rows a step; host ms a step: queue "
                   f"{1e3 * d['step_queue_seconds'] / steps:.3f}, wait {1e3 * d['step_wait_seconds'] / steps:.3f}, "
                   f"text {1e3 * d['step_text_seconds'] / steps:.3f}; of queue, engine calls "
-                  f"{1e3 * d['step_engine_seconds'] / steps:.3f}", flush=True)
+                  f"{1e3 * d['step_engine_seconds'] / steps:.3f}; graph captures {d.get('graph_captures', 0)}, "
+                  f"pool grows {d.get('pool_grows', 0)}", flush=True)
         profile = cProfile.Profile()
 
         def profiled(self: _scheduler.Scheduler) -> None:
@@ -305,8 +309,68 @@ def step_loop(rows_list: list[int], device: str) -> None:
         print(f"cProfile of the step thread, {rows} rows (prefill included):")
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
+# Qwen3-0.6B's shape on bench_serve's model (hidden 1024, 16 / 8 heads): 28 layers, head_dim 128.
+ONE_CHAT_SHAPE = dict(num_hidden_layers=28, head_dim=128)
+
+
+def one_chat(rounds: int) -> None:
+    """One chat of the Qwen3-0.6B shape (random weights, bf16, CUDA): its
+    inter-token time streaming 128 greedy tokens, against the device's work
+    a decode step: torch.profiler's kernel time (sampling included) over a
+    turn of 128 tokens less that over a turn of 1 (the prompt's prefill and
+    first sample), divided by the 127 decode steps; each round both, in this
+    call. The ratio is how much longer a token takes than the device's work
+    for it: 1.0 where the host never keeps the device waiting."""
+    from torch.profiler import ProfilerActivity, profile
+
+    package = bench_package("cuda", **ONE_CHAT_SHAPE)  # type: ignore[arg-type]
+    prompt = [{"role": "user", "content": user_message(0, 0)}]
+    tokens = 128
+    with LLM(package, device="cuda") as llm:
+        print(f"{llm}: {ONE_CHAT_SHAPE}, {torch.cuda.get_device_name()}", flush=True)
+        chat = llm.new_session()
+
+        def stream(n: int) -> list[float]:
+            chat.reset()
+            times = []
+            for _ in chat.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True):
+                times.append(time.perf_counter())
+            return times
+
+        def kernel_ms(n: int) -> tuple[float, int]:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                stream(n)
+                torch.cuda.synchronize()
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            return sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels)
+
+        stream(tokens)  # warm: graphs captured, allocations made
+        rows = []
+        for rnd in range(1, rounds + 1):
+            times = stream(tokens)
+            gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # (the first token's: prefill's)
+            itl = 1e3 * statistics.median(gaps)
+            whole, count = kernel_ms(tokens)
+            first, count1 = kernel_ms(1)
+            device = (whole - first) / (tokens - 1)
+            if count == count1 or device <= 0:
+                raise SystemExit(f"torch.profiler saw no decode kernels ({count} and {count1} kernel events)")
+            rows.append((itl, device, itl / device))
+            print(f"round {rnd}: inter-token median {itl:.3f} ms (min {1e3 * gaps[0]:.3f}, max "
+                  f"{1e3 * gaps[-1]:.3f}); device work a decode step {device:.3f} ms "
+                  f"({(count - count1) / (tokens - 1):.0f} kernels); inter-token / device {itl / device:.3f}",
+                  flush=True)
+        for name, at in (("inter-token ms", 0), ("device ms a step", 1), ("ratio", 2)):
+            values = sorted(r[at] for r in rows)
+            print(f"{name}: min {values[0]:.3f} / median {statistics.median(values):.3f} / max {values[-1]:.3f}",
+                  flush=True)
+
+
 if __name__ == "__main__":
-    if "--step-loop" in sys.argv:
+    if "--one-chat" in sys.argv:
+        at = sys.argv.index("--one-chat")
+        one_chat(int(sys.argv[at + 1]) if len(sys.argv) > at + 1 else 3)
+    elif "--step-loop" in sys.argv:
         device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
         step_loop([int(r) for r in sys.argv[sys.argv.index("--step-loop") + 1].split(",")], device)
     elif "--chat-scaling" in sys.argv:
