@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
@@ -27,7 +27,7 @@ from ._text import TextStream, decoded
 if TYPE_CHECKING:
     from ._llm import ChatSession
 
-__all__ = ["Completion", "Generation", "Pieces", "Event", "TokenEvent"]
+__all__ = ["Completion", "Generation", "Pieces", "Event", "TokenEvent", "Held"]
 
 # What a generation hands out: a piece of text, None once finished, or the
 # error that ended it.
@@ -221,6 +221,22 @@ class Generation(Pieces):
             # Not a generated token fed once read: the prompt's tokens not yet fed at most.
             self.prefilled_tokens += min(count, self.prompt_tokens - self.cached_tokens - self.prefilled_tokens)
 
+    def _took(self, tokens: list[int], width: int) -> None:
+        """(Its session held: :class:`Held`) the step fed ``tokens``, the
+        start of ``_pending``, in a call ``width`` tokens wide: the
+        session's token list gains them and its cache forgets the padding's
+        positions."""
+        session = self._session
+        if len(tokens) < width:
+            session._session.truncate(len(session._tokens) + len(tokens))
+        session._tokens.extend(tokens)
+        self._fed(len(tokens))
+
+    def _took_unread(self) -> None:
+        """(Its session held) the step fed the token sampled last, before it
+        is read: the session stays held until :meth:`_accept_token`."""
+        self._fed_ahead = True
+
     def _room_for_next(self) -> bool:
         """Whether the token the last step sampled (not read yet) is to be
         fed, unless it is a stop token: not at max_tokens or the context's end."""
@@ -319,3 +335,34 @@ class Generation(Pieces):
         self._session._release(self)
         # (The step loop is done with it: no piece can follow this end.)
         self._end_stream(self.finish_reason is not None or self._error is not None)
+
+
+class Held:
+    """The locks of the chat sessions a step feeds, taken in id order and
+    released after the block but for those kept: a session whose unread
+    token the step fed stays held until :meth:`Generation._accept_token`
+    records it (a fork or save then sees its cache and tokens agree)."""
+
+    def __init__(self, sessions: Sequence[ChatSession]) -> None:
+        self._sessions = sorted(sessions, key=lambda s: s.id)
+        self._kept: set[int] = set()
+
+    def __enter__(self) -> Held:
+        taken = []
+        try:
+            for s in self._sessions:
+                s._lock.acquire()
+                taken.append(s)
+        except BaseException:
+            for s in reversed(taken):
+                s._lock.release()
+            raise
+        return self
+
+    def keep(self, session: ChatSession) -> None:
+        self._kept.add(id(session))
+
+    def __exit__(self, *exc: object) -> None:
+        for s in reversed(self._sessions):
+            if id(s) not in self._kept:
+                s._lock.release()

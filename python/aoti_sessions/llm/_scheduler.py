@@ -44,7 +44,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import SessionClosedError
+from ._generation import Held
 from ._paged import PAD_ID
+from ._plan import Limits, Plan, Row, plan_step, prefill_width
 from ._sampling import sample
 
 if TYPE_CHECKING:
@@ -67,16 +69,6 @@ def _stop_running_loops() -> None:
 # The shortest padded prefill chunk where prefill runs as CUDA graphs (on the
 # device a call of 16 tokens costs what one of 2 does).
 MIN_PREFILL_BUCKET = 16
-
-
-@dataclass
-class _Row:
-    """One generation's part of a step."""
-
-    generation: Generation
-    fed: list[int]              # the tokens fed (known on the host), or [] for the device token
-    samples: bool               # the step's logits pick its next token
-    from_device: int = -1       # its input: row of the previous step's sampled tokens (-1: `fed`)
 
 
 @dataclass
@@ -107,6 +99,8 @@ class Scheduler:
         # weight reads): up to four calls' worth, so a burst of new turns is
         # read in one step; on the CPU its cost grows with the tokens: one.
         self.prefill_budget = llm.spec.max_prefill * (min(4, self.prefill_rows) if self._cuda else 1)
+        self.limits = Limits(self.prefill_budget, llm.spec.max_prefill, self.prefill_rows, llm.max_context,
+                             MIN_PREFILL_BUCKET)
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()  # submitted, not yet stepped
         self._active: list[Generation] = []         # stepped: reading their prompt or decoding
@@ -225,27 +219,12 @@ class Scheduler:
             self._active = kept
 
     def _run_step(self, previous: _Step | None) -> _Step:
-        """Queues one step: the batched decode, then prefill chunks. A
-        generation the step before sampled for feeds that token (unread) if
-        it goes on unless the token is a stop token."""
-        decode: list[_Row] = []
-        prefill: list[_Row] = []
-        index = {g: i for i, g in enumerate(previous.sampled)} if previous is not None else {}
-        budget = self.prefill_budget
-        for g in self._active:
-            if g.finished:
-                continue
-            at = index.get(g)
-            if at is not None:
-                if g._feeds_next():
-                    decode.append(_Row(g, [], True, at))
-            elif g._pending and budget > 0:
-                chunk = g._pending[: min(budget, self._llm.spec.max_prefill)]
-                budget -= len(chunk)
-                row = _Row(g, chunk, len(chunk) == len(g._pending))
-                # A one-token chunk (say the prompt's last token after a cached
-                # prefix) is a decode row: prefill takes two or more.
-                (decode if len(chunk) == 1 else prefill).append(row)
+        """Queues the step plan_step decides (_plan.py): the batched decode,
+        then the prefill calls. A generation the step before sampled for
+        feeds that token (unread) if it goes on unless the token is a stop
+        token."""
+        plan: Plan = plan_step(self._active, previous.sampled if previous is not None else (), self.limits)
+        decode = plan.decode
         step = _Step()
         logits: list[torch.Tensor] = []
         for start in range(0, len(decode), self.max_rows):
@@ -260,7 +239,7 @@ class Scheduler:
                 if out is not None:
                     logits.append(out)
                     step.sampled.extend(rows[i].generation for i in sampling)
-        for group in self._prefill_groups(prefill):
+        for group in plan.prefill:
             for row, out in zip(group, self._prefill(group)):
                 if out is not None and row.samples:
                     logits.append(out)
@@ -275,22 +254,21 @@ class Scheduler:
                 step.done.record()
         return step
 
-    def _decode(self, rows: list[_Row], previous: _Step | None) -> torch.Tensor | None:
+    def _decode(self, rows: list[Row], previous: _Step | None) -> torch.Tensor | None:
         device = self._engine.device
         ids = self._inputs(rows, previous, device)
         sessions = [r.generation._session for r in rows]
         try:
-            with _Locked(sessions) as locked:
+            with Held(sessions) as locked:
                 called = time.perf_counter()
                 out: torch.Tensor = self._engine.run_batch("decode", [s._session for s in sessions], ids)
                 self.engine_seconds += time.perf_counter() - called
                 self.decode_rows += len(rows)
                 for r, s in zip(rows, sessions):
                     if r.fed:
-                        s._tokens.append(r.fed[0])
-                        r.generation._fed(1)
-                    else:  # the unread token: its session stays locked until it is read
-                        r.generation._fed_ahead = True
+                        r.generation._took(r.fed, 1)
+                    else:  # the unread token: its session stays held until it is read
+                        r.generation._took_unread()
                         locked.keep(s)
             return out
         except Exception as e:  # noqa: BLE001 - one row's failure must not end the others
@@ -308,7 +286,7 @@ class Scheduler:
         rows[:] = kept
         return torch.cat(outs) if outs else None
 
-    def _inputs(self, rows: list[_Row], previous: _Step | None, device: torch.device) -> torch.Tensor:
+    def _inputs(self, rows: list[Row], previous: _Step | None, device: torch.device) -> torch.Tensor:
         """[B, 1] token ids: the previous step's sampled tokens where the row
         continues (no trip through the host), the fed tokens otherwise."""
         if previous is not None and previous.tokens is not None and all(r.from_device >= 0 for r in rows):
@@ -325,29 +303,14 @@ class Scheduler:
                 parts.append(_host_to(r.fed, device))
         return torch.cat(parts).view(-1, 1)
 
-    def _prefill_groups(self, rows: list[_Row]) -> list[list[_Row]]:
-        """The prefill calls for ``rows``: longest chunk first, a row joining
-        a call when its padding to the call's width is less than its own
-        length and those positions fit its context, at most prefill_rows a call."""
-        groups: list[list[_Row]] = []
-        limit = self._llm.max_context
-        for row in sorted(rows, key=lambda r: -len(r.fed)):
-            group = groups[-1] if groups else None
-            if group is not None and len(group) < self.prefill_rows and 2 * len(row.fed) > len(group[0].fed) \
-                    and len(row.generation._session._tokens) + len(group[0].fed) <= limit:
-                group.append(row)
-            else:
-                groups.append([row])
-        return groups
-
-    def _prefill(self, rows: list[_Row]) -> list[torch.Tensor | None]:
+    def _prefill(self, rows: list[Row]) -> list[torch.Tensor | None]:
         """Feeds ``rows``' chunks in one call, right-padded to the longest;
         each row's logits [1, V], or None where the row failed (its
         generation ends with the error; the others' are fine to use)."""
         width = self._width(rows)
         sessions = [r.generation._session for r in rows]
         try:
-            with _Locked(sessions):
+            with Held(sessions):
                 ids = [t for r in rows for t in (*r.fed, *[PAD_ID] * (width - len(r.fed)))]
                 inputs = _host_to(ids, self._engine.device).view(len(rows), width)
                 called = time.perf_counter()
@@ -356,11 +319,8 @@ class Scheduler:
                 else:
                     out = self._engine.run_batch("prefill", [s._session for s in sessions], inputs)
                 self.engine_seconds += time.perf_counter() - called
-                for r, s in zip(rows, sessions):
-                    if len(r.fed) < width:  # the padding's positions go
-                        s._session.truncate(len(s._tokens) + len(r.fed))
-                    s._tokens.extend(r.fed)
-                    r.generation._fed(len(r.fed))
+                for r in rows:
+                    r.generation._took(r.fed, width)
             self.prefill_calls += 1
             self.prefill_rows_fed += len(rows)
             self.prefill_tokens += sum(len(r.fed) for r in rows)
@@ -371,16 +331,12 @@ class Scheduler:
                 return [None]
         return [self._prefill([r])[0] for r in rows]  # which row failed: each alone
 
-    def _width(self, rows: list[_Row]) -> int:
-        """The length ``rows``' chunks are padded to: the longest, or where
-        prefill runs as CUDA graphs (captured per shape) the next power of
-        two from MIN_PREFILL_BUCKET, within max_prefill and every row's context."""
-        width = max(len(r.fed) for r in rows)
-        if not self._cuda or not self._engine.captures("prefill") or self._llm.spec.recurrent:
-            return width  # (recurrent state would take in padding)
-        bucket = max(MIN_PREFILL_BUCKET, 1 << (width - 1).bit_length())
-        room = self._llm.max_context - max(len(r.generation._session._tokens) for r in rows)
-        return max(width, min(bucket, self._llm.spec.max_prefill, room))
+    def _width(self, rows: list[Row]) -> int:
+        """The length ``rows``' chunks are padded to (_plan.prefill_width):
+        buckets where prefill runs as CUDA graphs (captured per shape), but
+        for recurrent state, which would take in the padding."""
+        buckets = self._cuda and self._engine.captures("prefill") and not self._llm.spec.recurrent
+        return prefill_width(rows, self.limits, buckets)
 
     def _deliver(self, step: _Step, tokens: list[int]) -> None:
         for g, token in zip(step.sampled, tokens):
@@ -403,32 +359,3 @@ def _host_to(values: Sequence[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
-
-
-class _Locked:
-    """The chat sessions' locks, in id order, for a step that feeds them;
-    released after the block but for those kept (their owner releases them)."""
-
-    def __init__(self, sessions: Sequence[Any]) -> None:
-        self._sessions = sorted(sessions, key=lambda s: s.id)
-        self._kept: set[int] = set()
-
-    def __enter__(self) -> _Locked:
-        taken = []
-        try:
-            for s in self._sessions:
-                s._lock.acquire()
-                taken.append(s)
-        except BaseException:
-            for s in reversed(taken):
-                s._lock.release()
-            raise
-        return self
-
-    def keep(self, session: Any) -> None:
-        self._kept.add(id(session))
-
-    def __exit__(self, *exc: object) -> None:
-        for s in reversed(self._sessions):
-            if id(s) not in self._kept:
-                s._lock.release()
