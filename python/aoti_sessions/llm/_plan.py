@@ -20,19 +20,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ._generation import Generation
+__all__ = ["Planned", "Row", "Plan", "Limits", "plan_step", "prefill_groups", "prefill_width"]
 
-__all__ = ["Row", "Plan", "Limits", "plan_step", "prefill_groups", "prefill_width"]
+
+class Planned(Protocol):
+    """What a plan reads of a generation (_generation.Generation)."""
+
+    @property
+    def finished(self) -> bool: ...
+
+    _pending: list[int]  # prompt tokens (or a read token) still to feed
+    _session: Any  # its chat session: token_count, the context it uses
+
+    def _feeds_next(self) -> bool: ...
 
 
 @dataclass
 class Row:
     """One generation's part of a step."""
 
-    generation: Generation
+    generation: Any  # a Generation (Planned, and more for the step loop)
     fed: list[int]              # the tokens fed (known on the host), or [] for the device token
     samples: bool               # the step's logits pick its next token
     from_device: int = -1       # its input: row of the previous step's sampled tokens (-1: `fed`)
@@ -59,17 +68,17 @@ class Plan:
     prefill: list[list[Row]] = field(default_factory=list)
 
 
-def plan_step(active: Sequence[Generation], sampled: Sequence[Generation], limits: Limits) -> Plan:
+def plan_step(active: Sequence[Planned], sampled: Sequence[Planned], limits: Limits) -> Plan:
     """The step for ``active`` generations, given those the step before
     sampled for (in its rows' order)."""
-    index = {g: i for i, g in enumerate(sampled)}
+    index = {id(g): i for i, g in enumerate(sampled)}
     plan = Plan()
     prefill: list[Row] = []
     budget = limits.budget
     for g in active:
         if g.finished:
             continue
-        at = index.get(g)
+        at = index.get(id(g))
         if at is not None:
             if g._feeds_next():
                 plan.decode.append(Row(g, [], True, at))
