@@ -9,7 +9,7 @@ has its text made in the step loop too, to end where one appears; the
 reading side's text then ends there as well (the same tokens, the same
 decoder). (An engine process hands its server the text, made by such a
 callback: with one front end, the server's process is the busier of the
-two: docs/batching.md.)as well (the same tokens, the same decoder)."""
+two: docs/batching.md.)"""
 
 from __future__ import annotations
 
@@ -304,19 +304,22 @@ class Generation(Pieces):
 
     def _finish(self, reason: str, token: int | None) -> None:
         """Ends the generation (``token``: its last one to hand out, if any)."""
-        self.finish_reason = reason
-        self._session._release(self)
         if self._stops is not None:
             self._stops.flush()
-        with self._cond:  # (the last token and the end together: a reader sees both at once)
+        # Finished, and the last token and the end out, at once: a reader never
+        # sees the generation finished before its last events.
+        with self._cond:
+            self.finish_reason = reason
+            self._session._release(self)
             if token is not None:
                 self._emit(token)
             self._emit(None)
 
     def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._session._release(self)
-        self._emit(error)
+        with self._cond:
+            self._error = error
+            self._session._release(self)
+            self._emit(error)
 
     # -- the caller's side -------------------------------------------------------
     def completion(self) -> Completion:
