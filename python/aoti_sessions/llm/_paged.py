@@ -48,6 +48,7 @@ import torch
 
 from ._paged_attention import paged_decode_attention
 from ._ring import Ring, RingStep, ring_layers, rows
+from ._spec import PAD_ID
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 __all__ = ["PagedLM", "ATTENTION", "PAD_ID", "kv_layout", "StateLayout", "state_layout"]
 
 ATTENTION = "aoti_sessions_paged"  # the name our attention is registered under
-PAD_ID = -1  # pads a shorter row of a prefill call (after its tokens)
 
 
 @dataclass

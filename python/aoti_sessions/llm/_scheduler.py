@@ -45,9 +45,9 @@ import torch
 
 from ..errors import SessionClosedError
 from ._generation import Held
-from ._paged import PAD_ID
 from ._plan import Limits, Plan, Row, plan_step, prefill_width
 from ._sampling import sample
+from ._spec import PAD_ID
 
 if TYPE_CHECKING:
     from ._generation import Generation

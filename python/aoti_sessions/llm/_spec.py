@@ -8,8 +8,8 @@
 
 The package's methods (``aoti_sessions.llm.export``) are ``prefill(input_ids
 int64[B, T]) -> logits[B, V]`` for 2 <= T <= max_prefill and B <=
-prefill_rows (rows right-padded with -1; each row's last real position's
-logits) and ``decode(input_ids int64[B, 1]) -> logits[B, V]``, over a pooled
+prefill_rows (rows right-padded with PAD_ID, -1; each row's last real
+position's logits) and ``decode(input_ids int64[B, 1]) -> logits[B, V]``, over a pooled
 KV cache of up to ``max_cache_len`` positions a session.
 """
 
@@ -27,7 +27,9 @@ from .._package import _check_model_path, _extract, top_folder
 from ..errors import PackageError
 
 __all__ = ["LLMSpec", "LLMPackage", "read_llm_package", "require_transformers", "LLM_DIR", "SPEC_FILE", "GENERATION_CONFIG_FILE",
-           "TOKENIZER_DIR", "SPEC_VERSION"]
+           "TOKENIZER_DIR", "SPEC_VERSION", "PAD_ID"]
+
+PAD_ID = -1  # pads a shorter row of a prefill call (after its tokens): the compiled prefill skips it
 
 LLM_DIR = "data/aoti_sessions/llm"  # below the package's top folder
 SPEC_FILE = "llm.json"
