@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,7 @@ def test_a_one_token_chunk_within_a_prompt_picks_no_token(llm: LLM, monkeypatch:
     budget = 24
     first, second = prompt_of(llm, budget - 1, 1), prompt_of(llm, 20, 2)
     want = [solo(llm, first, 8), solo(llm, second, 8)]
-    monkeypatch.setattr(scheduler, "prefill_budget", budget)
+    monkeypatch.setattr(scheduler, "limits", replace(scheduler.limits, budget=budget))
     sessions = [llm.new_session(), llm.new_session()]
     with scheduler._cond:  # both join the same first step
         generations = [s.start(p, max_tokens=8, temperature=0, ignore_eos=True)

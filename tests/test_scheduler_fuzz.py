@@ -16,7 +16,7 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -152,19 +152,19 @@ def _check(llm: LLM, cases: list[Case], budget: int) -> list[str]:
 
 def test_random_schedules_give_every_reply_its_solo_tokens(llm: LLM) -> None:
     scheduler = llm._scheduler
-    default = scheduler.prefill_budget
+    default = scheduler.limits
     rng = random.Random(f"{llm.spec.model_type}-{llm.device}")
     rounds = 0
     problems: list[str] = []
     started = time.monotonic()
     while rounds < ROUNDS or time.monotonic() - started < SECONDS:
         cases = _cases(llm, rng)  # (solo runs under the default budget)
-        budget = rng.choice([1, 2, 3, rng.randint(4, 40), default])
-        scheduler.prefill_budget = budget
+        budget = rng.choice([1, 2, 3, rng.randint(4, 40), default.budget])
+        scheduler.limits = replace(default, budget=budget)
         try:
             _run(llm, cases)
         finally:
-            scheduler.prefill_budget = default
+            scheduler.limits = default
         problems += _check(llm, cases, budget)
         rounds += 1
         assert not problems, f"{len(problems)} problems in {rounds} rounds: " + "; ".join(problems[:3])

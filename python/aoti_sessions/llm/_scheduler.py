@@ -93,14 +93,14 @@ class Scheduler:
         self.max_rows = int(pool["max_rows"])
         self._cuda = self._engine.device.type == "cuda"
         # Sessions one prefill call feeds (packages made before batched prefill: 1).
-        self.prefill_rows = min(llm.spec.prefill_rows, self.max_rows)
+        prefill_rows = min(llm.spec.prefill_rows, self.max_rows)
         # Prompt tokens fed per step at most. On CUDA a prefill call costs
         # about the same for a few hundred tokens as for a few (launches,
         # weight reads): up to four calls' worth, so a burst of new turns is
         # read in one step; on the CPU its cost grows with the tokens: one.
-        self.prefill_budget = llm.spec.max_prefill * (min(4, self.prefill_rows) if self._cuda else 1)
-        self.limits = Limits(self.prefill_budget, llm.spec.max_prefill, self.prefill_rows, llm.max_context,
-                             MIN_PREFILL_BUCKET)
+        budget = llm.spec.max_prefill * (min(4, prefill_rows) if self._cuda else 1)
+        # What bounds a step's plan (_plan.py; tests replace it to vary the budget).
+        self.limits = Limits(budget, llm.spec.max_prefill, prefill_rows, llm.max_context, MIN_PREFILL_BUCKET)
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()  # submitted, not yet stepped
         self._active: list[Generation] = []         # stepped: reading their prompt or decoding
