@@ -179,11 +179,10 @@ class Generation(Pieces):
         self._sampler = Sampler(params, llm.generation_config, llm.device)
         # Stop strings end the reply in the step loop: its text is made there too (else only where it is read).
         self._stops = TextStream(llm.tokenizer, params.stop) if params.stop else None
-        self._whole: tuple[int, str] | None = None  # (tokens, text) once finished, without stop strings
         self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else llm.eos_token_ids)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
-        self._ending: str | None = None  # the finish reason once the last token's text is out
+        self._ending: str | None = None  # the finish reason once the last token is handed out
         self._error: BaseException | None = None
         self._released = threading.Event()  # set once the scheduler no longer holds it
         # Read for every row of every step: kept here, not looked up each time.
@@ -198,12 +197,10 @@ class Generation(Pieces):
         where a stop string begins; made here if not read)."""
         if self._stops is not None:
             return self._stops.text
-        if self._whole is None or self._whole[0] != len(self.token_ids):
-            text = decoded(self._session.llm.tokenizer, self.token_ids, final=self.finished)
-            if not self.finished:
-                return text
-            self._whole = (len(self.token_ids), text)
-        return self._whole[1]
+        if self._flushed:  # a reader took every piece: its text is the whole
+            assert self._reading is not None
+            return self._reading.text
+        return decoded(self._session.llm.tokenizer, self.token_ids, final=self.finished)
 
     @property
     def completion_tokens(self) -> int:
