@@ -3,9 +3,14 @@ run in a thread of the test process, and what the server tests read from it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import os
 import re
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -84,3 +89,74 @@ def descendants(root: int) -> set[int]:
         out.add(pid)
         todo.extend(parents.get(pid, []))
     return out
+
+
+class FrontEnds(str):
+    """The base URL of the first of several front ends (``ports``: every
+    one's; ``hub``: their registry's socket)."""
+
+    ports: list[int]
+    hub: str
+
+
+class Alternating(httpx.BaseTransport):
+    """Sends each request to the next of ``ports`` in turn (a session's turns
+    then cross front ends): httpx's transport, for a client of FrontEnds."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self._ports = itertools.cycle(ports)
+        self._inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.url = request.url.copy_with(port=next(self._ports))
+        return self._inner.handle_request(request)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def transport_for(url: str) -> Alternating | None:
+    """The transport a test client of ``url`` uses: alternating over front ends, where there are several."""
+    return Alternating(url.ports) if isinstance(url, FrontEnds) else None
+
+
+@contextmanager
+def running_front_ends(owner: Any, count: int, **options: Any) -> Iterator[FrontEnds]:
+    """``count`` front ends of ``owner`` (a RemoteLLM) sharing one registry,
+    as ``aoti-sessions serve --api-workers COUNT`` runs them (serve/_fleet.py),
+    in this process: the hub on an event loop of its own, each front end's
+    app attached to the engine and served by running()."""
+    from aoti_sessions.llm import RemoteLLM
+    from aoti_sessions.serve._app import create_app, new_registry
+    from aoti_sessions.serve._fleet import Hub
+    from aoti_sessions.serve._shared import SharedRegistry
+
+    folder = tempfile.mkdtemp(prefix="aoti-sessions-test-hub-")
+    hub = Hub(new_registry(owner, **options), os.path.join(folder, "hub.sock"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="hub", daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(hub.start(), loop).result(30)
+    address = owner.share()
+    attached = [RemoteLLM.attach(owner.package, address) for _ in range(count)]
+    try:
+        with contextlib.ExitStack() as stack:
+            urls = [stack.enter_context(running(create_app(llm, shared=SharedRegistry(llm, hub.path), **options)))
+                    for llm in attached]
+            url = FrontEnds(urls[0])
+            url.ports = [int(u.rsplit(":", 1)[1]) for u in urls]
+            url.hub = hub.path
+            yield url
+    finally:
+        for llm in attached:
+            llm.close()
+
+        async def stop() -> None:
+            await hub.close()
+            await hub.registry.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -27,7 +27,7 @@ from aoti_sessions.serve._cli import compute_threads
 from aoti_sessions.serve import create_app
 from conftest import on_threads
 from llm_models import hf_model_dir, llm_package
-from serving import metrics, running, wait_until
+from serving import metrics, running, running_front_ends, transport_for, wait_until
 
 KEY = "test-key-4f1c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -50,11 +50,20 @@ def llm(package: Path, device: str) -> Iterator[LLM]:
         yield model
 
 
-@pytest.fixture(scope="module", params=["one-process", "engine-process"])
-def served(request: pytest.FixtureRequest, llm: LLM, package: Path, device: str) -> Iterator[LLM | RemoteLLM]:
-    """What the server serves: ``llm``, or the same package in an engine
-    process of its own (what the CLI runs); every test of it holds for both."""
-    if request.param == "one-process":
+@pytest.fixture(scope="module", params=["one-process", "engine-process", "two-front-ends"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """How the server runs: in this process with its LLM, with the LLM in an
+    engine process of its own (what the CLI runs), or as two front ends over
+    one engine process sharing one registry (serve --api-workers 2), each
+    request of a test going to the other front end than the one before.
+    Every test of the server holds for all three."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def served(mode: str, llm: LLM, package: Path, device: str) -> Iterator[LLM | RemoteLLM]:
+    """What the server serves: ``llm``, or the same package in an engine process."""
+    if mode == "one-process":
         yield llm
         return
     with RemoteLLM(package, device, threads=1, max_sessions=16) as remote:
@@ -62,22 +71,27 @@ def served(request: pytest.FixtureRequest, llm: LLM, package: Path, device: str)
 
 
 @pytest.fixture(scope="module")
-def server(served: LLM | RemoteLLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(served: LLM | RemoteLLM, mode: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     session_dir = tmp_path_factory.mktemp("sessions")
+    if mode == "two-front-ends":
+        with running_front_ends(served, 2, api_key=KEY, session_dir=session_dir) as url:
+            yield url
+        return
     with running(create_app(served, api_key=KEY, session_dir=session_dir)) as url:
         yield url
 
 
 @pytest.fixture
 def http(server: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as client:
+    with httpx.Client(base_url=server, headers=AUTH, timeout=60, transport=transport_for(server)) as client:
         yield client
 
 
 @pytest.fixture
 def client(server: str) -> Iterator[openai.OpenAI]:
     # No retries: a 409 or 429 must reach the test, not be retried away.
-    with openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+    with httpx.Client(transport=transport_for(server), timeout=60) as transport, \
+            openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60, http_client=transport) as c:
         yield c
 
 

@@ -41,7 +41,8 @@ import sys
 import threading
 import time
 import weakref
-from multiprocessing.connection import Connection
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection
 from typing import Any, TypeGuard
 
 import torch
@@ -50,10 +51,11 @@ from .._session import Closable
 from ..errors import EngineProcessError, EngineUnresponsiveError, Error, SessionBusyError, SessionClosedError
 from ._generation import Event, Pieces
 from ._prompts import Prompt, Prompts
-from ._remote_engine import Finals, Outbox, Started
+from ._remote_engine import EngineAddress, Finals, Outbox, Started
 from ._sampling import SamplingParams, sampling_params
 
-__all__ = ["RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]
+__all__ = ["RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineAddress", "EngineProcessError",
+           "EngineUnresponsiveError"]
 
 log = logging.getLogger("aoti_sessions.llm")
 START_TIMEOUT_S = 600.0  # loading a package (and a first CUDA context) may take a while
@@ -94,22 +96,62 @@ class RemoteLLM(Prompts, Closable):
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
                  threads: int | None = None, *, engine_timeout: float = ENGINE_TIMEOUT_S,
                  step_timeout: float = STEP_TIMEOUT_S, **engine_options: Any) -> None:
-        for name, value in (("engine_timeout", engine_timeout), ("step_timeout", step_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-        super().__init__(package)
-        self.engine_timeout, self.step_timeout = float(engine_timeout), float(step_timeout)
-        self._tick = min(1.0, self.engine_timeout / BEATS_PER_TIMEOUT)  # the heartbeat's period, and the checks
+        self._begin(package, engine_timeout, step_timeout)
         # A new interpreter (no fork of a process with threads or CUDA, and
         # unlike multiprocessing's spawn, no import of the caller's script):
         # its end of a socket pair is its pipe, read for its arguments first.
         here, there = socket.socketpair()
         with there:
-            self._process = subprocess.Popen([sys.executable, "-m", "aoti_sessions.llm._engine_main",
-                                              str(there.fileno())], pass_fds=(there.fileno(),),
-                                             stdin=subprocess.DEVNULL)
+            self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-m", "aoti_sessions.llm._engine_main", str(there.fileno())],
+                pass_fds=(there.fileno(),), stdin=subprocess.DEVNULL)
         self._conn = Connection(here.detach())
         self._conn.send((os.fspath(package), str(device), threads, engine_options, self._tick))
+        self._connected()
+
+    @classmethod
+    def attach(cls, package: str | os.PathLike[str], address: EngineAddress, *,
+               engine_timeout: float = ENGINE_TIMEOUT_S, step_timeout: float = STEP_TIMEOUT_S) -> RemoteLLM:
+        """This process's connection to the engine process another RemoteLLM
+        of ``package`` started and shared (:meth:`share`): its sessions are
+        the same, by id (:meth:`session_of`); its generations are this
+        connection's. :meth:`close` detaches (the engine goes on); the engine
+        ending (its first RemoteLLM closed, or it died) ends this one's calls
+        with SessionClosedError or EngineProcessError."""
+        self = cls.__new__(cls)
+        self._begin(package, engine_timeout, step_timeout)
+        self._process = None
+        try:
+            self._conn = Client(address.path, "AF_UNIX", authkey=address.authkey)
+        except (OSError, EOFError, AuthenticationError) as e:
+            raise EngineProcessError(f"cannot reach the engine process at {address.path}: "
+                                     f"{type(e).__name__}: {e}") from None
+        self._connected()
+        return self
+
+    def share(self) -> EngineAddress:
+        """Lets other processes :meth:`attach` to this engine process; its
+        address (the key in it is a secret: hand it over a pipe)."""
+        if self._process is None:
+            raise EngineProcessError("only the RemoteLLM that started the engine process may share it")
+        address: EngineAddress = self._call("listen")
+        return address
+
+    def session_of(self, sid: int, tokens: int) -> RemoteSession:
+        """A proxy of the engine's session ``sid`` (made by this or another
+        connection; ``tokens``: its token count as last known)."""
+        return self._session(sid, tokens)
+
+    def _begin(self, package: str | os.PathLike[str], engine_timeout: float, step_timeout: float) -> None:
+        for name, value in (("engine_timeout", engine_timeout), ("step_timeout", step_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        Prompts.__init__(self, package)
+        self.package = os.fspath(package)  # (what attach() takes)
+        self.engine_timeout, self.step_timeout = float(engine_timeout), float(step_timeout)
+        self._tick = min(1.0, self.engine_timeout / BEATS_PER_TIMEOUT)  # the heartbeat's period, and the checks
+
+    def _connected(self) -> None:
         self._lock = threading.Lock()  # the tables below, _ended and _unresponsive
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
@@ -121,9 +163,11 @@ class RemoteLLM(Prompts, Closable):
         self._closing = False
         ready = self._first_message()
         if isinstance(ready, BaseException):
-            self._process.wait(CLOSE_TIMEOUT_S)
+            if self._process is not None:
+                self._process.wait(CLOSE_TIMEOUT_S)
             raise ready
         self._device = torch.device(ready["device"])
+        self._pid: int = ready["pid"]
         self._heard = time.monotonic()  # the child's last message
         self._stalled = 0.0  # its step loop's time in one step, as of that message
         self._over = threading.Event()  # set once it ended (closed or died)
@@ -140,6 +184,9 @@ class RemoteLLM(Prompts, Closable):
                 return value if ok or isinstance(value, BaseException) else EngineProcessError(str(value))
         except (EOFError, OSError):
             pass
+        if self._process is None:
+            self._conn.close()
+            return EngineProcessError("the engine process did not answer (it ended)")
         self._process.kill()
         return EngineProcessError(f"the engine process did not start (exit code {self._process.wait()})")
 
@@ -168,9 +215,9 @@ class RemoteLLM(Prompts, Closable):
         return self._ended
 
     @property
-    def pid(self) -> int | None:
+    def pid(self) -> int:
         """The engine process's id."""
-        return self._process.pid
+        return self._pid
 
     def stats(self) -> dict[str, Any]:
         """The engine's and its step loop's counters (:meth:`LLM.stats`)."""
@@ -190,22 +237,24 @@ class RemoteLLM(Prompts, Closable):
                 return
             self._closing = True
         try:
-            self._call("close")
+            self._call("close")  # (an attached one: detaches)
         except EngineUnresponsiveError:
-            self._process.kill()  # (stopped or wedged: it would not exit by itself)
-        except EngineProcessError:
+            if self._process is not None:
+                self._process.kill()  # (stopped or wedged: it would not exit by itself)
+        except (EngineProcessError, SessionClosedError):
             pass
-        try:
-            self._process.wait(CLOSE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        if self._process is not None:
+            try:
+                self._process.wait(CLOSE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
         self._end(SessionClosedError("the LLM is closed"))
         self._outbox.stop(CLOSE_TIMEOUT_S)
         self._conn.close()
 
     def __repr__(self) -> str:
-        return f"RemoteLLM({self.name!r}, {self._device}, engine process {self._process.pid})"
+        return f"RemoteLLM({self.name!r}, {self._device}, engine process {self._pid})"
 
     # -- the pipe ----------------------------------------------------------------
     def _session(self, sid: int, tokens: int) -> RemoteSession:
@@ -251,7 +300,8 @@ class RemoteLLM(Prompts, Closable):
         except (EOFError, OSError):
             pass
         except Exception as e:  # noqa: BLE001 - a message this end cannot read: the pipe is lost
-            self._process.kill()
+            if self._process is not None:
+                self._process.kill()
             self._end(EngineProcessError(f"unreadable message from the engine process: {type(e).__name__}: {e}"))
             return
         self._end(self._death())
@@ -287,11 +337,11 @@ class RemoteLLM(Prompts, Closable):
                 why = (f"its step loop has been in one step for more than {self.step_timeout:g} s with "
                        "generations waiting (step timeout): a hung device or a deadlock")
             if why is not None and self._unresponsive is None:
-                self._give_up(f"the engine process (pid {self._process.pid}) is unresponsive: {why}")
+                self._give_up(f"the engine process (pid {self._pid}) is unresponsive: {why}")
             elif why is None and self._unresponsive is not None:
                 with self._lock:
                     self._unresponsive = None
-                log.warning("the engine process (pid %s) answers again", self._process.pid)
+                log.warning("the engine process (pid %s) answers again", self._pid)
 
     def _give_up(self, why: str) -> None:
         """The child does not answer: pending calls and running generations
@@ -322,6 +372,8 @@ class RemoteLLM(Prompts, Closable):
     def _death(self) -> Error:
         if self._closing:
             return SessionClosedError("the LLM is closed")
+        if self._process is None:  # (attached: not this process's child)
+            return EngineProcessError(f"the engine process (pid {self._pid}) ended, or closed its connection")
         try:
             code: int | None = self._process.wait(1.0)
         except subprocess.TimeoutExpired:
@@ -367,6 +419,11 @@ class RemoteSession(Closable):
     @property
     def busy(self) -> bool:
         return self._active is not None and not self._active.finished
+
+    def counted(self, tokens: int) -> None:
+        """Its token count as a generation of another connection left it
+        (that connection's proxy saw the steps; this one did not)."""
+        self._tokens = tokens
 
     @property
     def resident(self) -> bool:

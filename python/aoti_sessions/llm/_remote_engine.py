@@ -1,5 +1,15 @@
 """The engine process of a RemoteLLM (_remote.py): an LLM, its sessions and
-its generations, served over one pipe.
+its generations, served over the pipe of the RemoteLLM that started it and,
+once that one asked (``listen``), over connections of other processes too
+(RemoteLLM.attach: a server's front ends, serve/_fleet.py).
+
+Every connection is a peer: its calls, its generations, whose events go back
+on it. Sessions are the engine's, by id, whichever peer names them (the
+registry of the process that shares them says who may). A peer that detaches
+or goes stops its generations; the engine ends with its first peer. Other
+processes connect through a Unix socket in a folder only this user can enter
+(0700), with a key the first peer hands out (multiprocessing's HMAC
+handshake): what the connection carries is pickles.
 
 Calls run in worker threads (they may wait: a fork, a save, a cancellation
 waiting for the step in flight), as a server's calls do in its own process.
@@ -17,21 +27,24 @@ a slow prefill chunk may be, without waiting on any one step itself.
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, Listener
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from ._generation import Event, Generation
     from ._llm import LLM, ChatSession
 
-__all__ = ["child_main", "Started", "Finals", "Outbox", "StepWatch"]
+__all__ = ["child_main", "Started", "Finals", "Outbox", "StepWatch", "EngineAddress"]
 
 SWITCH_INTERVAL_S = 0.0005  # the step loop waits less for the other threads (as a server's process does)
 CALL_THREADS = 32
@@ -45,6 +58,15 @@ class Started(NamedTuple):
     submitted: float
     prompt_tokens: int
     cached_tokens: int
+
+
+class EngineAddress(NamedTuple):
+    """Where other processes reach an engine process (RemoteLLM.share): its
+    socket and the key of its handshake (a secret: hand it over a pipe, never
+    on a command line)."""
+
+    path: str
+    authkey: bytes
 
 
 class Finals(NamedTuple):
@@ -146,62 +168,130 @@ def child_main(conn: Connection, package: str, device: str, threads: int | None,
     except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
         conn.send((False, portable(e)))
         return
-    conn.send((True, {"device": str(llm.device)}))
+    conn.send((True, {"device": str(llm.device), "pid": os.getpid()}))
     _Engine(conn, llm).serve(beat)
+
+
+class _Peer:
+    """One connection to the engine process: its outbox, and the generations
+    it started (their events go back on it)."""
+
+    def __init__(self, conn: Connection, name: str, *, first: bool) -> None:
+        self.conn = conn
+        self.first = first  # the RemoteLLM that started the process: its close ends it
+        self.outbox = Outbox(conn, name)
+        self.generations: dict[int, Generation] = {}
+
+    def put(self, item: tuple[Any, ...]) -> None:
+        self.outbox.put(item)
 
 
 class _Engine:
     def __init__(self, conn: Connection, llm: LLM) -> None:
-        self._conn = conn
         self._llm = llm
         self._ids = itertools.count(1)
         self._sessions: dict[int, ChatSession] = {}
-        self._generations: dict[int, Generation] = {}
-        self._outbox = Outbox(conn, "aoti-sessions-sender")
+        self._first = _Peer(conn, "aoti-sessions-sender", first=True)
+        self._lock = threading.Lock()  # _peers, _listener
+        self._peers = {self._first}
+        self._listener: Listener | None = None
+        self._address: EngineAddress | None = None
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="aoti-sessions-call")
         self._stopping = threading.Event()
 
     def serve(self, beat: float) -> None:
         heart = threading.Thread(target=self._beat, args=(beat,), name="aoti-sessions-heartbeat", daemon=True)
         heart.start()
-        calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="aoti-sessions-call")
-        closing: int | None = None
-        try:
-            while closing is None:
-                for cid, op, args in self._conn.recv():  # (what the parent put while it sent: a list)
-                    if op == "close":
-                        closing = cid
-                        break
-                    calls.submit(self._run, cid, op, args)
-        except (EOFError, OSError):
-            pass  # the parent went: nobody to answer
-        self._llm.close()  # generations still running end with SessionClosedError
-        calls.shutdown(wait=True)
+        closing = self._read(self._first)
+        with self._lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            assert self._address is not None
+            listener.close()
+            shutil.rmtree(os.path.dirname(self._address.path), ignore_errors=True)
+        self._llm.close()  # generations still running end with SessionClosedError (on every peer)
+        self._calls.shutdown(wait=True)
         self._stopping.set()
         heart.join()
         if closing is not None:
-            self._put(("reply", closing, True, None))
-        self._outbox.stop()
+            self._first.put(("reply", closing, True, None))
+        with self._lock:
+            peers = list(self._peers)
+        for peer in peers:
+            peer.outbox.stop(1.0 if peer is not self._first else None)
 
-    def _put(self, item: tuple[Any, ...]) -> None:
-        self._outbox.put(item)
+    def _read(self, peer: _Peer) -> int | None:
+        """Runs ``peer``'s calls until it says close (that call's id) or goes (None)."""
+        try:
+            while True:
+                for cid, op, args in peer.conn.recv():  # (what the peer put while it sent: a list)
+                    if op == "close":
+                        return int(cid)
+                    self._calls.submit(self._run, peer, cid, op, args)
+        except (EOFError, OSError):
+            return None  # it went: nobody to answer
+        except RuntimeError:
+            return None  # (calls after the engine began closing)
 
     def _beat(self, every: float) -> None:
-        """The heartbeat: from a thread of its own, so that a long step does not hold it up."""
+        """The heartbeat, to every peer: from a thread of its own, so that a long step does not hold it up."""
         watch = StepWatch(self._llm)
         while not self._stopping.wait(every):
-            self._put(("beat", watch.stalled()))
+            stalled = watch.stalled()
+            with self._lock:
+                peers = list(self._peers)
+            for peer in peers:
+                peer.put(("beat", stalled))
+
+    # -- other processes ---------------------------------------------------------
+    def _accept(self, listener: Listener) -> None:
+        while True:
+            try:
+                conn = listener.accept()  # (the key's handshake: a process without it is refused here)
+            except (OSError, EOFError):
+                if self._listener is not listener:
+                    return  # closed: the engine ends
+                continue  # a failed handshake
+            except Exception:  # noqa: BLE001 - multiprocessing's AuthenticationError and kin
+                continue
+            try:
+                conn.send((True, {"device": str(self._llm.device), "pid": os.getpid()}))  # (before any beat)
+            except OSError:
+                conn.close()
+                continue
+            peer = _Peer(conn, "aoti-sessions-peer-sender", first=False)
+            with self._lock:
+                if self._listener is not listener:
+                    conn.close()
+                    return
+                self._peers.add(peer)
+            threading.Thread(target=self._serve_peer, args=(peer,), name="aoti-sessions-peer", daemon=True).start()
+
+    def _serve_peer(self, peer: _Peer) -> None:
+        """An attached peer's calls until it detaches or goes: then its
+        generations stop (its sessions stay: they are the engine's)."""
+        closing = self._read(peer)
+        with self._lock:
+            self._peers.discard(peer)
+        for g in list(peer.generations.values()):
+            g.close()
+        peer.generations.clear()
+        if closing is not None:
+            peer.put(("reply", closing, True, None))
+        peer.outbox.stop(1.0)
+        peer.conn.close()
 
     # -- calls -----------------------------------------------------------------
-    def _run(self, cid: int, op: str, args: tuple[Any, ...]) -> None:
+    def _run(self, peer: _Peer, cid: int, op: str, args: tuple[Any, ...]) -> None:
         try:
             if op == "start":
-                self._start(cid, *args)
+                self._start(peer, cid, *args)
                 return
-            value = getattr(self, "_op_" + op)(*args)
+            value = getattr(self, "_op_" + op)(peer, *args)
         except BaseException as e:  # noqa: BLE001 - the caller's to raise
-            self._put(("reply", cid, False, portable(e)))
+            peer.put(("reply", cid, False, portable(e)))
         else:
-            self._put(("reply", cid, True, value))
+            peer.put(("reply", cid, True, value))
 
     def _add(self, session: ChatSession) -> tuple[int, int]:
         sid = next(self._ids)
@@ -216,54 +306,71 @@ class _Engine:
             raise SessionClosedError(f"session {sid} is closed")
         return session
 
-    def _op_stats(self) -> dict[str, Any]:
+    def _op_listen(self, peer: _Peer) -> EngineAddress:
+        """Other processes may connect from now on (RemoteLLM.share)."""
+        if not peer.first:
+            raise PermissionError("only the process that started the engine process may share it")
+        with self._lock:
+            if self._address is None:
+                folder = tempfile.mkdtemp(prefix="aoti-sessions-engine-")  # (0700: this user's alone)
+                authkey = os.urandom(32)
+                self._listener = Listener(os.path.join(folder, "engine.sock"), "AF_UNIX", authkey=authkey)
+                self._address = EngineAddress(os.path.join(folder, "engine.sock"), authkey)
+                threading.Thread(target=self._accept, args=(self._listener,), name="aoti-sessions-listener",
+                                 daemon=True).start()
+            return self._address
+
+    def _op_stats(self, _: _Peer) -> dict[str, Any]:
         return self._llm.stats()
 
-    def _op_new_session(self) -> int:
+    def _op_new_session(self, _: _Peer) -> int:
         return self._add(self._llm.new_session())[0]
 
-    def _op_load_session(self, path: str) -> tuple[int, int]:
+    def _op_load_session(self, _: _Peer, path: str) -> tuple[int, int]:
         return self._add(self._llm.load_session(path))
 
-    def _op_fork(self, sid: int) -> tuple[int, int]:
+    def _op_fork(self, _: _Peer, sid: int) -> tuple[int, int]:
         return self._add(self._session(sid).fork())
 
-    def _op_reset(self, sid: int) -> None:
+    def _op_reset(self, _: _Peer, sid: int) -> None:
         self._session(sid).reset()
 
-    def _op_save(self, sid: int, path: str) -> None:
+    def _op_save(self, _: _Peer, sid: int, path: str) -> None:
         self._session(sid).save(path)
 
-    def _op_resident(self, sid: int) -> bool:
+    def _op_resident(self, _: _Peer, sid: int) -> bool:
         return self._session(sid).resident
 
-    def _op_close_session(self, sid: int) -> None:
+    def _op_token_count(self, _: _Peer, sid: int) -> int:
+        return self._session(sid).token_count
+
+    def _op_close_session(self, _: _Peer, sid: int) -> None:
         session = self._sessions.pop(sid, None)
         if session is not None:
             session.close()
 
-    def _op_close_generation(self, gid: int) -> tuple[Finals | None, int]:
-        g = self._generations.pop(gid, None)
+    def _op_close_generation(self, peer: _Peer, gid: int) -> tuple[Finals | None, int]:
+        g = peer.generations.pop(gid, None)
         if g is None:
             return None, 0
         g.close()
         return _finals(g), g._session.token_count
 
-    def _start(self, cid: int, sid: int, ids: list[int], params: Any) -> None:
+    def _start(self, peer: _Peer, cid: int, sid: int, ids: list[int], params: Any) -> None:
         session = self._session(sid)
         g = session.start(ids, params)
         gid = next(self._ids)
-        self._generations[gid] = g
-        self._put(("reply", cid, True, Started(gid, sid, g.submitted, g.prompt_tokens, g.cached_tokens)))
+        peer.generations[gid] = g
+        peer.put(("reply", cid, True, Started(gid, sid, g.submitted, g.prompt_tokens, g.cached_tokens)))
 
         def sink(event: Event) -> None:  # on the step loop's thread
             finals = None
             if event is None or isinstance(event, BaseException):
-                self._generations.pop(gid, None)
+                peer.generations.pop(gid, None)
                 finals = _finals(g)
                 if event is not None:
                     event = portable(event)
-            self._put(("event", gid, event, g.completion_tokens, session.token_count, finals))
+            peer.put(("event", gid, event, g.completion_tokens, session.token_count, finals))
 
         g.on_event(sink)
 

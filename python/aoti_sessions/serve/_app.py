@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import SessionClosedError
 from . import _errors
 from ._errors import APIError, error_response, runtime_error, sse_error, unexpected
 from ._generate import DONE, Job
@@ -26,11 +25,12 @@ from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_SESSION_FILES, DEFAULT_M
 from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._protocol import (SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ErrorBody, ForkRequest, LoadRequest,
                         SaveRequest)
-from ._sessions import Entry, Registry, in_thread
+from ._sessions import Registry, described_one, in_thread
 from ._tenants import DEFAULT_TENANT, Keys
 
 if TYPE_CHECKING:
     from ..llm import LLM, RemoteLLM
+    from ._shared import SharedRegistry
 
 log = logging.getLogger("aoti_sessions.serve")
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
@@ -43,12 +43,26 @@ def tenant_of(request: Request) -> str:
     return str(request.scope.get(TENANT, DEFAULT_TENANT))
 
 
+def new_registry(llm: LLM | RemoteLLM, *, session_dir: str | os.PathLike[str] | None = None,
+                 session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
+                 checkpoint_sessions: bool = False, max_session_files: int = DEFAULT_MAX_SESSION_FILES,
+                 max_session_files_bytes: int = DEFAULT_MAX_SESSION_FILES_BYTES, **_: Any) -> Registry:
+    """The session registry :func:`create_app`'s options make (the others ignored)."""
+    for name, wanted in (("persist_sessions", persist_sessions), ("checkpoint_sessions", checkpoint_sessions)):
+        if wanted and session_dir is None:
+            raise ValueError(f"{name} needs a session_dir to keep them in")
+    persist = session_dir is not None if persist_sessions is None else bool(persist_sessions)
+    return Registry(llm, session_dir, ttl=session_ttl, persist=persist, checkpoint=checkpoint_sessions,
+                    max_files=max_session_files, max_file_bytes=max_session_files_bytes)
+
+
 def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
                model_name: str | None = None, retry_after: int = 1, max_body_bytes: int | None = None,
                session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
                body_timeout: float = DEFAULT_BODY_TIMEOUT, checkpoint_sessions: bool = False,
                api_keys: Iterable[str] = (), max_session_files: int = DEFAULT_MAX_SESSION_FILES,
-               max_session_files_bytes: int = DEFAULT_MAX_SESSION_FILES_BYTES) -> FastAPI:
+               max_session_files_bytes: int = DEFAULT_MAX_SESSION_FILES_BYTES,
+               shared: SharedRegistry | None = None) -> FastAPI:
     """An OpenAI-compatible server of ``llm``'s sessions.
 
     Args:
@@ -81,6 +95,10 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         max_session_files, max_session_files_bytes: each key's saved
             session files, in number and in bytes; past either a save is
             answered 403 until the key deletes some.
+        shared: for one front end of several over one engine process
+            (``aoti-sessions serve --api-workers N``, serve/_fleet.py): the
+            registry they share (its hub keeps the sessions, with the options
+            above), in place of one of this app's own.
 
     A generation request names its session with ``session_id`` in the body or
     an ``X-Session-ID`` header; an id the server does not know yet is created
@@ -100,39 +118,38 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"{name} must be an int >= 1, got {limit!r}")
     keys = Keys(api_key, api_keys)
-    for name, wanted in (("persist_sessions", persist_sessions), ("checkpoint_sessions", checkpoint_sessions)):
-        if wanted and session_dir is None:
-            raise ValueError(f"{name} needs a session_dir to keep them in")
-    persist = session_dir is not None if persist_sessions is None else bool(persist_sessions)
-    registry = Registry(llm, session_dir, ttl=session_ttl, persist=persist, checkpoint=checkpoint_sessions,
-                        max_files=max_session_files, max_file_bytes=max_session_files_bytes)
-    metrics = ServerMetrics(llm.stats, lambda: len(registry), lambda: registry.throwaway)
+    registry: Registry | SharedRegistry = shared if shared is not None else new_registry(
+        llm, session_dir=session_dir, session_ttl=session_ttl, persist_sessions=persist_sessions,
+        checkpoint_sessions=checkpoint_sessions, max_session_files=max_session_files,
+        max_session_files_bytes=max_session_files_bytes)
+    metrics = ServerMetrics(llm.stats, lambda: len(registry), lambda: int(registry.figure("throwaway")))
     counters: tuple[tuple[str, str, Callable[[], float]], ...] = (
             ("sessions_expired_total", "Named sessions parked (saved with persistence on, then closed) after their TTL.",
-             lambda: float(registry.expired)),
+             lambda: registry.figure("expired")),
             ("sessions_unparked_total", "Parked sessions brought back by a request naming them.",
-             lambda: float(registry.unparked)),
+             lambda: registry.figure("unparked")),
             ("session_park_failures_total", "Parks that failed (a full disk): the session stays in memory, or is "
-             "lost when the server stops.", lambda: float(registry.park_failures)),
+             "lost when the server stops.", lambda: registry.figure("park_failures")),
             ("checkpoints_total", "Checkpoint writes of named sessions (with checkpoints on).",
-             lambda: float(registry.checkpoints)),
+             lambda: registry.figure("checkpoints")),
             ("checkpoint_failures_total", "Checkpoint writes that failed (logged).",
-             lambda: float(registry.checkpoint_failures)),
+             lambda: registry.figure("checkpoint_failures")),
             ("checkpoint_seconds_total", "Seconds spent writing checkpoints, off the request path.",
-             lambda: float(registry.checkpoint_seconds)),
+             lambda: registry.figure("checkpoint_seconds")),
             ("checkpoint_wait_seconds_total", "Seconds requests waited for their session's checkpoint write.",
-             lambda: float(registry.checkpoint_wait_seconds)),
+             lambda: registry.figure("checkpoint_wait_seconds")),
             ("sessions_superseded_total", "Session copies dropped because another server changed their checkpoint.",
-             lambda: float(registry.superseded)))
+             lambda: registry.figure("superseded")))
     for name, what, read in counters:
         metrics.registry.gauge(f"aoti_sessions_{name}", what, read, kind="counter")
     model = model_name or llm.name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await registry.open(metrics.snapshot)
         async with anyio.create_task_group() as tasks:
-            if session_ttl is not None:
-                tasks.start_soon(_sweep, registry, min(60.0, session_ttl / 4))
+            if registry.sweeps:
+                tasks.start_soon(registry.sweep)
             yield
             tasks.cancel_scope.cancel()
         await registry.close()
@@ -168,7 +185,9 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
                               "description": "Prometheus text exposition"}})
     async def prometheus() -> Response:
         # (The engine's figures are a call into it: in a thread, never a wait of the event loop.)
-        return PlainTextResponse(await in_thread(metrics.render), media_type=CONTENT_TYPE)
+        # (With several front ends, the others' counts are summed in: one view from any of them.)
+        others = await registry.peer_metrics()
+        return PlainTextResponse(await in_thread(lambda: metrics.render(others)), media_type=CONTENT_TYPE)
 
     started = int(time.time())
 
@@ -229,15 +248,15 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
 
     @app.get("/v1/sessions")
     async def sessions(tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return {"object": "list", "data": await _described(registry.entries(tenant))}
+        return {"object": "list", "data": await registry.listing(tenant)}
 
     @app.post("/v1/sessions/load")
     async def load(body: LoadRequest, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return await _described_one(await registry.load(tenant, body.name, body.session_id))
+        return await described_one(await registry.load(tenant, body.name, body.session_id))
 
     @app.get("/v1/sessions/{session_id}")
     async def session(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return await _described_one(await registry.lookup(tenant, session_id))
+        return await described_one(await registry.lookup(tenant, session_id))
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
@@ -246,12 +265,12 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
 
     @app.post("/v1/sessions/{session_id}/reset")
     async def reset(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return await _described_one(await registry.reset(tenant, session_id))
+        return await described_one(await registry.reset(tenant, session_id))
 
     @app.post("/v1/sessions/{session_id}/fork")
     async def fork(session_id: str, body: ForkRequest | None = None,
                    tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return await _described_one(await registry.fork(tenant, session_id, body.session_id if body else None))
+        return await described_one(await registry.fork(tenant, session_id, body.session_id if body else None))
 
     @app.post("/v1/sessions/{session_id}/save")
     async def save(session_id: str, body: SaveRequest, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
@@ -275,39 +294,6 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
 _GENERATED: dict[int | str, dict[str, Any]] = {200: {
     "description": "The completion, or (stream) its chunks as server-sent events",
     "content": {"application/json": {}, "text/event-stream": {}}}}
-
-
-async def _sweep(registry: Registry, every: float) -> None:
-    """Parks the sessions idle past their TTL, every ``every`` seconds."""
-    while True:
-        await anyio.sleep(every)
-        try:
-            await registry.expire_idle()
-        except Exception:  # noqa: BLE001 - the sweep goes on
-            log.exception("parking idle sessions failed")
-
-
-async def _described(entries: list[Entry]) -> list[dict[str, Any]]:
-    """``entries`` described, in a worker thread: where a session's state is
-    is the engine's to say (with an engine process, a call with a deadline),
-    never a wait of the event loop. One closed meanwhile (parked) is left out."""
-    def describe() -> list[dict[str, Any]]:
-        out = []
-        for entry in entries:
-            try:
-                out.append(entry.describe())
-            except SessionClosedError:
-                pass
-        return out
-
-    return await in_thread(describe)
-
-
-async def _described_one(entry: Entry) -> dict[str, Any]:
-    described = await _described([entry])
-    if not described:
-        raise APIError(404, f"no session {entry.id!r}", "session_not_found", "session_id")
-    return described[0]
 
 
 def _check_model(name: str, model: str) -> None:

@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the model and its step loop in a process of their own, HTTP and tokenizing in "
                              "this one, so they share no GIL (default on; --no-engine-process: one process)")
+    parser.add_argument("--api-workers", type=_positive, metavar="N",
+                        help="front ends: processes that serve HTTP, chat templates, tokenizing and streaming, all on "
+                             "one port, over one engine process and one registry of sessions (any session may come "
+                             "to any of them; /metrics is one view); one front end is at most a core (default: 1 on "
+                             "a CPU device, else one per three CPUs beyond two, at most 4)")
     parser.add_argument("--engine-timeout", type=_seconds, default=ENGINE_TIMEOUT_S,
                         help="seconds without a heartbeat from the engine process (one comes every second or so, "
                              "whatever the step loop does) after which it is unresponsive (stopped, wedged): requests "
@@ -210,6 +214,14 @@ def run(args: argparse.Namespace) -> int:
     # parallel kernel waits for its slowest thread, so one the loop preempts
     # stalls every step.
     threads = compute_threads(args.threads, args.device)
+    from ..llm._llm import usable_cpus
+    from ._fleet import default_api_workers
+
+    workers = args.api_workers if args.api_workers is not None else default_api_workers(args.device, usable_cpus())
+    if workers > 1 and not args.engine_process:
+        print("aoti-sessions serve: --api-workers above 1 needs the engine process (not --no-engine-process)",
+              file=sys.stderr)
+        return 2
     llm = open_llm(args.package, device=args.device, threads=threads, engine_process=args.engine_process,
                    engine_options=engine_options)
     kernels = f", {threads} CPU thread{'s' if threads != 1 else ''} for its kernels" if threads is not None else ""
@@ -217,32 +229,29 @@ def run(args: argparse.Namespace) -> int:
     print(f"aoti-sessions serve: limits: {describe_limits(args, memory_budget, host_budget)}", file=sys.stderr,
           flush=True)
     try:
-        from ._http import server_config
+        from ._http import server_config, stop_when_the_engine_dies
 
-        app = create_app(llm, api_key=args.api_key, session_dir=args.session_dir, max_body_bytes=args.max_body_bytes,
-                         session_ttl=args.session_ttl, persist_sessions=args.persist_sessions,
-                         body_timeout=args.body_timeout, api_keys=api_keys,
-                         max_session_files=args.max_session_files,
-                         max_session_files_bytes=args.max_session_files_bytes)
+        options = dict(api_key=args.api_key, session_dir=args.session_dir, max_body_bytes=args.max_body_bytes,
+                       session_ttl=args.session_ttl, persist_sessions=args.persist_sessions,
+                       body_timeout=args.body_timeout, api_keys=api_keys, max_session_files=args.max_session_files,
+                       max_session_files_bytes=args.max_session_files_bytes)
+        if workers > 1:
+            from ._fleet import serve
+
+            # (The connection limit is each front end's: the server's, shared out.)
+            serve(llm, args.package, workers, host=args.host, port=args.port, app_options=options,
+                  server_options=dict(max_connections=-(-args.max_connections // workers),
+                                      header_timeout=args.header_timeout))
+            return _exit_status(llm)
+        app = create_app(llm, **options)
         server = uvicorn.Server(server_config(app, args.host, args.port, max_connections=args.max_connections,
                                               header_timeout=args.header_timeout, log_level="info"))
         if args.engine_process:
-            threading.Thread(target=_stop_when_the_engine_dies, args=(llm, server), name="aoti-sessions-engine-death",
-                             daemon=True).start()
+            stop_when_the_engine_dies(llm, server)
         server.run()
     finally:
         llm.close()
     return _exit_status(llm)
-
-
-def _stop_when_the_engine_dies(llm: Any, server: Any) -> None:
-    """Stops the server (as SIGTERM does) once its engine process died."""
-    from ..errors import EngineProcessError
-
-    error = llm.wait_ended()
-    if isinstance(error, EngineProcessError):
-        log.error("%s: the server stops", error)
-        server.should_exit = True
 
 
 def _exit_status(llm: Any) -> int:

@@ -65,6 +65,9 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.code, self.param)
 
+    def __reduce__(self) -> tuple[Any, ...]:  # (a front end raises what the hub's registry raised: serve/_shared.py)
+        return APIError, (self.status, self.message, self.code, self.param, self.headers)
+
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error body; the message bounded (one quoting a huge input

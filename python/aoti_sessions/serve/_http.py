@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import threading
 import time
 from typing import Any
 
@@ -116,3 +117,17 @@ def room_for(connections: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
         if new < want:
             log.warning("open files are limited to %d (ulimit -Hn): fewer than %d connections fit", new, connections)
+
+
+def stop_when_the_engine_dies(llm: Any, server: uvicorn.Server) -> None:
+    """Stops ``server`` (as SIGTERM does) once its engine process died (a thread waits for it)."""
+
+    def wait() -> None:
+        from ..errors import EngineProcessError
+
+        error = llm.wait_ended()
+        if isinstance(error, EngineProcessError):
+            log.error("%s: the server stops", error)
+            server.should_exit = True
+
+    threading.Thread(target=wait, name="aoti-sessions-engine-death", daemon=True).start()

@@ -48,12 +48,18 @@ class _Metric:
             raise ValueError(f"{self.name} takes labels {self.label_names}, got {sorted(labels)}")
         return tuple(str(labels[n]) for n in self.label_names)
 
-    def samples(self) -> Iterable[str]:
+    def state(self) -> Any:
+        """What this process counted, to sum with other front ends' (None: a
+        figure read from the engine or the registry, the same from every one)."""
+        return None
+
+    def samples(self, others: Sequence[Any] = ()) -> Iterable[str]:
+        """Its lines; ``others``: other front ends' :meth:`state`, summed in."""
         raise NotImplementedError
 
-    def render(self) -> str:
+    def render(self, others: Sequence[Any] = ()) -> str:
         head = f"# HELP {self.name} {self.help}\n# TYPE {self.name} {self.kind}\n"
-        return head + "".join(line + "\n" for line in self.samples())
+        return head + "".join(line + "\n" for line in self.samples(others))
 
 
 class Counter(_Metric):
@@ -76,10 +82,16 @@ class Counter(_Metric):
         with self._lock:
             return self._values.get(self._key(labels), 0.0)
 
-    def samples(self) -> Iterable[str]:
+    def state(self) -> dict[Labels, float]:
         with self._lock:
-            items = sorted(self._values.items())
-        return [f"{self.name}{_labels(self.label_names, k)} {format_number(v)}" for k, v in items]
+            return dict(self._values)
+
+    def samples(self, others: Sequence[Any] = ()) -> Iterable[str]:
+        values = self.state()
+        for other in others:
+            for key, value in other.items():
+                values[key] = values.get(key, 0.0) + value
+        return [f"{self.name}{_labels(self.label_names, k)} {format_number(v)}" for k, v in sorted(values.items())]
 
 
 class Gauge(_Metric):
@@ -88,13 +100,20 @@ class Gauge(_Metric):
     kept elsewhere (the engine's evictions)."""
 
     def __init__(self, name: str, help: str, read: Callable[[], float | dict[Labels, float]],
-                 labels: Sequence[str] = (), kind: str = "gauge") -> None:
+                 labels: Sequence[str] = (), kind: str = "gauge", *, summed: bool = False) -> None:
         super().__init__(name, help, labels)
         self._read = read
         self.kind = kind
+        self.summed = summed  # a figure of this process's (its generations running): front ends' add up
 
-    def samples(self) -> Iterable[str]:
+    def state(self) -> float | None:
+        value = self._read() if self.summed else None
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def samples(self, others: Sequence[Any] = ()) -> Iterable[str]:
         values = self._read()
+        if self.summed and isinstance(values, (int, float)):
+            values = values + sum(others)
         items = sorted(values.items()) if isinstance(values, dict) else [((), values)]
         return [f"{self.name}{_labels(self.label_names, k)} {format_number(v)}" for k, v in items]
 
@@ -122,9 +141,15 @@ class Histogram(_Metric):
         with self._lock:
             return sum(self._counts)
 
-    def samples(self) -> Iterable[str]:
+    def state(self) -> tuple[list[int], float]:
         with self._lock:
-            counts, total = list(self._counts), self._sum
+            return list(self._counts), self._sum
+
+    def samples(self, others: Sequence[Any] = ()) -> Iterable[str]:
+        counts, total = self.state()
+        for other_counts, other_sum in others:
+            counts = [a + b for a, b in zip(counts, other_counts)]
+            total += other_sum
         lines, running = [], 0
         for bound, n in zip((*self.buckets, math.inf), counts):
             running += n
@@ -155,13 +180,18 @@ class Registry:
         return metric
 
     def gauge(self, name: str, help: str, read: Callable[[], float | dict[Labels, float]],
-              labels: Sequence[str] = (), kind: str = "gauge") -> Gauge:
-        metric = Gauge(name, help, read, labels, kind)
+              labels: Sequence[str] = (), kind: str = "gauge", *, summed: bool = False) -> Gauge:
+        metric = Gauge(name, help, read, labels, kind, summed=summed)
         self.add(metric)
         return metric
 
-    def render(self) -> str:
-        return "".join(m.render() for m in self._metrics)
+    def snapshot(self) -> dict[str, Any]:
+        """What this process counted, by metric (to sum into another front end's render)."""
+        return {m.name: state for m in self._metrics if (state := m.state()) is not None}
+
+    def render(self, others: Sequence[dict[str, Any]] = ()) -> str:
+        """The exposition text, other front ends' :meth:`snapshot` summed in."""
+        return "".join(m.render([o[m.name] for o in others if m.name in o]) for m in self._metrics)
 
 
 class ServerMetrics:
@@ -184,7 +214,7 @@ class ServerMetrics:
         self.cancelled = r.counter(p + "cancelled_generations_total",
                                    "Generations stopped because the client went away.")
         self.active = 0
-        r.gauge(p + "active_generations", "Generations running now.", lambda: float(self.active))
+        r.gauge(p + "active_generations", "Generations running now.", lambda: float(self.active), summed=True)
         self.ttft = r.histogram(p + "time_to_first_token_seconds",
                                 "From a generation request's arrival to its first generated token.")
         self.itl = r.histogram(p + "inter_token_latency_seconds", "Between consecutive generated tokens.")
@@ -247,5 +277,9 @@ class ServerMetrics:
                 "Of the step loop's queueing time, the part spent in the engine's calls (the model's inputs "
                 "made and its work launched).", read("step_engine_seconds"), kind="counter")
 
-    def render(self) -> str:
-        return self.registry.render()
+    def snapshot(self) -> dict[str, Any]:
+        """This front end's counts (serve/_shared.py: a scrape of another sums them in)."""
+        return self.registry.snapshot()
+
+    def render(self, others: Sequence[dict[str, Any]] = ()) -> str:
+        return self.registry.render(others)

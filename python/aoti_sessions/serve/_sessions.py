@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from ..errors import SessionFileError, SessionFileNotFoundError
+from ..errors import SessionClosedError, SessionFileError, SessionFileNotFoundError
 from ._errors import APIError
 from ._limits import DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES
 from ._protocol import FILE_NAME_PATTERN, SESSION_ID_PATTERN
@@ -159,8 +159,28 @@ class Registry:
         self._writes: set[asyncio.Task[None]] = set()
         self._writers: anyio.CapacityLimiter | None = None  # (made on the event loop)
 
+    sweeps = True  # its sessions idle past their TTL are parked by its own sweep (sweep, expire_idle)
+    # Its figures for /metrics (figure): counts kept as attributes, and ``named``.
+    FIGURES = ("named", "throwaway", "expired", "unparked", "park_failures", "checkpoints", "checkpoint_failures",
+               "checkpoint_seconds", "checkpoint_wait_seconds", "superseded")
+
     def __len__(self) -> int:
         return len(self._entries)
+
+    def figure(self, name: str) -> float:
+        """One of its counts for /metrics (``expired``, ``unparked``, ...; ``named``: len)."""
+        return float(len(self) if name == "named" else getattr(self, name))
+
+    async def open(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """(A registry shared by several front ends connects here: serve/_shared.py.)"""
+
+    async def peer_metrics(self) -> list[dict[str, Any]]:
+        """Other front ends' metrics, to sum with this one's (none: it is the only one)."""
+        return []
+
+    async def listing(self, tenant: str) -> list[dict[str, Any]]:
+        """``tenant``'s named sessions in memory, described (GET /v1/sessions)."""
+        return await described(self.entries(tenant))
 
     def entries(self, tenant: str | None = None) -> list[Entry]:
         """The named sessions in memory (of ``tenant`` only, if given)."""
@@ -318,6 +338,17 @@ class Registry:
         except Exception as e:  # noqa: BLE001 - (its engine gone: nothing left to free)
             log.warning("session %r: closing it failed: %s", entry.id, e)
         return saved
+
+    async def sweep(self) -> None:
+        """Parks the sessions idle past their TTL, every quarter TTL (a minute at most), until cancelled."""
+        if self.ttl is None:
+            return
+        while True:
+            await anyio.sleep(min(60.0, self.ttl / 4))
+            try:
+                await self.expire_idle()
+            except Exception:  # noqa: BLE001 - the sweep goes on
+                log.exception("parking idle sessions failed")
 
     async def expire_idle(self) -> int:
         """Parks every named session unused for ``ttl`` seconds (not one a
@@ -570,6 +601,29 @@ class Registry:
                      parked, self.parked)
         if lost:
             log.warning("%d sessions could not be parked: their caches are lost", lost)
+
+
+async def described(entries: list[Entry]) -> list[dict[str, Any]]:
+    """``entries`` described, in a worker thread: where a session's state is
+    is the engine's to say (with an engine process, a call with a deadline),
+    never a wait of the event loop. One closed meanwhile (parked) is left out."""
+    def describe() -> list[dict[str, Any]]:
+        out = []
+        for entry in entries:
+            try:
+                out.append(entry.describe())
+            except SessionClosedError:
+                pass
+        return out
+
+    return await in_thread(describe)
+
+
+async def described_one(entry: Entry) -> dict[str, Any]:
+    out = await described([entry])
+    if not out:
+        raise APIError(404, f"no session {entry.id!r}", "session_not_found", "session_id")
+    return out[0]
 
 
 def _signature(path: Path) -> tuple[int, int, int] | None:

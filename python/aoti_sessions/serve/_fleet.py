@@ -1,0 +1,277 @@
+"""``aoti-sessions serve --api-workers N``: N front ends over one engine
+process (docs/batching.md, "Several front ends").
+
+One front end's process (HTTP, chat templates, tokenizing, streaming) runs
+at most one core; at 64 chats on a GPU it, not the step loop, bounds the
+server. So the server's first process (the hub, here) starts the engine
+process (a RemoteLLM it shares), keeps the one registry of named sessions
+(serve/_sessions.py) and serves it to the front ends (serve/_shared.py), and
+starts N front-end processes (python -m aoti_sessions.serve._front_main), each
+attached to the engine and serving the one listening socket (the kernel hands
+each connection to one of them). A session id may come to any front end:
+the hub holds it for one request at a time, wherever it came.
+
+Stopping (SIGTERM, SIGINT; or the engine process died): the front ends stop
+(each finishes what it serves), then the hub parks the named sessions (as one
+process's server does) and closes the engine. A front end that dies is
+started again; what it was serving fails with it (its sessions are released,
+their state intact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._sessions import Entry, Registry, described_one
+from ._shared import METRICS_TIMEOUT_S, Link
+
+if TYPE_CHECKING:
+    from ..llm import RemoteLLM
+    from ..llm._remote_engine import EngineAddress
+
+log = logging.getLogger("aoti_sessions.serve")
+STOP_TIMEOUT_S = 60.0  # front ends finishing what they serve when the server stops
+RESTART_DELAY_S = 1.0  # before a front end that died is started again
+
+
+def default_api_workers(device: str, cpus: int) -> int:
+    """Front ends for ``serve`` by default: one on a CPU device (the model's
+    kernels want the cores); on a GPU one per three cores beyond the engine's
+    and the hub's, at most 4 (each is at most a core, and at 64 chats one
+    is the server's bound)."""
+    if device.startswith("cpu"):
+        return 1
+    return max(1, min(4, (cpus - 2) // 3))
+
+
+@dataclass
+class FrontEnd:
+    """What a front-end process is told (pickled on its stdin: the engine's key is a secret)."""
+
+    package: str
+    engine: EngineAddress
+    hub: str
+    app_options: dict[str, Any]
+    server_options: dict[str, Any]
+    engine_timeout: float
+    step_timeout: float
+
+
+class Hub:
+    """The registry of named sessions, served to the front ends over their links."""
+
+    def __init__(self, registry: Registry, path: str) -> None:
+        self.registry = registry
+        self.path = path
+        self._held: dict[int, tuple[Entry, Link]] = {}  # handle: a request's session, and whose request
+        self._handles = itertools.count(1)
+        self._links: set[Link] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._connected, self.path)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._links):
+            await link.close()
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers: dict[str, Any] = {}
+        link = Link(reader, writer, handlers)
+        handlers.update({name: functools.partial(getattr(self, "_op_" + name), link) for name in (
+            "acquire", "release", "lookup", "reset", "fork", "load", "delete", "save", "files", "delete_file",
+            "listing", "metrics")})
+        self._links.add(link)
+        await link.closed.wait()
+        self._links.discard(link)
+        for handle, (entry, holder) in list(self._held.items()):
+            if holder is link:  # a front end that went: what it held is let go (its generations were stopped)
+                del self._held[handle]
+                await self.registry.release(entry)
+
+    # -- what a front end asks -------------------------------------------------------
+    async def _op_acquire(self, link: Link, tenant: str, session_id: str | None, create: bool) -> tuple[int, int, int]:
+        entry = await self.registry.acquire(tenant, session_id, create=create)
+        if link.closed.is_set():
+            await self.registry.release(entry)
+            raise ConnectionError("the front end went")
+        handle = next(self._handles)
+        self._held[handle] = (entry, link)
+        session: Any = entry.session
+        return handle, session.id, session.token_count
+
+    async def _op_release(self, link: Link, handle: int, tokens: int) -> None:
+        held = self._held.pop(handle, None)
+        if held is None:
+            return
+        entry = held[0]
+        if entry.session is not None:
+            entry.session.counted(tokens)  # type: ignore[union-attr]
+            entry.tokens = tokens
+        await self.registry.release(entry)
+
+    async def _op_lookup(self, link: Link, tenant: str, session_id: str) -> dict[str, Any]:
+        return await described_one(await self.registry.lookup(tenant, session_id))
+
+    async def _op_reset(self, link: Link, tenant: str, session_id: str) -> dict[str, Any]:
+        return await described_one(await self.registry.reset(tenant, session_id))
+
+    async def _op_fork(self, link: Link, tenant: str, session_id: str, new_id: str | None) -> dict[str, Any]:
+        return await described_one(await self.registry.fork(tenant, session_id, new_id))
+
+    async def _op_load(self, link: Link, tenant: str, name: str, session_id: str | None) -> dict[str, Any]:
+        return await described_one(await self.registry.load(tenant, name, session_id))
+
+    async def _op_delete(self, link: Link, tenant: str, session_id: str) -> None:
+        await self.registry.delete(tenant, session_id)
+
+    async def _op_save(self, link: Link, tenant: str, session_id: str, name: str) -> int:
+        return await self.registry.save(tenant, session_id, name)
+
+    async def _op_files(self, link: Link, tenant: str) -> list[dict[str, Any]]:
+        return await self.registry.files(tenant)
+
+    async def _op_delete_file(self, link: Link, tenant: str, name: str) -> None:
+        await self.registry.delete_file(tenant, name)
+
+    async def _op_listing(self, link: Link, tenant: str) -> list[dict[str, Any]]:
+        return await self.registry.listing(tenant)
+
+    async def _op_metrics(self, link: Link) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """The registry's figures, and every other front end's counts (one that does not answer in time is left out)."""
+        figures = {name: self.registry.figure(name) for name in Registry.FIGURES}
+        others = [other for other in self._links if other is not link]
+        answers = await asyncio.gather(*(other.call("snapshot", timeout=METRICS_TIMEOUT_S) for other in others),
+                                       return_exceptions=True)
+        return figures, [a for a in answers if isinstance(a, dict)]
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, which every front end serves."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(llm: RemoteLLM, package: str, workers: int, *, host: str, port: int, app_options: dict[str, Any],
+          server_options: dict[str, Any]) -> None:
+    """Runs the hub and ``workers`` front ends until told to stop (or the
+    engine dies); then parks and returns. ``app_options``: create_app's (the
+    registry's to the hub, the rest to every front end)."""
+    from ._app import new_registry
+
+    registry = new_registry(llm, **app_options)
+    folder = tempfile.mkdtemp(prefix="aoti-sessions-hub-")  # (0700: the hub's socket is this user's alone)
+    sock = listening_socket(host, port)
+    front = FrontEnd(package, llm.share(), os.path.join(folder, "hub.sock"), app_options, server_options,
+                     llm.engine_timeout, llm.step_timeout)
+    try:
+        asyncio.run(_run(llm, front, workers, sock, registry))
+    finally:
+        sock.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _run(llm: RemoteLLM, front: FrontEnd, workers: int, sock: socket.socket, registry: Registry) -> None:
+    hub = Hub(registry, front.hub)
+    await hub.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    threading.Thread(target=_when_ended, args=(llm, loop, stop), name="aoti-sessions-engine-death",
+                     daemon=True).start()
+    sweeping = loop.create_task(registry.sweep())
+    processes = [_start_front_end(front, sock) for _ in range(workers)]
+    print(f"aoti-sessions serve: {workers} front ends (pids {', '.join(str(p.pid) for p in processes)}) on "
+          f"{sock.getsockname()[0]}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), RESTART_DELAY_S)
+            except asyncio.TimeoutError:
+                pass
+            for i, process in enumerate(processes):
+                if process.poll() is not None and not stop.is_set():
+                    log.error("front end (pid %d) ended with exit status %s: starting another", process.pid,
+                              process.returncode)
+                    processes[i] = _start_front_end(front, sock)
+    finally:
+        sweeping.cancel()
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)  # (each finishes what it serves, then exits)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in processes:
+            try:
+                await loop.run_in_executor(None, process.wait, max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                await loop.run_in_executor(None, process.wait)
+        await hub.close()
+        await registry.close()
+
+
+def _when_ended(llm: RemoteLLM, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Stops the server once its engine process ended (died: the front ends stop too, by themselves)."""
+    llm.wait_ended()
+    try:
+        loop.call_soon_threadsafe(stop.set)
+    except RuntimeError:
+        pass  # (the hub already stopped)
+
+
+def _start_front_end(front: FrontEnd, sock: socket.socket) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen([sys.executable, "-m", "aoti_sessions.serve._front_main", str(sock.fileno())],
+                               pass_fds=(sock.fileno(),), stdin=subprocess.PIPE)
+    assert process.stdin is not None
+    with process.stdin:
+        process.stdin.write(pickle.dumps(front))
+    return process
+
+
+def front_end_main(fd: int) -> int:
+    """A front end's process: attached to the engine, the hub's registry, one
+    uvicorn server on the inherited listening socket ``fd``."""
+    import uvicorn
+
+    from ..llm import RemoteLLM
+    from ._app import create_app
+    from ..llm._remote_engine import SWITCH_INTERVAL_S
+    from ._http import server_config, stop_when_the_engine_dies
+    from ._shared import SharedRegistry
+
+    front: FrontEnd = pickle.loads(sys.stdin.buffer.read())
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    sock = socket.socket(fileno=fd)
+    llm = RemoteLLM.attach(front.package, front.engine, engine_timeout=front.engine_timeout,
+                           step_timeout=front.step_timeout)
+    try:
+        app = create_app(llm, shared=SharedRegistry(llm, front.hub), **front.app_options)
+        server = uvicorn.Server(server_config(app, "127.0.0.1", 0, log_level="info", **front.server_options))
+        stop_when_the_engine_dies(llm, server)
+        server.run(sockets=[sock])
+    finally:
+        llm.close()
+    return 0

@@ -1,0 +1,252 @@
+"""Several front ends over one engine process (``aoti-sessions serve
+--api-workers N``, serve/_fleet.py): the engine shared by connections of
+other processes (RemoteLLM.attach), one registry of sessions the front ends
+ask (serve/_shared.py), one view of /metrics, and the real command: a chat's
+turns on fresh connections, concurrent chats equal to their solo runs, a
+clean stop that parks the sessions. test_serve.py runs each of its server
+tests through two front ends too."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from aoti_sessions.errors import EngineProcessError, SessionClosedError
+from aoti_sessions.llm import LLM, RemoteLLM
+from aoti_sessions.llm._remote_engine import EngineAddress
+from aoti_sessions.serve._fleet import default_api_workers
+from aoti_sessions.serve._shared import SharedRegistry
+from aoti_sessions.serve._tenants import DEFAULT_TENANT
+from llm_models import llm_package
+from serving import descendants, metrics, running_front_ends, wait_until
+
+CONTEXT = 512  # tests/test_serve.py's package
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def package(device: str) -> Path:
+    return llm_package("qwen3", device=device, max_cache_len=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def llm(package: Path, device: str) -> Iterator[LLM]:
+    with LLM(package, device, max_sessions=16) as model:
+        yield model
+
+
+def _text(g: Any) -> str:
+    pieces = []
+    while (piece := g.step()) is not None:
+        pieces.append(piece)
+    return "".join(pieces)
+
+
+def _solo(llm: LLM, turns: list[str]) -> list[str]:
+    """A chat's greedy replies, run alone in this process."""
+    messages: list[dict[str, str]] = []
+    replies = []
+    with llm.new_session() as session:
+        for user in turns:
+            messages.append({"role": "user", "content": user})
+            replies.append(session.generate(messages, max_tokens=TOKENS, temperature=0, ignore_eos=True).text)
+            messages.append({"role": "assistant", "content": replies[-1]})
+    return replies
+
+
+def test_attached_processes_share_the_engines_sessions(package: Path, device: str, llm: LLM) -> None:
+    """A session made by one connection runs from another with the same
+    text; a connection that goes stops its generations, not the session; a
+    wrong key, a share from an attached one and an engine gone are refused."""
+    with llm.new_session() as local:
+        want = local.generate("The sea", max_tokens=TOKENS, temperature=0, ignore_eos=True).text
+    with RemoteLLM(package, device, threads=1) as owner:
+        address = owner.share()
+        assert owner.share() == address and oct(os.stat(os.path.dirname(address.path)).st_mode & 0o777) == "0o700"
+        other = RemoteLLM.attach(package, address)
+        session = owner.new_session()
+        proxy = other.session_of(session.id, session.token_count)
+        assert _text(proxy.start("The sea", max_tokens=TOKENS, temperature=0, ignore_eos=True)) == want
+        # A generation of a connection that goes ends with it; the session serves on.
+        third = RemoteLLM.attach(package, address)
+        long = third.session_of(session.id, proxy.token_count).start("More", max_tokens=CONTEXT // 2,
+                                                                        ignore_eos=True)
+        assert long.step() is not None
+        third.close()  # (its detach is answered once its generations stopped)
+        again = other.session_of(session.id, 0)
+        g = again.start("Again", max_tokens=2, temperature=0, ignore_eos=True)
+        _text(g)
+        assert g.completion_tokens == 2 and g.finish_reason == "length"
+        with pytest.raises(EngineProcessError, match="only the RemoteLLM that started"):
+            other.share()
+        with pytest.raises(EngineProcessError, match="cannot reach the engine process"):
+            RemoteLLM.attach(package, EngineAddress(address.path, b"x" * 32))
+        assert other.alive and _text(proxy.start("Still", max_tokens=2, temperature=0)) is not None
+    # The engine ended with its first connection: the others' calls say so.
+    with pytest.raises((EngineProcessError, SessionClosedError)):
+        other.new_session()
+    other.close()
+    with pytest.raises(EngineProcessError):
+        RemoteLLM.attach(package, address)
+
+
+def test_front_ends_share_one_registry_and_one_view_of_metrics(package: Path, device: str, llm: LLM,
+                                                                 tmp_path: Path) -> None:
+    """Two front ends (in this process): a chat alternating between them
+    gets its solo replies from one session, a session held through one is
+    busy through the other, each front end's /metrics counts both's requests,
+    and a front end that goes lets its sessions go."""
+    turns = ["Hello", "Tell me more", "And then?"]
+    want = _solo(llm, turns)
+    with RemoteLLM(package, device, threads=1, max_sessions=8) as owner, \
+            running_front_ends(owner, 2, session_dir=tmp_path) as url:
+        first, second = (httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) for port in url.ports)
+        with first, second:
+            messages: list[dict[str, str]] = []
+            for i, user in enumerate(turns):
+                messages.append({"role": "user", "content": user})
+                front = (first, second)[i % 2]
+                reply = front.post("/v1/chat/completions", json={
+                    "messages": messages, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+                    "session_id": "across"}).json()
+                assert reply["choices"][0]["message"]["content"] == want[i], (i, reply)
+                if i:
+                    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, reply
+                messages.append({"role": "assistant", "content": want[i]})
+            # Held through one front end: busy through the other.
+            body = {"messages": messages, "max_tokens": CONTEXT // 2, "ignore_eos": True, "stream": True,
+                    "session_id": "across"}
+            with first.stream("POST", "/v1/chat/completions", json=body) as stream:
+                assert stream.status_code == 200
+                assert second.get("/v1/sessions/across").json()["busy"] is True
+                busy = second.post("/v1/chat/completions", json={**body, "stream": False})
+                assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy", busy.text
+            wait_until(lambda: not second.get("/v1/sessions/across").json()["busy"], what="the hold to end")
+            # One view: each front end counts the other's requests too.
+            views = [metrics(front) for front in (first, second)]
+            for view in views:
+                assert view['aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 3
+                assert view['aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="409"}'] == 1
+                assert view["aoti_sessions_named_sessions"] == 1
+            assert views[0]["aoti_sessions_generated_tokens_total"] >= 3 * TOKENS
+            # Sessions, forks and files through either front end.
+            assert second.post("/v1/sessions/across/fork", json={"session_id": "branch"}).status_code == 200
+            assert {s["id"] for s in first.get("/v1/sessions").json()["data"]} == {"across", "branch"}
+            assert first.post("/v1/sessions/branch/save", json={"name": "kept"}).status_code == 200
+            assert [f["name"] for f in second.get("/v1/session-files").json()["data"]] == ["kept"]
+            assert second.delete("/v1/sessions/branch").status_code == 200
+            assert first.get("/v1/sessions/branch").status_code == 404
+
+        # A front end that goes (its link closes) lets what it held go.
+        async def hold_and_go() -> None:
+            shared = SharedRegistry(owner, url.hub)
+            await shared.open(dict)
+            entry = await shared.acquire(DEFAULT_TENANT, "across", create=False)
+            assert entry.session is not None
+            await shared.close()
+        asyncio.run(hold_and_go())
+        with httpx.Client(base_url=url, timeout=60) as http:
+            wait_until(lambda: not http.get("/v1/sessions/across").json()["busy"], what="the session to be let go")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_cli_front_ends_serve_concurrent_chats_as_alone(package: Path, device: str, llm: LLM,
+                                                        tmp_path: Path) -> None:
+    """``serve --api-workers 2``: two front-end processes on one port over
+    one engine process; concurrent chats of random lengths, every turn on a
+    fresh connection (the kernel hands them to either front end), each equal
+    to its solo run; /metrics counts them all; SIGTERM parks the sessions
+    and every process ends."""
+    rng = random.Random(35)
+    words = ["sea", "stone", "river", "light", "cloud", "field", "road", "bird"]
+    chats = {f"chat-{i}": [" ".join(rng.choices(words, k=rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+             for i in range(6)}
+    want = {name: _solo(llm, turns) for name, turns in chats.items()}
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
+                                    "--device", device, "--api-workers", "2", "--threads", "1",
+                                    "--session-dir", str(tmp_path / "sessions")],
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert process.poll() is None, log_path.read_text()
+            try:
+                return httpx.get(f"{base}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+        wait_until(up, timeout=120, what="the server to start")
+        # The server's processes: itself, the engine process, two front ends.
+        wait_until(lambda: len(descendants(process.pid)) == 4, what="four processes")
+
+        def converse(name: str) -> list[str]:
+            messages: list[dict[str, str]] = []
+            replies = []
+            for user in chats[name]:
+                messages.append({"role": "user", "content": user})
+                with httpx.Client(base_url=base, timeout=120) as fresh:  # (a new connection a turn)
+                    response = fresh.post("/v1/chat/completions", json={
+                        "messages": messages, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+                        "session_id": name, "stream": rng.random() < 0.5})
+                assert response.status_code == 200, response.text
+                if response.headers["content-type"].startswith("text/event-stream"):
+                    import json
+                    chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                              if line.startswith("data: {")]
+                    replies.append("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                                           if c["choices"]))
+                else:
+                    replies.append(response.json()["choices"][0]["message"]["content"])
+                messages.append({"role": "assistant", "content": replies[-1]})
+            return replies
+
+        with ThreadPoolExecutor(len(chats)) as pool:
+            got = dict(zip(chats, pool.map(converse, chats)))
+        assert got == want
+        with httpx.Client(base_url=base, timeout=60) as http:
+            counts = metrics(http)
+        sent = sum(len(turns) for turns in chats.values())
+        assert counts['aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="200"}'] == sent, counts
+        assert counts["aoti_sessions_named_sessions"] == len(chats)
+    finally:
+        every = descendants(process.pid)
+        os.killpg(process.pid, signal.SIGTERM)
+        status = process.wait(120)
+    text = log_path.read_text()
+    assert status == 0 and f"parked {len(chats)} sessions in" in text and "2 front ends" in text, text
+    assert sorted(p.name for p in (tmp_path / "sessions" / ".live").iterdir()) == sorted(chats)
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in every), what="every process to end")
+
+
+def test_cli_api_workers_default_and_refusals() -> None:
+    assert default_api_workers("cpu", 64) == 1
+    assert default_api_workers("cuda", 2) == 1 and default_api_workers("cuda:0", 16) == 4
+    assert default_api_workers("cuda", 8) == 2
+    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "serve", "x.pt2", "--api-workers", "0"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--api-workers: must be at least 1, got 0" in result.stderr, result.stderr
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "aoti_sessions", "serve", "x.pt2", "--api-workers", "2",
+                             "--no-engine-process"], capture_output=True, text=True)
+    assert result.returncode == 2 and "needs the engine process" in result.stderr, result.stderr
+    assert time.monotonic() - started < 60
