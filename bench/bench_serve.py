@@ -336,9 +336,18 @@ def server_figures(port: int, pid: int) -> dict[str, float]:
             values[name.removeprefix("aoti_sessions_")] = float(value)
     figures = {name: values.get(name, 0.0) for name in COUNTERS}
     figures["wall"] = time.perf_counter()
-    figures["cpu_server"] = cpu_seconds(pid)
-    figures["cpu_engine"] = sum(cpu_seconds(c) for c in children(pid))
+    engine = [c for c in children(pid) if _is_engine(c)]
+    # (With --api-workers N the server's process is the hub; its front ends count as the server's.)
+    figures["cpu_server"] = cpu_seconds(pid) + sum(cpu_seconds(c) for c in children(pid) if c not in engine)
+    figures["cpu_engine"] = sum(cpu_seconds(c) for c in engine)
     return figures
+
+
+def _is_engine(pid: int) -> bool:
+    try:
+        return b"aoti_sessions.llm._engine_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def spread(xs: list[float], digits: int = 1) -> str:
@@ -627,9 +636,8 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
     doc += ["", "Where the server's time goes (its metrics and /proc; median (min / max) over rounds): the step "
                 "loop's steps a second, decode rows a step, and its time a step queueing a step (host work, while "
                 "the device computes the step before), waiting for the step before, reading its tokens and making "
-                "their text; the CPU "
-                "cores busy in the server's process (HTTP, templates, tokenizing, streaming) and in its engine "
-                "process (the step loop and its calls).", "",
+                "their text; the CPU cores busy in the server's processes (HTTP, templates, tokenizing, streaming: "
+                "its front ends) and in its engine process (the step loop and its calls).", "",
             "| chats | mode | steps/s | decode rows / step | wait, ms / step | queue, ms / step | text, ms / step "
             "| server process, cores | engine process, cores |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for n in chats:
