@@ -7,12 +7,14 @@
 set -uo pipefail
 stage=${STAGE:-ab}
 turns=${TURNS:-4}; tokens=${TOKENS:-64}
+runs=$OUT/runs; mkdir -p "$runs"
 run() {  # NAME CHATS [bench_serve args...]
   local name=$1 chats=$2; shift 2
   python3 bench/bench_serve.py --device cuda --chats "$chats" --turns "$turns" --tokens "$tokens" \
-    --modes sessions --out "$OUT/$name.md" --server-log "$OUT/$name.server.log" "$@" > "$OUT/$name.txt" 2>&1
-  echo "$name: exit $?"; grep -E "^\| (1|16|64|256) \| sessions" "$OUT/$name.md" | head -3
+    --modes sessions --out "$runs/$name.md" --server-log "$runs/$name.server.log" "$@" > "$runs/$name.txt" 2>&1
+  echo "$name: exit $?"; grep -E "^\| (1|16|64|256) \| sessions" "$runs/$name.md" | head -3
 }
+trap 'tar czf "$OUT/runs-$stage.tgz" -C "$OUT" runs && rm -rf "$runs"' EXIT
 if [ "$stage" = ab ]; then
   for pass in 1 2; do
     for w in 1 4 2; do

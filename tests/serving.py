@@ -121,18 +121,19 @@ def transport_for(url: str) -> Alternating | None:
 
 
 @contextmanager
-def running_front_ends(owner: Any, count: int, **options: Any) -> Iterator[FrontEnds]:
-    """``count`` front ends of ``owner`` (a RemoteLLM) sharing one registry,
-    as ``aoti-sessions serve --api-workers COUNT`` runs them (serve/_fleet.py),
-    in this process: the hub on an event loop of its own, each front end's
-    app attached to the engine and served by running()."""
+def running_front_ends(owner: Any, count: int, registry: Any = None, **options: Any) -> Iterator[FrontEnds]:
+    """``count`` front ends of ``owner`` (a RemoteLLM) sharing one registry
+    (``registry``, else the one ``options`` make), as ``aoti-sessions serve
+    --api-workers COUNT`` runs them (serve/_fleet.py), in this process: the
+    hub on an event loop of its own, each front end's app attached to the
+    engine and served by running()."""
     from aoti_sessions.llm import RemoteLLM
     from aoti_sessions.serve._app import create_app, new_registry
     from aoti_sessions.serve._fleet import Hub
     from aoti_sessions.serve._shared import SharedRegistry
 
     folder = tempfile.mkdtemp(prefix="aoti-sessions-test-hub-")
-    hub = Hub(new_registry(owner, **options), os.path.join(folder, "hub.sock"))
+    hub = Hub(registry if registry is not None else new_registry(owner, **options), os.path.join(folder, "hub.sock"))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="hub", daemon=True)
     thread.start()

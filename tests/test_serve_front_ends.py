@@ -28,6 +28,7 @@ from aoti_sessions.errors import EngineProcessError, SessionClosedError
 from aoti_sessions.llm import LLM, RemoteLLM
 from aoti_sessions.llm._remote_engine import EngineAddress
 from aoti_sessions.serve._fleet import default_api_workers
+from aoti_sessions.serve._sessions import Entry, Registry
 from aoti_sessions.serve._shared import SharedRegistry
 from aoti_sessions.serve._tenants import DEFAULT_TENANT
 from llm_models import llm_package
@@ -160,6 +161,31 @@ def test_front_ends_share_one_registry_and_one_view_of_metrics(package: Path, de
         asyncio.run(hold_and_go())
         with httpx.Client(base_url=url, timeout=60) as http:
             wait_until(lambda: not http.get("/v1/sessions/across").json()["busy"], what="the session to be let go")
+
+
+class _SlowRelease(Registry):
+    """A registry whose releases take a while (a hub busy with other front ends)."""
+
+    async def release(self, entry: Entry) -> None:
+        await asyncio.sleep(0.2)
+        await super().release(entry)
+
+
+def test_a_streams_session_is_free_once_its_last_event_arrives(package: Path, device: str) -> None:
+    """The session is released before a stream's last event goes: a next
+    turn sent the moment it arrives, to the other front end, never finds the
+    session busy, however long the hub takes to release it."""
+    with RemoteLLM(package, device, threads=1) as owner, \
+            running_front_ends(owner, 2, registry=_SlowRelease(owner)) as url:
+        first, second = (httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) for port in url.ports)
+        with first, second:
+            for i in range(4):
+                body = {"messages": [{"role": "user", "content": f"Quick {i}"}], "max_tokens": 2, "stream": True,
+                        "session_id": "quick"}
+                with (first, second)[i % 2].stream("POST", "/v1/chat/completions", json=body) as stream:
+                    lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+                    assert lines[-1] == "data: [DONE]", lines
+                    assert (second, first)[i % 2].get("/v1/sessions/quick").json()["busy"] is False, i
 
 
 def _free_port() -> int:

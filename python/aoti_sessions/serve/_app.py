@@ -224,9 +224,14 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
                 await job.finish()
                 await registry.release(entry)
 
-        async def cleanup() -> None:
-            await job.finish()
-            await registry.release(entry)
+        released = False
+
+        async def cleanup() -> None:  # (once: a second release could let go a session another request took since)
+            nonlocal released
+            if not released:
+                released = True
+                await job.finish()
+                await registry.release(entry)
 
         try:
             await job.start(entry)
@@ -234,7 +239,7 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             with anyio.CancelScope(shield=True):
                 await cleanup()
             raise
-        return _Stream(_events(job, request, retry_after), cleanup, headers)
+        return _Stream(_events(job, request, retry_after, cleanup), cleanup, headers)
 
     @app.post("/v1/chat/completions", responses=_GENERATED)
     async def chat(request: Request, body: ChatRequest, x_session_id: str | None = Header(default=None),
@@ -312,9 +317,12 @@ def _session_id(in_body: str | None, in_header: str | None) -> str | None:
     return in_body if in_body is not None else in_header
 
 
-async def _events(job: Job, request: Request, retry_after: int) -> AsyncGenerator[bytes, None]:
+async def _events(job: Job, request: Request, retry_after: int,
+                  release: Callable[[], Awaitable[None]]) -> AsyncGenerator[bytes, None]:
     """The stream's server-sent events: OpenAI's chunks, then ``[DONE]``; an
-    error met on the way is one last event."""
+    error met on the way is one last event. The session is released before
+    the last event goes: a client's next turn, sent once it has read it (to
+    any front end), finds the session free."""
     if job.chat:
         yield job.chunk(None, first=True)
     try:
@@ -324,10 +332,14 @@ async def _events(job: Job, request: Request, retry_after: int) -> AsyncGenerato
         error = e if isinstance(e, APIError) else runtime_error(e, retry_after)
         if error is None:
             error = unexpected("in a streamed generation", e)
+        with anyio.CancelScope(shield=True):
+            await release()
         yield sse_error(error)
         return
     if job.cancelled:
         return
+    with anyio.CancelScope(shield=True):
+        await release()
     assert job.generation is not None
     yield job.chunk(None, finish_reason=job.generation.finish_reason)
     if job.request.include_usage():
