@@ -104,6 +104,34 @@ def test_attached_processes_share_the_engines_sessions(package: Path, device: st
         RemoteLLM.attach(package, address)
 
 
+def test_text_made_by_the_front_end_is_the_engines(package: Path, device: str) -> None:
+    """A connection with ``text_here`` gets token ids and makes their text
+    itself: the same pieces' text, stops and counts as the engine's, for
+    random prompts, sampling and stop strings (cut mid-character too)."""
+    rng = random.Random(3535)
+    with RemoteLLM(package, device, threads=1) as owner:
+        here = RemoteLLM.attach(package, owner.share())
+        assert here.text_here and not owner.text_here
+        vocab = [t for t in range(owner.spec.vocab_size) if t not in owner.spec.eos_token_ids]
+        for case in range(12):
+            prompt = [rng.choice(vocab) for _ in range(rng.randint(1, 12))]
+            with owner.new_session() as probe:
+                seen = _text(probe.start(prompt, max_tokens=12, temperature=0, ignore_eos=True))
+            stop = [seen[i:i + rng.randint(1, 3)] for i in rng.sample(range(len(seen)), min(2, len(seen)))] \
+                if seen and case % 3 else []
+            params = dict(max_tokens=12, temperature=rng.choice([0, 0.8]), seed=case, stop=[s for s in stop if s],
+                          ignore_eos=True)
+            runs = []
+            for llm in (owner, here):
+                session = owner.new_session()
+                proxy = llm.session_of(session.id, 0)
+                g = proxy.start(prompt, **params)
+                runs.append((_text(g), g.finish_reason, g.completion_tokens))
+                session.close()
+            assert runs[0] == runs[1], (case, params, runs)
+        here.close()
+
+
 def test_front_ends_share_one_registry_and_one_view_of_metrics(package: Path, device: str, llm: LLM,
                                                                  tmp_path: Path) -> None:
     """Two front ends (in this process): a chat alternating between them

@@ -115,12 +115,19 @@ class Pieces(Closable):
                 piece = self._piece(None)
             sink(piece)
 
+        self.on_tokens(texts)
+
+    def on_tokens(self, sink: Callable[[TokenEvent], None]) -> None:
+        """Hands every later event as it is (token ids, ``None`` at the end,
+        or the error) to ``sink``, on the thread that hands out the tokens;
+        whoever reads them makes their text (an engine process's connection
+        whose process does, _remote_engine.py); what came before first, here."""
         with self._cond:
             while self._events:
-                texts(self._events.popleft())
+                sink(self._events.popleft())
             if self._cut is not None:
                 sink(self._cut)
-            self._sink = texts
+            self._sink = sink
 
     def _emit(self, event: TokenEvent) -> None:
         with self._cond:

@@ -8,7 +8,13 @@ are made here) and proxies: :class:`RemoteSession` for a chat session,
 tokenizing and streaming then share no GIL with the step loop. The child
 detokenizes and checks stop strings as an LLM in this process does (the same
 text), and hands over the pieces every generation got in a step in one
-message.
+message; or, for a connection with ``text_here``, their token ids, whose text
+is made here (the same text: the same TextStream, with the generation's stop
+strings), off the step loop's thread.
+
+Other processes may attach to the same engine process (:meth:`RemoteLLM.share`,
+:meth:`RemoteLLM.attach`: the front ends of ``aoti-sessions serve
+--api-workers N``): each its own connection, the sessions shared by id.
 
 One pipe carries both ways (pickled): calls ``(call_id, op, args)`` to the
 child; lists of ``("reply", call_id, ok, value)`` and ``("event", gen_id,
@@ -49,10 +55,11 @@ import torch
 
 from .._session import Closable
 from ..errors import EngineProcessError, EngineUnresponsiveError, Error, SessionBusyError, SessionClosedError
-from ._generation import Event, Pieces
+from ._generation import Pieces, TokenEvent
 from ._prompts import Prompt, Prompts
 from ._remote_engine import EngineAddress, Finals, Outbox, Started
 from ._sampling import SamplingParams, sampling_params
+from ._text import TextStream
 
 __all__ = ["RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineAddress", "EngineProcessError",
            "EngineUnresponsiveError"]
@@ -91,12 +98,16 @@ class RemoteLLM(Prompts, Closable):
     ``engine_timeout``: seconds without a heartbeat after which the engine
     process is unresponsive (stopped, wedged); ``step_timeout``: seconds its
     step loop may spend in one step while generations wait (module docstring).
+    ``text_here``: the engine process sends its generations' token ids and
+    this process makes their text (default False: the engine makes it, one
+    front end being the server's bound; several front ends attach with it on,
+    taking that work off the step loop's thread).
     """
 
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
                  threads: int | None = None, *, engine_timeout: float = ENGINE_TIMEOUT_S,
-                 step_timeout: float = STEP_TIMEOUT_S, **engine_options: Any) -> None:
-        self._begin(package, engine_timeout, step_timeout)
+                 step_timeout: float = STEP_TIMEOUT_S, text_here: bool = False, **engine_options: Any) -> None:
+        self._begin(package, engine_timeout, step_timeout, text_here)
         # A new interpreter (no fork of a process with threads or CUDA, and
         # unlike multiprocessing's spawn, no import of the caller's script):
         # its end of a socket pair is its pipe, read for its arguments first.
@@ -111,7 +122,8 @@ class RemoteLLM(Prompts, Closable):
 
     @classmethod
     def attach(cls, package: str | os.PathLike[str], address: EngineAddress, *,
-               engine_timeout: float = ENGINE_TIMEOUT_S, step_timeout: float = STEP_TIMEOUT_S) -> RemoteLLM:
+               engine_timeout: float = ENGINE_TIMEOUT_S, step_timeout: float = STEP_TIMEOUT_S,
+               text_here: bool = True) -> RemoteLLM:
         """This process's connection to the engine process another RemoteLLM
         of ``package`` started and shared (:meth:`share`): its sessions are
         the same, by id (:meth:`session_of`); its generations are this
@@ -119,7 +131,7 @@ class RemoteLLM(Prompts, Closable):
         ending (its first RemoteLLM closed, or it died) ends this one's calls
         with SessionClosedError or EngineProcessError."""
         self = cls.__new__(cls)
-        self._begin(package, engine_timeout, step_timeout)
+        self._begin(package, engine_timeout, step_timeout, text_here)
         self._process = None
         try:
             self._conn = Client(address.path, "AF_UNIX", authkey=address.authkey)
@@ -142,12 +154,14 @@ class RemoteLLM(Prompts, Closable):
         connection; ``tokens``: its token count as last known)."""
         return self._session(sid, tokens)
 
-    def _begin(self, package: str | os.PathLike[str], engine_timeout: float, step_timeout: float) -> None:
+    def _begin(self, package: str | os.PathLike[str], engine_timeout: float, step_timeout: float,
+               text_here: bool) -> None:
         for name, value in (("engine_timeout", engine_timeout), ("step_timeout", step_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         Prompts.__init__(self, package)
         self.package = os.fspath(package)  # (what attach() takes)
+        self.text_here = bool(text_here)
         self.engine_timeout, self.step_timeout = float(engine_timeout), float(step_timeout)
         self._tick = min(1.0, self.engine_timeout / BEATS_PER_TIMEOUT)  # the heartbeat's period, and the checks
 
@@ -176,6 +190,8 @@ class RemoteLLM(Prompts, Closable):
         self._reader.start()
         self._watchdog = threading.Thread(target=self._watch, name="aoti-sessions-engine-watchdog", daemon=True)
         self._watchdog.start()
+        if self.text_here:
+            self._call("hand_tokens")
 
     def _first_message(self) -> Any:
         try:
@@ -363,7 +379,8 @@ class RemoteLLM(Prompts, Closable):
             g._event(EngineUnresponsiveError(why), g.completion_tokens, g._session.token_count,
                      Finals(None, g.prefilled_tokens, g.completion_tokens))
 
-    def _event(self, gid: int, event: Event, completion_tokens: int, token_count: int, finals: Finals | None) -> None:
+    def _event(self, gid: int, event: TokenEvent, completion_tokens: int, token_count: int,
+               finals: Finals | None) -> None:
         with self._lock:
             g = self._generations.get(gid) if finals is None else self._generations.pop(gid, None)
         if g is not None:
@@ -472,7 +489,8 @@ class RemoteGeneration(Pieces):
     engine process (on this process's reader thread)."""
 
     def __init__(self, session: RemoteSession, started: Started) -> None:
-        super().__init__(None)  # (its events are text: the engine process makes it)
+        llm = session._llm  # its events: token ids whose text is made here (text_here), else text
+        super().__init__(TextStream(llm.tokenizer, started.stop) if llm.text_here else None)
         self._session = session
         self.id = started.generation
         self.submitted = started.submitted
@@ -487,7 +505,7 @@ class RemoteGeneration(Pieces):
     def finished(self) -> bool:
         return self.finish_reason is not None or self._closed or self._error is not None
 
-    def _event(self, event: Event, completion_tokens: int, token_count: int, finals: Finals | None) -> None:
+    def _event(self, event: TokenEvent, completion_tokens: int, token_count: int, finals: Finals | None) -> None:
         self.completion_tokens = completion_tokens
         self._session._tokens = token_count
         if finals is not None:

@@ -41,7 +41,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from ._generation import Event, Generation
+    from ._generation import Generation, TokenEvent
     from ._llm import LLM, ChatSession
 
 __all__ = ["child_main", "Started", "Finals", "Outbox", "StepWatch", "EngineAddress"]
@@ -58,6 +58,7 @@ class Started(NamedTuple):
     submitted: float
     prompt_tokens: int
     cached_tokens: int
+    stop: tuple[str, ...]  # its stop strings (for a connection that makes the text of its token ids)
 
 
 class EngineAddress(NamedTuple):
@@ -181,6 +182,7 @@ class _Peer:
         self.first = first  # the RemoteLLM that started the process: its close ends it
         self.outbox = Outbox(conn, name)
         self.generations: dict[int, Generation] = {}
+        self.tokens = False  # its generations' events go as token ids (its process makes their text), else as text
 
     def put(self, item: tuple[Any, ...]) -> None:
         self.outbox.put(item)
@@ -320,6 +322,10 @@ class _Engine:
                                  daemon=True).start()
             return self._address
 
+    def _op_hand_tokens(self, peer: _Peer) -> None:
+        """``peer``'s generations from now on send token ids: its process makes their text."""
+        peer.tokens = True
+
     def _op_stats(self, _: _Peer) -> dict[str, Any]:
         return self._llm.stats()
 
@@ -361,9 +367,10 @@ class _Engine:
         g = session.start(ids, params)
         gid = next(self._ids)
         peer.generations[gid] = g
-        peer.put(("reply", cid, True, Started(gid, sid, g.submitted, g.prompt_tokens, g.cached_tokens)))
+        peer.put(("reply", cid, True, Started(gid, sid, g.submitted, g.prompt_tokens, g.cached_tokens,
+                                              tuple(g.params.stop))))
 
-        def sink(event: Event) -> None:  # on the step loop's thread
+        def sink(event: TokenEvent) -> None:  # on the step loop's thread
             finals = None
             if event is None or isinstance(event, BaseException):
                 peer.generations.pop(gid, None)
@@ -372,7 +379,10 @@ class _Engine:
                     event = portable(event)
             peer.put(("event", gid, event, g.completion_tokens, session.token_count, finals))
 
-        g.on_event(sink)
+        if peer.tokens:
+            g.on_tokens(sink)
+        else:
+            g.on_event(sink)  # (the text made here, on the step loop's thread)
 
 
 def _finals(g: Generation) -> Finals:
