@@ -22,6 +22,17 @@ if [ "$stage" = ab ]; then
     done
   done
 fi
+if [ "$stage" = text ]; then
+  # The text made in the engine process (OLD, a commit) or in the front ends (this tree), 4 front ends.
+  rm -rf build/ab-old && mkdir -p build/ab-old
+  git archive "${OLD:?OLD=commit}" python/aoti_sessions | tar -x -C build/ab-old --strip-components=1
+  cp "$(python3 -c 'import aoti_sessions._core as c; print(c.__file__)')" build/ab-old/aoti_sessions/
+  for pass in 1 2; do
+    run "text-front-p$pass" 64 --rounds 1 --no-anchor --server-arg=--api-workers=4
+    PYTHONPATH=$PWD/build/ab-old:$PYTHONPATH run "text-engine-p$pass" 64 --rounds 1 --no-anchor \
+      --server-arg=--api-workers=4
+  done
+fi
 if [ "$stage" = anchor ]; then
   run w4-16-64 16,64 --rounds 2 --anchor --anchor-batches 16,64 --server-arg=--api-workers=4
   run w4-256 256 --rounds 1 --no-anchor --server-arg=--api-workers=4 --server-arg=--max-sessions=1024
