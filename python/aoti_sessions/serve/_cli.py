@@ -134,8 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a request body longer than this is answered 413 unread (default: 32 bytes a token "
                              "of the model's context, at least 1MiB)")
     parser.add_argument("--max-connections", type=_positive, default=DEFAULT_MAX_CONNECTIONS,
-                        help="connections (or requests in flight) at once; more are answered 503 (default "
-                             "%(default)s; the open-file limit is raised to room for them)")
+                        help="connections (or requests in flight) at once, each front end's; more are answered 503 "
+                             "(default %(default)s; the open-file limit is raised to room for them)")
     parser.add_argument("--header-timeout", type=_seconds, default=DEFAULT_HEADER_TIMEOUT,
                         help="seconds for a request's head to arrive whole, else the connection is closed (default "
                              "%(default)g)")
@@ -238,10 +238,8 @@ def run(args: argparse.Namespace) -> int:
         if workers > 1:
             from ._fleet import serve
 
-            # (The connection limit is each front end's: the server's, shared out.)
             serve(llm, args.package, workers, host=args.host, port=args.port, app_options=options,
-                  server_options=dict(max_connections=-(-args.max_connections // workers),
-                                      header_timeout=args.header_timeout))
+                  server_options=dict(max_connections=args.max_connections, header_timeout=args.header_timeout))
             return _exit_status(llm)
         app = create_app(llm, **options)
         server = uvicorn.Server(server_config(app, args.host, args.port, max_connections=args.max_connections,

@@ -7,8 +7,8 @@ server. So the server's first process (the hub, here) starts the engine
 process (a RemoteLLM it shares), keeps the one registry of named sessions
 (serve/_sessions.py) and serves it to the front ends (serve/_shared.py), and
 starts N front-end processes (python -m aoti_sessions.serve._front_main), each
-attached to the engine and serving the one listening socket (the kernel hands
-each connection to one of them). A session id may come to any front end:
+attached to the engine and listening on the server's port beside the others
+(SO_REUSEPORT: the kernel spreads the connections over them evenly). A session id may come to any front end:
 the hub holds it for one request at a time, wherever it came.
 
 Stopping (SIGTERM, SIGINT; or the engine process died): the front ends stop
@@ -66,6 +66,7 @@ class FrontEnd:
     package: str
     engine: EngineAddress
     hub: str
+    address: tuple[str, int]  # where it listens (beside the others: SO_REUSEPORT)
     app_options: dict[str, Any]
     server_options: dict[str, Any]
     engine_timeout: float
@@ -163,14 +164,24 @@ class Hub:
         return figures, [a for a in answers if isinstance(a, dict)]
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The server's listening socket, which every front end serves."""
+def port_socket(host: str, port: int, *, listen: bool) -> socket.socket:
+    """A socket on ``host:port`` that others of this user's processes may
+    bind too (SO_REUSEPORT): the hub's holds the port (bound, not listening:
+    it takes no connection), each front end listens on its own, and the
+    kernel spreads connections over the front ends evenly (a hash of each
+    connection), where one shared listening socket would hand a burst of them
+    to whichever process wakes first."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+        if listen:
+            sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -183,9 +194,9 @@ def serve(llm: RemoteLLM, package: str, workers: int, *, host: str, port: int, a
 
     registry = new_registry(llm, **app_options)
     folder = tempfile.mkdtemp(prefix="aoti-sessions-hub-")  # (0700: the hub's socket is this user's alone)
-    sock = listening_socket(host, port)
-    front = FrontEnd(package, llm.share(), os.path.join(folder, "hub.sock"), app_options, server_options,
-                     llm.engine_timeout, llm.step_timeout)
+    sock = port_socket(host, port, listen=False)
+    front = FrontEnd(package, llm.share(), os.path.join(folder, "hub.sock"), (host, sock.getsockname()[1]),
+                     app_options, server_options, llm.engine_timeout, llm.step_timeout)
     try:
         asyncio.run(_run(llm, front, workers, sock, registry))
     finally:
@@ -203,7 +214,7 @@ async def _run(llm: RemoteLLM, front: FrontEnd, workers: int, sock: socket.socke
     threading.Thread(target=_when_ended, args=(llm, loop, stop), name="aoti-sessions-engine-death",
                      daemon=True).start()
     sweeping = loop.create_task(registry.sweep())
-    processes = [_start_front_end(front, sock) for _ in range(workers)]
+    processes = [_start_front_end(front) for _ in range(workers)]
     print(f"aoti-sessions serve: {workers} front ends (pids {', '.join(str(p.pid) for p in processes)}) on "
           f"{sock.getsockname()[0]}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     try:
@@ -216,7 +227,7 @@ async def _run(llm: RemoteLLM, front: FrontEnd, workers: int, sock: socket.socke
                 if process.poll() is not None and not stop.is_set():
                     log.error("front end (pid %d) ended with exit status %s: starting another", process.pid,
                               process.returncode)
-                    processes[i] = _start_front_end(front, sock)
+                    processes[i] = _start_front_end(front)
     finally:
         sweeping.cancel()
         for process in processes:
@@ -242,18 +253,17 @@ def _when_ended(llm: RemoteLLM, loop: asyncio.AbstractEventLoop, stop: asyncio.E
         pass  # (the hub already stopped)
 
 
-def _start_front_end(front: FrontEnd, sock: socket.socket) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen([sys.executable, "-m", "aoti_sessions.serve._front_main", str(sock.fileno())],
-                               pass_fds=(sock.fileno(),), stdin=subprocess.PIPE)
+def _start_front_end(front: FrontEnd) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen([sys.executable, "-m", "aoti_sessions.serve._front_main"], stdin=subprocess.PIPE)
     assert process.stdin is not None
     with process.stdin:
         process.stdin.write(pickle.dumps(front))
     return process
 
 
-def front_end_main(fd: int) -> int:
+def front_end_main() -> int:
     """A front end's process: attached to the engine, the hub's registry, one
-    uvicorn server on the inherited listening socket ``fd``."""
+    uvicorn server on a listening socket of its own at the server's address."""
     import uvicorn
 
     from ..llm import RemoteLLM
@@ -264,7 +274,7 @@ def front_end_main(fd: int) -> int:
 
     front: FrontEnd = pickle.loads(sys.stdin.buffer.read())
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    sock = socket.socket(fileno=fd)
+    sock = port_socket(*front.address, listen=True)
     llm = RemoteLLM.attach(front.package, front.engine, engine_timeout=front.engine_timeout,
                            step_timeout=front.step_timeout)
     try:
