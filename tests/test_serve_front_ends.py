@@ -216,6 +216,37 @@ def test_a_streams_session_is_free_once_its_last_event_arrives(package: Path, de
                     assert (second, first)[i % 2].get("/v1/sessions/quick").json()["busy"] is False, i
 
 
+class _SlowAcquire(Registry):
+    """A registry whose acquires take a while (an unpark, a full engine)."""
+
+    async def acquire(self, tenant: str, session_id: str | None, *, create: bool) -> Entry:
+        await asyncio.sleep(0.3)
+        return await super().acquire(tenant, session_id, create=create)
+
+
+def test_a_request_that_gives_up_waiting_leaves_the_session_free(package: Path, device: str) -> None:
+    """A front end's request that stops waiting for the hub's acquire (its
+    client went, a deadline) leaves the session free once the hub has it,
+    the front end's link still open."""
+    with RemoteLLM(package, device, threads=1) as owner, \
+            running_front_ends(owner, 1, registry=_SlowAcquire(owner)) as url:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            made = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "session_id": "wait"})
+            assert made.status_code == 200, made.text
+
+        async def give_up_then_take() -> None:
+            shared = SharedRegistry(owner, url.hub)
+            await shared.open(dict)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(shared.acquire(DEFAULT_TENANT, "wait", create=False), 0.05)
+            await asyncio.sleep(0.6)  # the hub acquired it meanwhile, then let it go
+            entry = await shared.acquire(DEFAULT_TENANT, "wait", create=False)  # (409 if still held)
+            await shared.release(entry)
+            await shared.close()
+
+        asyncio.run(give_up_then_take())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import os
 import pickle
@@ -79,8 +78,10 @@ class Hub:
     def __init__(self, registry: Registry, path: str) -> None:
         self.registry = registry
         self.path = path
-        self._held: dict[int, tuple[Entry, Link]] = {}  # handle: a request's session, and whose request
-        self._handles = itertools.count(1)
+        # A request's session, by its front end's link and the handle the front end gave it.
+        self._held: dict[tuple[Link, int], Entry] = {}
+        self._acquiring: set[tuple[Link, int]] = set()
+        self._dropped: set[tuple[Link, int]] = set()  # released while still being acquired (its caller gave up)
         self._links: set[Link] = set()
         self._server: asyncio.AbstractServer | None = None
 
@@ -102,28 +103,37 @@ class Hub:
         self._links.add(link)
         await link.closed.wait()
         self._links.discard(link)
-        for handle, (entry, holder) in list(self._held.items()):
-            if holder is link:  # a front end that went: what it held is let go (its generations were stopped)
-                del self._held[handle]
+        for key, entry in list(self._held.items()):
+            if key[0] is link:  # a front end that went: what it held is let go (its generations were stopped)
+                del self._held[key]
                 await self.registry.release(entry)
 
     # -- what a front end asks -------------------------------------------------------
-    async def _op_acquire(self, link: Link, tenant: str, session_id: str | None, create: bool) -> tuple[int, int, int]:
-        entry = await self.registry.acquire(tenant, session_id, create=create)
-        if link.closed.is_set():
+    async def _op_acquire(self, link: Link, handle: int, tenant: str, session_id: str | None,
+                          create: bool) -> tuple[int, int]:
+        """The session held under ``handle``: the engine's id and its token count."""
+        key = (link, handle)
+        self._acquiring.add(key)
+        try:
+            entry = await self.registry.acquire(tenant, session_id, create=create)
+        finally:
+            self._acquiring.discard(key)
+        if link.closed.is_set() or key in self._dropped:  # (its front end went, or gave up waiting)
+            self._dropped.discard(key)
             await self.registry.release(entry)
-            raise ConnectionError("the front end went")
-        handle = next(self._handles)
-        self._held[handle] = (entry, link)
+            raise ConnectionError("the request gave up its session before it was acquired")
+        self._held[key] = entry
         session: Any = entry.session
-        return handle, session.id, session.token_count
+        return session.id, session.token_count
 
-    async def _op_release(self, link: Link, handle: int, tokens: int) -> None:
-        held = self._held.pop(handle, None)
-        if held is None:
+    async def _op_release(self, link: Link, handle: int, tokens: int | None) -> None:
+        key = (link, handle)
+        entry = self._held.pop(key, None)
+        if entry is None:
+            if key in self._acquiring:
+                self._dropped.add(key)  # released once acquired
             return
-        entry = held[0]
-        if entry.session is not None:
+        if entry.session is not None and tokens is not None:
             entry.session.counted(tokens)  # type: ignore[union-attr]
             entry.tokens = tokens
         await self.registry.release(entry)

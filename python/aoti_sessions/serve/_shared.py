@@ -152,6 +152,7 @@ class SharedRegistry:
         self.llm = llm
         self._hub_path = hub
         self._link: Link | None = None
+        self._handles = itertools.count(1)  # a request's hold, named here (so that it can be let go unfinished)
         self._snapshot: Callable[[], dict[str, Any]] = dict
         # The hub's figures, as of the last scrape (what Registry keeps as attributes).
         self.shared: dict[str, float] = {}
@@ -178,7 +179,17 @@ class SharedRegistry:
         return float(self.shared.get(name, 0.0))
 
     async def acquire(self, tenant: str, session_id: str | None, *, create: bool) -> Entry:
-        handle, sid, tokens = await self._call("acquire", tenant, session_id, create)
+        handle = next(self._handles)
+        try:
+            sid, tokens = await self._call("acquire", handle, tenant, session_id, create)
+        except (asyncio.CancelledError, asyncio.TimeoutError, anyio.get_cancelled_exc_class()):
+            # Given up waiting: the hub lets the session go once it has it (else it would stay busy).
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._call("release", handle, None)
+                except (LinkClosed, OSError):
+                    pass  # (the hub lets go what a link that went held)
+            raise
         entry = SharedEntry(session_id, tenant, handle=handle)
         entry.session = self.llm.session_of(sid, tokens)
         return entry
