@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="front ends: processes that serve HTTP, chat templates, tokenizing and streaming, all on "
                              "one port, over one engine process and one registry of sessions (any session may come "
                              "to any of them; /metrics is one view); one front end is at most a core (default: 1 on "
-                             "a CPU device, else one per three CPUs beyond two, at most 4)")
+                             "a CPU device or with --no-engine-process, else one per three CPUs beyond two, at most 4)")
     parser.add_argument("--engine-timeout", type=_seconds, default=ENGINE_TIMEOUT_S,
                         help="seconds without a heartbeat from the engine process (one comes every second or so, "
                              "whatever the step loop does) after which it is unresponsive (stopped, wedged): requests "
@@ -217,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
     from ..llm._llm import usable_cpus
     from ._fleet import default_api_workers
 
-    workers = args.api_workers if args.api_workers is not None else default_api_workers(args.device, usable_cpus())
+    workers = args.api_workers if args.api_workers is not None else \
+        default_api_workers(args.device, usable_cpus()) if args.engine_process else 1
     if workers > 1 and not args.engine_process:
         print("aoti-sessions serve: --api-workers above 1 needs the engine process (not --no-engine-process)",
               file=sys.stderr)
