@@ -258,8 +258,9 @@ def test_cli_front_ends_serve_concurrent_chats_as_alone(package: Path, device: s
     """``serve --api-workers 2``: two front-end processes on one port over
     one engine process; concurrent chats of random lengths, every turn on a
     fresh connection (the kernel hands them to either front end), each equal
-    to its solo run; /metrics counts them all; SIGTERM parks the sessions
-    and every process ends."""
+    to its solo run; /metrics counts them all; a second such server on the
+    port is refused; a front end killed is replaced and the sessions serve
+    on; SIGTERM parks the sessions and every process ends."""
     rng = random.Random(35)
     words = ["sea", "stone", "river", "light", "cloud", "field", "road", "bird"]
     chats = {f"chat-{i}": [" ".join(rng.choices(words, k=rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
@@ -308,11 +309,35 @@ def test_cli_front_ends_serve_concurrent_chats_as_alone(package: Path, device: s
         with ThreadPoolExecutor(len(chats)) as pool:
             got = dict(zip(chats, pool.map(converse, chats)))
         assert got == want
+        ok = 'aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="200"}'
         with httpx.Client(base_url=base, timeout=60) as http:
             counts = metrics(http)
         sent = sum(len(turns) for turns in chats.values())
-        assert counts['aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="200"}'] == sent, counts
+        assert counts[ok] == sent, counts
         assert counts["aoti_sessions_named_sessions"] == len(chats)
+        # A second server with several front ends on the port is refused (not spread beside this one).
+        second = subprocess.run([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
+                                 "--device", device, "--api-workers", "2", "--threads", "1"],
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2 and "is taken by another aoti-sessions server" in second.stderr, second.stderr
+        # A front end killed: another takes its place; the sessions serve on.
+        fronts = [p for p in descendants(process.pid) - {process.pid} if _is_front_end(p)]
+        assert len(fronts) == 2
+        os.kill(fronts[0], signal.SIGKILL)
+        wait_until(lambda: len([p for p in descendants(process.pid) if _is_front_end(p)]) == 2
+                   and fronts[0] not in descendants(process.pid), timeout=120, what="a new front end")
+        name = next(iter(chats))
+        messages = [m for user, reply in zip(chats[name], want[name])
+                    for m in ({"role": "user", "content": user}, {"role": "assistant", "content": reply})]
+        for _ in range(4):  # (on fresh connections: whichever front end takes them)
+            with httpx.Client(base_url=base, timeout=120) as fresh:
+                again = fresh.post("/v1/chat/completions", json={
+                    "messages": [*messages, {"role": "user", "content": "more"}], "max_tokens": TOKENS,
+                    "temperature": 0, "ignore_eos": True, "session_id": name})
+            assert again.status_code == 200, again.text
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        with httpx.Client(base_url=base, timeout=60) as http:
+            assert metrics(http)[ok] >= counts[ok]  # (the dead front end's counts stay in the sums)
     finally:
         every = descendants(process.pid)
         os.killpg(process.pid, signal.SIGTERM)
@@ -321,6 +346,13 @@ def test_cli_front_ends_serve_concurrent_chats_as_alone(package: Path, device: s
     assert status == 0 and f"parked {len(chats)} sessions in" in text and "2 front ends" in text, text
     assert sorted(p.name for p in (tmp_path / "sessions" / ".live").iterdir()) == sorted(chats)
     wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in every), what="every process to end")
+
+
+def _is_front_end(pid: int) -> bool:
+    try:
+        return b"aoti_sessions.serve._front_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def test_cli_api_workers_default_and_refusals() -> None:

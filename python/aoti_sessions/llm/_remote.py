@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -104,6 +105,8 @@ class RemoteLLM(Prompts, Closable):
     taking that work off the step loop's thread).
     """
 
+    _shared: str | None  # the folder of the engine's socket, once shared
+
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
                  threads: int | None = None, *, engine_timeout: float = ENGINE_TIMEOUT_S,
                  step_timeout: float = STEP_TIMEOUT_S, text_here: bool = False, **engine_options: Any) -> None:
@@ -147,6 +150,7 @@ class RemoteLLM(Prompts, Closable):
         if self._process is None:
             raise EngineProcessError("only the RemoteLLM that started the engine process may share it")
         address: EngineAddress = self._call("listen")
+        self._shared = os.path.dirname(address.path)  # (the engine removes it; this process too, should it die)
         return address
 
     def session_of(self, sid: int, tokens: int) -> RemoteSession:
@@ -175,6 +179,7 @@ class RemoteLLM(Prompts, Closable):
         self._ended: BaseException | None = None
         self._unresponsive: str | None = None  # why, while the child does not answer
         self._closing = False
+        self._shared = None  # the folder of the engine's socket, once shared
         ready = self._first_message()
         if isinstance(ready, BaseException):
             if self._process is not None:
@@ -411,6 +416,8 @@ class RemoteLLM(Prompts, Closable):
         for g in generations.values():
             g._event(error, g.completion_tokens, g._session.token_count, Finals(None, g.prefilled_tokens,
                                                                                 g.completion_tokens))
+        if self._shared is not None and self._process is not None:
+            shutil.rmtree(self._shared, ignore_errors=True)
         self._over.set()
 
 
@@ -436,6 +443,13 @@ class RemoteSession(Closable):
     @property
     def busy(self) -> bool:
         return self._active is not None and not self._active.finished
+
+    def settle(self, timeout: float = 5.0) -> int:
+        """Waits (up to ``timeout`` seconds) until no generation runs on it
+        in the engine (one of another connection that went is being stopped);
+        its token count, kept."""
+        self._tokens = int(self._llm._call("settle", self.id, timeout))
+        return self._tokens
 
     def counted(self, tokens: int) -> None:
         """Its token count as a generation of another connection left it

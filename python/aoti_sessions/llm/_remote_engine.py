@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -183,6 +183,7 @@ class _Peer:
         self.outbox = Outbox(conn, name)
         self.generations: dict[int, Generation] = {}
         self.tokens = False  # its generations' events go as token ids (its process makes their text), else as text
+        self.gone = False  # it detached or went (set under the engine's lock)
 
     def put(self, item: tuple[Any, ...]) -> None:
         self.outbox.put(item)
@@ -246,38 +247,46 @@ class _Engine:
                 peer.put(("beat", stalled))
 
     # -- other processes ---------------------------------------------------------
-    def _accept(self, listener: Listener) -> None:
+    def _accept(self, listener: Listener, authkey: bytes) -> None:
         while True:
             try:
-                conn = listener.accept()  # (the key's handshake: a process without it is refused here)
+                conn = listener.accept()
             except (OSError, EOFError):
                 if self._listener is not listener:
                     return  # closed: the engine ends
-                continue  # a failed handshake
-            except Exception:  # noqa: BLE001 - multiprocessing's AuthenticationError and kin
                 continue
-            try:
-                conn.send((True, {"device": str(self._llm.device), "pid": os.getpid()}))  # (before any beat)
-            except OSError:
+            # The key's handshake in a thread of its own: a process that connects and stalls holds up no other.
+            threading.Thread(target=self._admit, args=(listener, conn, authkey), name="aoti-sessions-admit",
+                             daemon=True).start()
+
+    def _admit(self, listener: Listener, conn: Connection, authkey: bytes) -> None:
+        try:
+            deliver_challenge(conn, authkey)  # (a process without the key is refused here)
+            answer_challenge(conn, authkey)
+            conn.send((True, {"device": str(self._llm.device), "pid": os.getpid()}))  # (before any beat)
+        except Exception:  # noqa: BLE001 - AuthenticationError, a connection gone: refused
+            conn.close()
+            return
+        peer = _Peer(conn, "aoti-sessions-peer-sender", first=False)
+        with self._lock:
+            if self._listener is not listener:
                 conn.close()
-                continue
-            peer = _Peer(conn, "aoti-sessions-peer-sender", first=False)
-            with self._lock:
-                if self._listener is not listener:
-                    conn.close()
-                    return
-                self._peers.add(peer)
-            threading.Thread(target=self._serve_peer, args=(peer,), name="aoti-sessions-peer", daemon=True).start()
+                return
+            self._peers.add(peer)
+        self._serve_peer(peer)
 
     def _serve_peer(self, peer: _Peer) -> None:
         """An attached peer's calls until it detaches or goes: then its
-        generations stop (its sessions stay: they are the engine's)."""
+        generations stop (its sessions stay: they are the engine's), and one
+        a call of it starts after that is stopped at once (_start)."""
         closing = self._read(peer)
         with self._lock:
             self._peers.discard(peer)
-        for g in list(peer.generations.values()):
+            peer.gone = True
+            generations = list(peer.generations.values())
+            peer.generations.clear()
+        for g in generations:
             g.close()
-        peer.generations.clear()
         if closing is not None:
             peer.put(("reply", closing, True, None))
         peer.outbox.stop(1.0)
@@ -316,9 +325,9 @@ class _Engine:
             if self._address is None:
                 folder = tempfile.mkdtemp(prefix="aoti-sessions-engine-")  # (0700: this user's alone)
                 authkey = os.urandom(32)
-                self._listener = Listener(os.path.join(folder, "engine.sock"), "AF_UNIX", authkey=authkey)
+                self._listener = Listener(os.path.join(folder, "engine.sock"), "AF_UNIX")  # (the key: _admit)
                 self._address = EngineAddress(os.path.join(folder, "engine.sock"), authkey)
-                threading.Thread(target=self._accept, args=(self._listener,), name="aoti-sessions-listener",
+                threading.Thread(target=self._accept, args=(self._listener, authkey), name="aoti-sessions-listener",
                                  daemon=True).start()
             return self._address
 
@@ -347,8 +356,15 @@ class _Engine:
     def _op_resident(self, _: _Peer, sid: int) -> bool:
         return self._session(sid).resident
 
-    def _op_token_count(self, _: _Peer, sid: int) -> int:
-        return self._session(sid).token_count
+    def _op_settle(self, _: _Peer, sid: int, timeout: float) -> int:
+        """Waits (up to ``timeout`` seconds) until no generation runs on
+        session ``sid`` (one of a peer that went is being stopped); its
+        token count."""
+        session = self._session(sid)
+        deadline = time.monotonic() + timeout
+        while session.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return session.token_count
 
     def _op_close_session(self, _: _Peer, sid: int) -> None:
         session = self._sessions.pop(sid, None)
@@ -366,7 +382,13 @@ class _Engine:
         session = self._session(sid)
         g = session.start(ids, params)
         gid = next(self._ids)
-        peer.generations[gid] = g
+        with self._lock:
+            gone = peer.gone
+            if not gone:
+                peer.generations[gid] = g
+        if gone:  # (its peer went while this call waited its turn: nobody reads it)
+            g.close()
+            return
         peer.put(("reply", cid, True, Started(gid, sid, g.submitted, g.prompt_tokens, g.cached_tokens,
                                               tuple(g.params.stop))))
 

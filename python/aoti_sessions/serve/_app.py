@@ -230,8 +230,10 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             nonlocal released
             if not released:
                 released = True
-                await job.finish()
-                await registry.release(entry)
+                try:
+                    await job.finish()
+                finally:
+                    await registry.release(entry)
 
         try:
             await job.start(entry)

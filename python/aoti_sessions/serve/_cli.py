@@ -237,10 +237,14 @@ def run(args: argparse.Namespace) -> int:
                        body_timeout=args.body_timeout, api_keys=api_keys, max_session_files=args.max_session_files,
                        max_session_files_bytes=args.max_session_files_bytes)
         if workers > 1:
-            from ._fleet import serve
+            from ._fleet import ServeError, serve
 
-            serve(llm, args.package, workers, host=args.host, port=args.port, app_options=options,
-                  server_options=dict(max_connections=args.max_connections, header_timeout=args.header_timeout))
+            try:
+                serve(llm, args.package, workers, host=args.host, port=args.port, app_options=options,
+                      server_options=dict(max_connections=args.max_connections, header_timeout=args.header_timeout))
+            except ServeError as e:
+                print(f"aoti-sessions serve: {e}", file=sys.stderr)
+                return 2
             return _exit_status(llm)
         app = create_app(llm, **options)
         server = uvicorn.Server(server_config(app, args.host, args.port, max_connections=args.max_connections,

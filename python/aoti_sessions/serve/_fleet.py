@@ -21,6 +21,7 @@ their state intact).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import logging
 import os
@@ -36,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._sessions import Entry, Registry, described_one
+from ._sessions import Entry, Registry, described_one, in_thread
 from ._shared import METRICS_TIMEOUT_S, Link
 
 if TYPE_CHECKING:
@@ -45,7 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aoti_sessions.serve")
 STOP_TIMEOUT_S = 60.0  # front ends finishing what they serve when the server stops
-RESTART_DELAY_S = 1.0  # before a front end that died is started again
+RESTART_DELAY_S = 1.0  # before a front end that died is started again (doubled for each that ended early)
+EARLY_END_S = 30.0  # a front end ending this soon after its start ended early
+EARLY_ENDS = 5  # this many early ends in a row stop the server
 
 
 def default_api_workers(device: str, cpus: int) -> int:
@@ -83,6 +86,8 @@ class Hub:
         self._acquiring: set[tuple[Link, int]] = set()
         self._dropped: set[tuple[Link, int]] = set()  # released while still being acquired (its caller gave up)
         self._links: set[Link] = set()
+        self._last: dict[Link, dict[str, Any]] = {}  # each front end's counts as last read
+        self._retired: list[dict[str, Any]] = []  # the last counts of front ends that ended
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -103,9 +108,17 @@ class Hub:
         self._links.add(link)
         await link.closed.wait()
         self._links.discard(link)
+        if link in self._last:  # its counts stay in the sums (a counter never goes down)
+            self._retired.append(self._last.pop(link))
         for key, entry in list(self._held.items()):
-            if key[0] is link:  # a front end that went: what it held is let go (its generations were stopped)
+            if key[0] is link:  # a front end that went: what it held is let go once its generation stopped
                 del self._held[key]
+                session: Any = entry.session
+                if session is not None:
+                    try:
+                        await in_thread(session.settle)  # (the engine stops the generations of a connection gone)
+                    except Exception as e:  # noqa: BLE001 - an engine gone: nothing runs on it any more
+                        log.warning("session %r: waiting for its generation to stop failed: %s", entry.id, e)
                 await self.registry.release(entry)
 
     # -- what a front end asks -------------------------------------------------------
@@ -116,6 +129,9 @@ class Hub:
         self._acquiring.add(key)
         try:
             entry = await self.registry.acquire(tenant, session_id, create=create)
+        except BaseException:
+            self._dropped.discard(key)
+            raise
         finally:
             self._acquiring.discard(key)
         if link.closed.is_set() or key in self._dropped:  # (its front end went, or gave up waiting)
@@ -171,7 +187,11 @@ class Hub:
         others = [other for other in self._links if other is not link]
         answers = await asyncio.gather(*(other.call("snapshot", timeout=METRICS_TIMEOUT_S) for other in others),
                                        return_exceptions=True)
-        return figures, [a for a in answers if isinstance(a, dict)]
+        for other, answer in zip(others, answers):
+            if isinstance(answer, dict):
+                self._last[other] = answer
+        # One that did not answer in time counts as last read; one that ended as it last was.
+        return figures, [self._last[o] for o in others if o in self._last] + self._retired
 
 
 def port_socket(host: str, port: int, *, listen: bool) -> socket.socket:
@@ -203,15 +223,41 @@ def serve(llm: RemoteLLM, package: str, workers: int, *, host: str, port: int, a
     from ._app import new_registry
 
     registry = new_registry(llm, **app_options)
-    folder = tempfile.mkdtemp(prefix="aoti-sessions-hub-")  # (0700: the hub's socket is this user's alone)
-    sock = port_socket(host, port, listen=False)
-    front = FrontEnd(package, llm.share(), os.path.join(folder, "hub.sock"), (host, sock.getsockname()[1]),
-                     app_options, server_options, llm.engine_timeout, llm.step_timeout)
     try:
-        asyncio.run(_run(llm, front, workers, sock, registry))
+        sock = port_socket(host, port, listen=False)
+    except OSError as e:
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    folder = tempfile.mkdtemp(prefix="aoti-sessions-hub-")  # (0700: the hub's socket is this user's alone)
+    try:
+        guard = _port_guard(sock.getsockname()[1])
+        front = FrontEnd(package, llm.share(), os.path.join(folder, "hub.sock"), (host, sock.getsockname()[1]),
+                         app_options, server_options, llm.engine_timeout, llm.step_timeout)
+        with guard:
+            asyncio.run(_run(llm, front, workers, sock, registry))
     finally:
         sock.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+class ServeError(RuntimeError):
+    """The server cannot start as asked (said in one line, exit status 2)."""
+
+
+def _port_guard(port: int) -> Any:
+    """An exclusive lock on ``port`` among this user's servers with several
+    front ends: SO_REUSEPORT would let a second one bind the port beside the
+    first and take half its connections; it is refused instead."""
+    folder = os.path.join(tempfile.gettempdir(), f"aoti-sessions-ports-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    if os.stat(folder).st_uid != os.getuid() or os.stat(folder).st_mode & 0o077:
+        raise ServeError(f"{folder} is not this user's private folder")
+    lock = open(os.path.join(folder, f"{port}.lock"), "w")  # noqa: SIM115 - held while the server runs
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise ServeError(f"port {port} is taken by another aoti-sessions server with several front ends") from None
+    return lock
 
 
 async def _run(llm: RemoteLLM, front: FrontEnd, workers: int, sock: socket.socket, registry: Registry) -> None:
@@ -225,19 +271,28 @@ async def _run(llm: RemoteLLM, front: FrontEnd, workers: int, sock: socket.socke
                      daemon=True).start()
     sweeping = loop.create_task(registry.sweep())
     processes = [_start_front_end(front) for _ in range(workers)]
+    started = [time.monotonic()] * workers
     print(f"aoti-sessions serve: {workers} front ends (pids {', '.join(str(p.pid) for p in processes)}) on "
           f"{sock.getsockname()[0]}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
+    early = 0  # front ends in a row that ended soon after they started (a start that cannot succeed)
     try:
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), RESTART_DELAY_S)
+                await asyncio.wait_for(stop.wait(), RESTART_DELAY_S * 2 ** min(early, 5))
             except asyncio.TimeoutError:
                 pass
             for i, process in enumerate(processes):
-                if process.poll() is not None and not stop.is_set():
-                    log.error("front end (pid %d) ended with exit status %s: starting another", process.pid,
-                              process.returncode)
-                    processes[i] = _start_front_end(front)
+                if process.poll() is None or stop.is_set():
+                    continue
+                early = early + 1 if time.monotonic() - started[i] < EARLY_END_S else 0
+                if early >= EARLY_ENDS:
+                    log.error("front ends keep ending as they start (the last, pid %d, with exit status %s): the "
+                              "server stops", process.pid, process.returncode)
+                    stop.set()
+                    break
+                log.error("front end (pid %d) ended with exit status %s: starting another", process.pid,
+                          process.returncode)
+                processes[i], started[i] = _start_front_end(front), time.monotonic()
     finally:
         sweeping.cancel()
         for process in processes:
@@ -284,12 +339,21 @@ def front_end_main() -> int:
 
     front: FrontEnd = pickle.loads(sys.stdin.buffer.read())
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    sock = port_socket(*front.address, listen=True)
+    # Bound, not listening: uvicorn listens once the app has started (connected to the hub), so the
+    # kernel hands this front end no connection before it can serve one.
+    sock = port_socket(*front.address, listen=False)
     llm = RemoteLLM.attach(front.package, front.engine, engine_timeout=front.engine_timeout,
                            step_timeout=front.step_timeout)
     try:
-        app = create_app(llm, shared=SharedRegistry(llm, front.hub), **front.app_options)
+        servers: list[uvicorn.Server] = []
+
+        def lost() -> None:  # (its link to the hub went: it stops, and the hub starts another)
+            for server in servers:
+                server.should_exit = True
+
+        app = create_app(llm, shared=SharedRegistry(llm, front.hub, on_lost=lost), **front.app_options)
         server = uvicorn.Server(server_config(app, "127.0.0.1", 0, log_level="info", **front.server_options))
+        servers.append(server)
         stop_when_the_engine_dies(llm, server)
         server.run(sockets=[sock])
     finally:

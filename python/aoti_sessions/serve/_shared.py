@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ..errors import EngineProcessError
 from ._sessions import Entry
 
 if TYPE_CHECKING:
@@ -41,8 +42,9 @@ CALL_TIMEOUT_S = 600.0  # a hub call waits at most this (a save, a load of a big
 METRICS_TIMEOUT_S = 5.0  # a front end that does not answer a scrape's question is left out of it
 
 
-class LinkClosed(ConnectionError):
-    """The other end of a link went (the hub stopped, or a front end ended)."""
+class LinkClosed(EngineProcessError):
+    """The other end of a link went (the hub stopped, or a front end ended):
+    for a request, the server is unavailable (503, as an engine gone)."""
 
 
 Handler = Callable[..., Awaitable[Any]]
@@ -148,9 +150,11 @@ class SharedRegistry:
 
     sweeps = False  # the hub parks idle sessions, not the front ends
 
-    def __init__(self, llm: RemoteLLM, hub: str) -> None:
+    def __init__(self, llm: RemoteLLM, hub: str, on_lost: Callable[[], None] | None = None) -> None:
         self.llm = llm
         self._hub_path = hub
+        self._on_lost = on_lost  # called if the link to the hub goes while this front end serves
+        self._closing = False
         self._link: Link | None = None
         self._handles = itertools.count(1)  # a request's hold, named here (so that it can be let go unfinished)
         self._snapshot: Callable[[], dict[str, Any]] = dict
@@ -162,6 +166,13 @@ class SharedRegistry:
         self._snapshot = snapshot
         reader, writer = await asyncio.open_unix_connection(self._hub_path)
         self._link = Link(reader, writer, {"snapshot": self._metrics_snapshot})
+        self._watching = asyncio.get_running_loop().create_task(self._watch(self._link))
+
+    async def _watch(self, link: Link) -> None:
+        await link.closed.wait()
+        if not self._closing and self._on_lost is not None:
+            log.error("this front end lost its link to the server's registry: it stops (the server starts another)")
+            self._on_lost()
 
     async def _metrics_snapshot(self) -> dict[str, Any]:
         return self._snapshot()
@@ -239,6 +250,7 @@ class SharedRegistry:
         return 0  # (the hub's sweep)
 
     async def close(self) -> None:
+        self._closing = True
         if self._link is not None:
             await self._link.close()
 
