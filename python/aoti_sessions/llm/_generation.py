@@ -70,10 +70,10 @@ class Pieces(Closable):
         raise NotImplementedError
 
     def step(self) -> str | None:
-        """The next piece of text (waiting for it), or ``None`` once finished;
-        raises the error that ended the generation, if one did."""
+        """The next piece of text (waiting for it), or ``None`` once finished
+        or closed; raises the error that ended the generation, if one did."""
         with self._cond:
-            while not self._events:
+            while self._closed or not self._events:  # (closed: what was handed out and not read is dropped)
                 if self._closed or (self.finished and self._sink is None):
                     return None
                 self._cond.wait()
