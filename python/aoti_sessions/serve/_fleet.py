@@ -181,9 +181,10 @@ class Hub:
     async def _op_listing(self, link: Link, tenant: str) -> list[dict[str, Any]]:
         return await self.registry.listing(tenant)
 
-    async def _op_metrics(self, link: Link) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """The registry's figures, and every other front end's counts (one that does not answer in time is left out)."""
+    async def _op_metrics(self, link: Link, own: dict[str, Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """The registry's figures, and every other front end's counts (as last read, if it does not answer in time)."""
         figures = {name: self.registry.figure(name) for name in Registry.FIGURES}
+        self._last[link] = own  # (the asking front end's counts, as it shows them: kept, should it end)
         others = [other for other in self._links if other is not link]
         answers = await asyncio.gather(*(other.call("snapshot", timeout=METRICS_TIMEOUT_S) for other in others),
                                        return_exceptions=True)

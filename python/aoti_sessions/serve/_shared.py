@@ -240,7 +240,7 @@ class SharedRegistry:
 
     async def peer_metrics(self) -> list[dict[str, Any]]:
         """The other front ends' metrics (and the hub's figures, kept here for this scrape)."""
-        self.shared, others = await self._call("metrics")
+        self.shared, others = await self._call("metrics", self._snapshot())
         return list(others)
 
     async def sweep(self) -> None:
