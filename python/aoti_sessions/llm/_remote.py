@@ -416,7 +416,7 @@ class RemoteLLM(Prompts, Closable):
         for g in generations.values():
             g._event(error, g.completion_tokens, g._session.token_count, Finals(None, g.prefilled_tokens,
                                                                                 g.completion_tokens))
-        if self._shared is not None and self._process is not None:
+        if self._shared is not None:  # (set by share(): only the process that started the engine)
             shutil.rmtree(self._shared, ignore_errors=True)
         self._over.set()
 

@@ -213,17 +213,6 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         await job.tokenize()
         entry = await registry.acquire(tenant, session_id, create=True)
         headers = {"X-Session-ID": session_id} if session_id else {}
-        if not body.stream:
-            try:
-                await job.start(entry)
-                text = "".join([piece async for piece in job.pieces(request.is_disconnected)])
-                if job.cancelled:
-                    return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-                return JSONResponse(job.response(text), headers=headers)
-            finally:
-                await job.finish()
-                await registry.release(entry)
-
         released = False
 
         async def cleanup() -> None:  # (once: a second release could let go a session another request took since)
@@ -234,6 +223,16 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
                     await job.finish()
                 finally:
                     await registry.release(entry)
+
+        if not body.stream:
+            try:
+                await job.start(entry)
+                text = "".join([piece async for piece in job.pieces(request.is_disconnected)])
+                if job.cancelled:
+                    return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+                return JSONResponse(job.response(text), headers=headers)
+            finally:
+                await cleanup()
 
         try:
             await job.start(entry)
