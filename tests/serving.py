@@ -18,7 +18,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
+
+from llm_models import llm_package
+
+SERVER_CONTEXT = 512  # the server tests' package: room for long generations (cancelled and busy ones still run)
 
 
 @contextmanager
@@ -161,3 +166,18 @@ def running_front_ends(owner: Any, count: int, registry: Any = None, **options: 
         thread.join(10)
         loop.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def package(device: str) -> Any:
+    """The server tests' package: a tiny Qwen3 of SERVER_CONTEXT tokens (import it with ``llm`` as fixtures)."""
+    return llm_package("qwen3", device=device, max_cache_len=SERVER_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def llm(package: Any, device: str) -> Iterator[Any]:
+    """An LLM of ``package`` in the test process."""
+    from aoti_sessions.llm import LLM
+
+    with LLM(package, device, max_sessions=16) as model:
+        yield model

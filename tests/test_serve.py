@@ -26,28 +26,18 @@ from aoti_sessions.llm import LLM, RemoteLLM
 from aoti_sessions.serve._cli import compute_threads
 from aoti_sessions.serve import create_app
 from conftest import on_threads
-from llm_models import hf_model_dir, llm_package
+from llm_models import hf_model_dir
+from serving import SERVER_CONTEXT, llm, package  # noqa: F401 (llm, package: fixtures)
 from serving import metrics, running, running_front_ends, transport_for, wait_until
 
 KEY = "test-key-4f1c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CONTEXT = 512  # room for long generations: cancelled and busy requests are still running when checked
+CONTEXT = SERVER_CONTEXT
 TOKENS = 12  # per turn
 CONVERSATIONS = {
     "a": ["Hello, how are you today?", "Please tell me a story about a small robot."],
     "b": ["The weather is nice, the sun is shining.", "Numbers like one, two, three appear often."],
 }
-
-
-@pytest.fixture(scope="module")
-def package(device: str) -> Path:
-    return llm_package("qwen3", device=device, max_cache_len=CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def llm(package: Path, device: str) -> Iterator[LLM]:
-    with LLM(package, device, max_sessions=16) as model:
-        yield model
 
 
 @pytest.fixture(scope="module", params=["one-process", "engine-process", "two-front-ends"])

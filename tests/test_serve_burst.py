@@ -20,18 +20,12 @@ import pytest
 from aoti_sessions.llm import LLM, RemoteLLM
 from aoti_sessions.serve import create_app
 from conftest import on_threads
-from llm_models import llm_package
-from serving import running
+from serving import SERVER_CONTEXT, package, running  # noqa: F401 (package: a fixture)
 
-CONTEXT = 512  # tests/test_serve.py's package
+CONTEXT = SERVER_CONTEXT
 BURST = 24
 ROUNDS = int(os.environ.get("AOTI_SESSIONS_BURST_ROUNDS", "10"))
 TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def package(device: str) -> Path:
-    return llm_package("qwen3", device=device, max_cache_len=CONTEXT)
 
 
 @pytest.fixture(scope="module", params=["one-process", "engine-process"])

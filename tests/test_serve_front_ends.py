@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,22 +30,11 @@ from aoti_sessions.serve._fleet import default_api_workers
 from aoti_sessions.serve._sessions import Entry, Registry
 from aoti_sessions.serve._shared import SharedRegistry
 from aoti_sessions.serve._tenants import DEFAULT_TENANT
-from llm_models import llm_package
+from serving import SERVER_CONTEXT, llm, package  # noqa: F401 (llm, package: fixtures)
 from serving import descendants, metrics, running_front_ends, wait_until
 
-CONTEXT = 512  # tests/test_serve.py's package
+CONTEXT = SERVER_CONTEXT
 TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def package(device: str) -> Path:
-    return llm_package("qwen3", device=device, max_cache_len=CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def llm(package: Path, device: str) -> Iterator[LLM]:
-    with LLM(package, device, max_sessions=16) as model:
-        yield model
 
 
 def _text(g: Any) -> str:
