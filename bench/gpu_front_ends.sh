@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 35 item 4 on the GPU: bench_serve with one front end and with N
 # (serve --api-workers N), the same model and call. STAGE=ab (default): 64
-# chats, api workers 1 then 4 then 2, twice each, no anchor; STAGE=anchor:
+# chats, api workers 1 then 4 then 2, twice each, no anchor; STAGE=old: an older
+# Python package against this tree; STAGE=spy: py-spy over the engine process; STAGE=anchor:
 # transformers at B = 16, 64, 256 and the server at 16 and 256 chats with
 # 4 front ends. Results under $OUT.
 set -uo pipefail
@@ -22,16 +23,33 @@ if [ "$stage" = ab ]; then
     done
   done
 fi
-if [ "$stage" = text ]; then
-  # The text made in the engine process (OLD, a commit) or in the front ends (this tree), 4 front ends.
-  rm -rf build/ab-old && mkdir -p build/ab-old
-  git archive "${OLD:?OLD=commit}" python/aoti_sessions | tar -x -C build/ab-old --strip-components=1
-  cp "$(python3 -c 'import aoti_sessions._core as c; print(c.__file__)')" build/ab-old/aoti_sessions/
+if [ "$stage" = old ]; then
+  # An older Python package (OLD_DIR: a folder holding aoti_sessions/, carried along, e.g. made with
+  # `git archive COMMIT python/aoti_sessions | tar -x -C build/ab-old --strip-components=1`) against this
+  # tree, with this tree's C++ build, 64 chats, 4 front ends, in turn; then the anchor at B = 64.
+  old=${OLD_DIR:?OLD_DIR=folder}
+  cp "$(python3 -c 'import aoti_sessions._core as c; print(c.__file__)')" "$old/aoti_sessions/"
   for pass in 1 2; do
-    run "text-front-p$pass" 64 --rounds 1 --no-anchor --server-arg=--api-workers=4
-    PYTHONPATH=$PWD/build/ab-old:$PYTHONPATH run "text-engine-p$pass" 64 --rounds 1 --no-anchor \
-      --server-arg=--api-workers=4
+    run "new-p$pass" 64 --rounds 1 --no-anchor --server-arg=--api-workers=4
+    PYTHONPATH=$PWD/$old:$PYTHONPATH run "old-p$pass" 64 --rounds 1 --no-anchor --server-arg=--api-workers=4
   done
+  run new-anchor 64 --rounds 1 --anchor --anchor-batches 64 --server-arg=--api-workers=4
+fi
+if [ "$stage" = spy ]; then
+  # Where the engine process's time goes at 64 chats, 4 front ends: py-spy (its wheel in .deps) samples
+  # the thread holding the GIL (--gil), per thread, for the run's middle; then the step loop alone.
+  spy=$(python3 -c 'import sys, os; print(os.path.join(os.path.dirname(sys.executable), "py-spy"))')
+  [ -x /tmp/ais-site/bin/py-spy ] && spy=/tmp/ais-site/bin/py-spy
+  ( for i in $(seq 600); do pid=$(pgrep -f llm._engine_main | head -1); [ -n "$pid" ] && break; sleep 0.5; done
+    sleep "${SPY_AFTER:-20}"
+    "$spy" record --pid "$pid" --gil --threads --rate 250 --duration "${SPY_FOR:-40}" --format raw \
+      -o "$runs/spy-gil.txt" > "$runs/spy-gil.log" 2>&1 &
+    "$spy" record --pid "$pid" --threads --rate 250 --duration "${SPY_FOR:-40}" --format raw \
+      -o "$runs/spy-all.txt" > "$runs/spy-all.log" 2>&1
+    wait ) &
+  turns=4 tokens=160 run spy-64 64 --rounds 6 --no-anchor --server-arg=--api-workers=4
+  wait
+  python3 bench/profile_llm.py --step-loop 16,64 > "$runs/step-loop.txt" 2>&1; echo "step-loop: exit $?"
 fi
 if [ "$stage" = anchor ]; then
   run w4-16-64 16,64 --rounds 2 --anchor --anchor-batches 16,64 --server-arg=--api-workers=4

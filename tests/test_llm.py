@@ -426,16 +426,19 @@ def test_text_is_held_back_only_while_it_may_begin_a_stop_string(llm):
 def test_text_of_any_token_ids_is_the_tokenizers_decode(llm):
     """TextStream's pieces (the tokenizer's incremental decoder) join to the
     tokenizer's own decode of the ids, for random ids: characters split over
-    tokens, special tokens (skipped), an unfinished character at the end."""
-    from aoti_sessions.llm._text import TextStream
+    tokens, special tokens (skipped), an unfinished character at the end; so
+    does ``decoded`` (the whole text in one call)."""
+    from aoti_sessions.llm._text import TextStream, _backend, decoded
 
     tokenizer = llm.tokenizer
+    assert _backend(tokenizer) is not None  # (decoded's one-call path is the one checked here)
     rng = random.Random(0)
     for _ in range(300):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
         stream = TextStream(tokenizer, [])
         text = "".join(stream.push(t) for t in ids) + stream.flush()
         assert text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), ids
+        assert decoded(tokenizer, ids) == text, ids  # (a whole reply's text, in one call)
 
 
 def test_threads_option_and_the_warning_without_it(caplog: pytest.LogCaptureFixture) -> None:

@@ -227,18 +227,13 @@ class Generation(Pieces):
 
     def _took(self, tokens: list[int], width: int) -> None:
         """(Its session held: :class:`Held`) the step fed ``tokens``, the
-        start of ``_pending``, in a call ``width`` tokens wide: the
-        session's token list gains them and its cache forgets the padding's
-        positions."""
-        session = self._session
-        if len(tokens) < width:
-            session._session.truncate(len(session._tokens) + len(tokens))
-        session._tokens.extend(tokens)
+        start of ``_pending``, in a call ``width`` tokens wide (ChatSession._took)."""
+        self._session._took(tokens, width)
         self._fed(len(tokens))
 
     def _took_unread(self) -> None:
         """(Its session held) the step fed the token sampled last, before it
-        is read: the session stays held until :meth:`_accept_token`."""
+        is read: the session stays held until :meth:`_take_token`."""
         self._fed_ahead = True
 
     def _room_for_next(self) -> bool:
@@ -255,46 +250,38 @@ class Generation(Pieces):
         read, as a one-token chunk)."""
         return not self._recurrent and self._room_for_next()
 
-    def _accept_token(self, token: int) -> None:
-        """Records a sampled token once read, before its text is made. Where
-        the step queued since fed it, the session's token list gains it, or,
-        for a stop token or a generation that ended meanwhile, the cache
-        forgets it; then the session's lock goes."""
+    def _take_token(self, token: int) -> None:
+        """A sampled token, read (the next step was queued): recorded, then
+        handed out. Where the step queued since fed it, the session settles
+        it (ChatSession._settle: its token list gains it, or, for a stop
+        token or a generation that ended meanwhile, its cache forgets it;
+        then its lock goes). With stop strings, the generation ends where
+        its text has one."""
         fed, self._fed_ahead = self._fed_ahead, False
         session = self._session
         if not fed and not self.token_ids:  # the first: the whole prompt is in (and, recurrent, no more)
             session._prompt_fed(self)
         keep = not self.finished and token not in self._stop_ids
-        error: Exception | None = None
         if fed:
             try:
-                if keep:
-                    session._tokens.append(token)
-                else:
-                    session._session.truncate(len(session._tokens))
+                session._settle(token, keep)
             except Exception as e:  # noqa: BLE001 - its session closed under it
-                error = e
-            finally:
-                session._lock.release()
+                if not self.finished:
+                    self._fail(e)
+                return
         if self.finished:
             return
-        if error is not None:
-            self._fail(error)
-        elif not keep:
+        if not keep:
             self._finish("stop", None)
-        else:
-            room = self._room_for_next()  # (counted before the token joins token_ids)
-            self.token_ids.append(token)
-            if not fed:
-                if room:  # recurrent state: fed now that it is read
-                    self._pending.append(token)
-                else:  # at max_tokens or the context's end
-                    self._ending = "length"
-
-    def _deliver(self, token: int) -> None:
-        """Hands out an accepted token (after the next step was queued); with
-        stop strings, ends the generation where its text has one."""
-        if self.finished:
+            return
+        room = self._room_for_next()  # (counted before the token joins token_ids)
+        self.token_ids.append(token)
+        if not fed:
+            if room:  # recurrent state: fed now that it is read
+                self._pending.append(token)
+            else:  # at max_tokens or the context's end
+                self._ending = "length"
+        if self.finished:  # (closed meanwhile, on another thread)
             return
         if self._stops is not None:
             self._stops.push(token)
@@ -347,7 +334,7 @@ class Generation(Pieces):
 class Held:
     """The locks of the chat sessions a step feeds, taken in id order and
     released after the block but for those kept: a session whose unread
-    token the step fed stays held until :meth:`Generation._accept_token`
+    token the step fed stays held until :meth:`Generation._take_token`
     records it (a fork or save then sees its cache and tokens agree)."""
 
     def __init__(self, sessions: Sequence[ChatSession]) -> None:

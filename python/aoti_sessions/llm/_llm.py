@@ -437,6 +437,26 @@ class ChatSession(Closable):
         with self._lock:
             self._session.close()
 
+    # -- the step loop's (through Generation, its session's lock held: Held) --
+    def _took(self, tokens: list[int], width: int) -> None:
+        """A call fed ``tokens`` in ``width`` positions: the token list gains
+        them and the cache forgets the padding's positions."""
+        if len(tokens) < width:
+            self._session.truncate(len(self._tokens) + len(tokens))
+        self._tokens.extend(tokens)
+
+    def _settle(self, token: int, keep: bool) -> None:
+        """The token a step fed before it was read, now read: the token list
+        gains it (``keep``) or the cache forgets it; then the lock that step
+        kept (Held.keep) goes, whatever happens."""
+        try:
+            if keep:
+                self._tokens.append(token)
+            else:
+                self._session.truncate(len(self._tokens))
+        finally:
+            self._lock.release()
+
     def _release(self, generation: Generation) -> None:
         if self._active is generation:
             self._active = None

@@ -107,6 +107,11 @@ class Scheduler:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._stream = torch.cuda.Stream(self._engine.device) if self._cuda else None  # type: ignore[no-untyped-call]
+        # (CUDA) Where steps' sampled tokens land on the host: two pinned
+        # buffers with their events, taken in turn (a step's tokens are read
+        # before the step after next is queued), made once, not every step.
+        self._landing: list[tuple[torch.Tensor, Any]] = []
+        self._landed = 1
         self.steps = 0  # steps run (for tests and metrics)
         self.decode_rows = 0  # rows of the batched decode calls
         self.prefill_calls = 0  # prefill calls made, the rows and tokens they fed
@@ -182,8 +187,7 @@ class Scheduler:
                 tokens = self._read(previous)
                 read = time.perf_counter()
                 if previous is not None:
-                    self._accept_tokens(previous, tokens)
-                    self._deliver(previous, tokens)
+                    self._hand_out(previous, tokens)
                 self._drop_finished()
                 previous = step if step.sampled else None
                 self.steps += 1
@@ -199,14 +203,15 @@ class Scheduler:
         if step.done is not None:
             step.done.synchronize()  # releases the GIL while the device finishes
             assert step.host is not None
-            return [int(t) for t in step.host[: len(step.sampled)].tolist()]
-        return [int(t) for t in step.tokens.tolist()]
+            return step.host[: len(step.sampled)].tolist()
+        return step.tokens.tolist()
 
-    def _accept_tokens(self, step: _Step, tokens: list[int]) -> None:
+    def _hand_out(self, step: _Step, tokens: list[int]) -> None:
         """Records each sampled token (the step after was queued: where it fed
-        the token, this settles it and frees the session's lock)."""
+        the token, this settles it and frees the session's lock), then hands
+        it out (Generation._take_token)."""
         for g, token in zip(step.sampled, tokens):
-            g._accept_token(token)
+            g._take_token(token)
 
     def _drop_finished(self) -> None:
         with self._cond:
@@ -248,11 +253,25 @@ class Scheduler:
             all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
             step.tokens = sample(all_logits, [g._sampler for g in step.sampled])
             if self._cuda:
-                step.host = torch.empty(len(step.sampled), dtype=torch.int64, pin_memory=True)
-                step.host.copy_(step.tokens, non_blocking=True)
-                step.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                step.done.record()
+                step.host, step.done = self._land(step.tokens)
         return step
+
+    def _land(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Queues the copy of a step's sampled ``tokens`` to the host: the
+        pinned buffer they land in and the event recorded after the copy."""
+        self._landed ^= 1
+        count = tokens.numel()
+        if len(self._landing) <= self._landed or self._landing[self._landed][0].numel() < count:
+            buffer = torch.empty(max(count, self.max_rows), dtype=torch.int64, pin_memory=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            if len(self._landing) <= self._landed:
+                self._landing.append((buffer, event))
+            else:
+                self._landing[self._landed] = (buffer, event)
+        buffer, event = self._landing[self._landed]
+        buffer[:count].copy_(tokens, non_blocking=True)
+        event.record()
+        return buffer, event
 
     def _decode(self, rows: list[Row], previous: _Step | None) -> torch.Tensor | None:
         device = self._engine.device
@@ -337,10 +356,6 @@ class Scheduler:
         for recurrent state, which would take in the padding."""
         buckets = self._cuda and self._engine.captures("prefill") and not self._llm.spec.recurrent
         return prefill_width(rows, self.limits, buckets)
-
-    def _deliver(self, step: _Step, tokens: list[int]) -> None:
-        for g, token in zip(step.sampled, tokens):
-            g._deliver(token)
 
     def _end_all(self, error: BaseException) -> None:
         with self._cond:

@@ -121,7 +121,12 @@ class TextStream:
 
 def decoded(tokenizer: Any, ids: Sequence[int], final: bool = True) -> str:
     """The text :class:`TextStream` makes of ``ids`` (without stop strings):
-    all of it once ``final``, else without an unfinished character at the end."""
+    all of it once ``final``, else without an unfinished character at the end.
+    All of it from the Rust tokenizer is one call: its text is the
+    incremental decoder's (tests/test_llm.py checks the two agree)."""
+    backend = _backend(tokenizer) if final else None
+    if backend is not None:
+        return str(backend.decode(list(ids), skip_special_tokens=True))
     stream = TextStream(tokenizer, ())
     for token in ids:
         stream.push(token)
