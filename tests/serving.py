@@ -26,6 +26,53 @@ from llm_models import llm_package
 SERVER_CONTEXT = 512  # the server tests' package: room for long generations (cancelled and busy ones still run)
 
 
+def _front_ends() -> int:
+    value = os.environ.get("AOTI_SESSIONS_TEST_FRONT_ENDS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"AOTI_SESSIONS_TEST_FRONT_ENDS must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+# AOTI_SESSIONS_TEST_FRONT_ENDS=N (N >= 2, opt-in: slower): the server tests
+# written with open_served() and serving() run as N front ends over one engine
+# process (serve --api-workers N), each client's requests going to the front
+# ends in turn; by default they serve in this process. (test_serve.py runs
+# each of its tests one process, engine process and two front ends, always.)
+FRONT_ENDS = _front_ends()
+
+
+def open_served(package: Any, device: str = "cpu", **options: Any) -> Any:
+    """The LLM of ``package`` a server test serves: in this process, or
+    (FRONT_ENDS > 1) in an engine process of its own, which front ends
+    attach to (``options``: LLM's; ``threads`` 1 on the CPU unless given)."""
+    from aoti_sessions.llm import LLM, RemoteLLM
+
+    if device == "cpu":
+        options.setdefault("threads", 1)
+    return (RemoteLLM if FRONT_ENDS > 1 else LLM)(package, device, **options)
+
+
+@contextmanager
+def serving(llm: Any, **options: Any) -> Iterator[str]:
+    """The server of ``llm`` (open_served's) with ``options`` (create_app's)
+    until the block ends: in this process, or FRONT_ENDS front ends sharing
+    one registry; yields the base URL (give it to client())."""
+    if FRONT_ENDS > 1:
+        with running_front_ends(llm, FRONT_ENDS, **options) as url:
+            yield url
+        return
+    from aoti_sessions.serve import create_app
+
+    with running(create_app(llm, **options)) as url:
+        yield url
+
+
+def client(url: str, **options: Any) -> httpx.Client:
+    """An httpx client of ``url`` (``options``: httpx.Client's): its requests
+    go to the front ends in turn where there are several."""
+    return httpx.Client(base_url=url, transport=transport_for(url), **options)
+
+
 @contextmanager
 def running(app: Any, config: uvicorn.Config | None = None) -> Iterator[str]:
     """Serves ``app`` (with ``config``, if given: its host and port unused)
@@ -144,7 +191,8 @@ def running_front_ends(owner: Any, count: int, registry: Any = None, **options: 
     thread.start()
     asyncio.run_coroutine_threadsafe(hub.start(), loop).result(30)
     address = owner.share()
-    attached = [RemoteLLM.attach(owner.package, address) for _ in range(count)]
+    attached = [RemoteLLM.attach(owner.package, address, engine_timeout=owner.engine_timeout,
+                                 step_timeout=owner.step_timeout) for _ in range(count)]
     try:
         with contextlib.ExitStack() as stack:
             urls = [stack.enter_context(running(create_app(llm, shared=SharedRegistry(llm, hub.path), **options)))

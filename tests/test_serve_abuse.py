@@ -16,7 +16,7 @@ from aoti_sessions.llm import LLM
 from aoti_sessions.serve import create_app
 from aoti_sessions.serve._limits import MIN_BODY_LIMIT, default_body_limit
 from llm_models import llm_package
-from serving import running
+from serving import client, open_served, running, serving
 
 CONTEXT = 256
 LIMIT = 64 * 1024
@@ -24,20 +24,20 @@ LIMIT = 64 * 1024
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    with LLM(llm_package("qwen3", max_cache_len=CONTEXT), threads=1, max_sessions=8) as model:
+    with open_served(llm_package("qwen3", max_cache_len=CONTEXT), max_sessions=8) as model:
         yield model
 
 
 @pytest.fixture(scope="module")
 def server(llm: LLM) -> Iterator[str]:
-    with running(create_app(llm, max_body_bytes=LIMIT)) as url:
+    with serving(llm, max_body_bytes=LIMIT) as url:
         yield url
 
 
 @pytest.fixture
 def http(server: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server, timeout=60) as client:
-        yield client
+    with client(server, timeout=60) as http:
+        yield http
 
 
 def _chat(text: str) -> dict[str, object]:
@@ -146,7 +146,7 @@ KEY = "abuse-key-77"
 def guarded(llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A server with an API key and a session dir."""
     folder = tmp_path_factory.mktemp("sessions")
-    with running(create_app(llm, api_key=KEY, session_dir=folder)) as url:
+    with serving(llm, api_key=KEY, session_dir=folder) as url:
         yield url, folder
 
 
@@ -190,7 +190,7 @@ def test_session_file_errors_name_the_file_not_the_server_path(guarded: tuple[st
 
     url, folder = guarded
     auth = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
+    with client(url, headers=auth, timeout=60) as http:
         assert http.post("/v1/chat/completions", json={**_chat("Hello"), "session_id": "s1"}).status_code == 200
         os.mkfifo(folder / "pipe")
         message = _error(http.post("/v1/sessions/s1/save", json={"name": "pipe"}), 400, "invalid_session_file")
@@ -242,8 +242,7 @@ def test_idle_sessions_are_parked_and_come_back(llm: LLM, tmp_path: Path) -> Non
     with its cache (cached_tokens). Without a session dir it is closed: the
     id starts afresh. A stopping server parks every named session; the next
     server serves them on."""
-    with running(create_app(llm, session_dir=tmp_path, session_ttl=0.3)) as url, \
-            httpx.Client(base_url=url, timeout=60) as http:
+    with serving(llm, session_dir=tmp_path, session_ttl=0.3) as url, client(url, timeout=60) as http:
         first = http.post("/v1/chat/completions", json={**_chat("Hello there"), "session_id": "chat:1"}).json()
         history = [{"role": "user", "content": "Hello there"},
                    {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
@@ -261,13 +260,13 @@ def test_idle_sessions_are_parked_and_come_back(llm: LLM, tmp_path: Path) -> Non
         assert "aoti_sessions_sessions_unparked_total 1" in metrics
     # The server stopped: the session was parked; a new server brings it back.
     assert (tmp_path / ".live" / "chat:1").is_file()
-    with running(create_app(llm, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(llm, session_dir=tmp_path) as url, client(url, timeout=60) as http:
         described = http.get("/v1/sessions/chat:1").json()
         assert described["id"] == "chat:1" and described["tokens"] > 0
         assert http.delete("/v1/sessions/chat:1").status_code == 200
     assert not (tmp_path / ".live" / "chat:1").exists()
     # No session dir: closed at the TTL, nothing kept.
-    with running(create_app(llm, session_ttl=0.3)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(llm, session_ttl=0.3) as url, client(url, timeout=60) as http:
         assert http.post("/v1/chat/completions", json={**_chat("Hi"), "session_id": "gone"}).status_code == 200
         _wait(lambda: http.get("/v1/sessions").json()["data"] == [], "the session to be closed")
         assert http.get("/v1/sessions/gone").status_code == 404
@@ -280,7 +279,7 @@ def test_idle_sessions_are_parked_and_come_back(llm: LLM, tmp_path: Path) -> Non
 def test_a_parked_file_that_cannot_load_is_set_aside(llm: LLM, tmp_path: Path) -> None:
     (tmp_path / ".live").mkdir()
     (tmp_path / ".live" / "broken").write_bytes(b"AISSTATE" + b"\0" * 40)
-    with running(create_app(llm, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(llm, session_dir=tmp_path) as url, client(url, timeout=60) as http:
         response = http.post("/v1/chat/completions", json={**_chat("Hi"), "session_id": "broken"})
         assert response.status_code == 200 and response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert (tmp_path / ".live" / "broken.bad").is_file()

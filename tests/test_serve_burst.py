@@ -20,7 +20,7 @@ import pytest
 from aoti_sessions.llm import LLM, RemoteLLM
 from aoti_sessions.serve import create_app
 from conftest import on_threads
-from serving import SERVER_CONTEXT, package, running  # noqa: F401 (package: a fixture)
+from serving import SERVER_CONTEXT, client, package, running, serving  # noqa: F401 (package: a fixture)
 
 CONTEXT = SERVER_CONTEXT
 BURST = 24
@@ -39,14 +39,17 @@ def served(request: pytest.FixtureRequest, package: Path, device: str) -> Iterat
 
 
 def test_bursts_of_mixed_prompts_get_their_solo_replies(served: LLM | RemoteLLM) -> None:
+    """(With AOTI_SESSIONS_TEST_FRONT_ENDS=N, the engine process is served
+    by N front ends, each client's requests going to them in turn.)"""
     rng = random.Random(34)
     vocab = [t for t in range(served.spec.vocab_size) if t not in served.spec.eos_token_ids]
     longest = min(served.spec.max_prefill, CONTEXT - TOKENS)
     budget = served.spec.max_prefill  # a step's prefill budget on the CPU (on CUDA, several calls' worth)
     wrong: list[str] = []
-    with running(create_app(served)) as url, httpx.Client(base_url=url, timeout=300) as alone:
-        def complete(client: httpx.Client, prompt: list[int]) -> str:
-            response = client.post("/v1/completions", json={"model": served.name, "prompt": prompt,
+    server = serving(served) if isinstance(served, RemoteLLM) else running(create_app(served))
+    with server as url, client(url, timeout=300) as alone:
+        def complete(http: httpx.Client, prompt: list[int]) -> str:
+            response = http.post("/v1/completions", json={"model": served.name, "prompt": prompt,
                                                             "max_tokens": TOKENS, "temperature": 0,
                                                             "ignore_eos": True})
             assert response.status_code == 200, response.text
@@ -64,8 +67,8 @@ def test_bursts_of_mixed_prompts_get_their_solo_replies(served: LLM | RemoteLLM)
             want = [complete(alone, p) for p in prompts]
 
             def request(i: int) -> str:
-                with httpx.Client(base_url=url, timeout=300) as client:
-                    return complete(client, prompts[i])
+                with client(url, timeout=300) as http:
+                    return complete(http, prompts[i])
 
             got = on_threads(BURST, "cpu", request)
             wrong += [f"round {round_}, a prompt of {len(p)} tokens: {g!r} != solo {w!r}"

@@ -24,13 +24,24 @@ from aoti_sessions.errors import SessionFileError
 from aoti_sessions.llm import LLM
 from aoti_sessions.serve import create_app
 from llm_models import llm_package
-from serving import metrics, running, wait_until
+from serving import FRONT_ENDS, client, metrics, open_served, running, serving, wait_until
 
 KEY_A, KEY_B = "files-a-5e1d", "files-b-9a0c"
 
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
+    with open_served(llm_package("qwen3", max_cache_len=256), max_sessions=8) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def local(llm: LLM) -> Iterator[LLM]:
+    """An LLM in this process, for tests that patch the runtime here (its
+    session writes): ``llm``, unless that one runs in an engine process."""
+    if FRONT_ENDS == 1:
+        yield llm
+        return
     with LLM(llm_package("qwen3", max_cache_len=256), threads=1, max_sessions=8) as model:
         yield model
 
@@ -61,11 +72,12 @@ def _error(response: httpx.Response, status: int, code: str) -> str:
 
 @pytest.fixture(params=["tmpfs", "simulated"])
 def full_disk(request: pytest.FixtureRequest, tmp_path: Path,
-              monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Callable[[bool], None]]]:
-    """A session dir, and a switch that fills it (True) or makes room again
-    (False): a real 256 KiB tmpfs filled by a file (mounting one needs
-    root), or every session write failing as the runtime's writer fails on
-    a full disk (its message, its temporary file's name)."""
+              monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Callable[[bool], None], bool]]:
+    """A session dir, a switch that fills it (True) or makes room again
+    (False), and whether the fill is simulated in this process: a real 256
+    KiB tmpfs filled by a file (mounting one needs root), or every session
+    write of this process failing as the runtime's writer fails on a full
+    disk (its message, its temporary file's name)."""
     folder = tmp_path / "sessions"
     folder.mkdir()
     if request.param == "simulated":
@@ -79,7 +91,7 @@ def full_disk(request: pytest.FixtureRequest, tmp_path: Path,
             real(self, path, attachment)
 
         monkeypatch.setattr(_session.Snapshot, "write", write)
-        yield folder, lambda on: full.__setitem__(0, on)
+        yield folder, lambda on: full.__setitem__(0, on), True
         return
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True)
     if mounted.returncode != 0:
@@ -99,17 +111,19 @@ def full_disk(request: pytest.FixtureRequest, tmp_path: Path,
                 assert e.errno == errno.ENOSPC, e
 
     try:
-        yield folder, fill
+        yield folder, fill, False
     finally:
         subprocess.run(["umount", str(folder)], check=True)
 
 
-def test_a_full_session_dir_loses_no_session(llm: LLM, full_disk: tuple[Path, Callable[[bool], None]],
-                                             caplog: pytest.LogCaptureFixture) -> None:
-    folder, fill = full_disk
-    with caplog.at_level(logging.INFO, logger="aoti_sessions.serve"), \
-            running(create_app(llm, session_dir=folder, session_ttl=0.2)) as url, \
-            httpx.Client(base_url=url, timeout=60) as http:
+def test_a_full_session_dir_loses_no_session(llm: LLM, local: LLM, caplog: pytest.LogCaptureFixture,
+                                             full_disk: tuple[Path, Callable[[bool], None], bool]) -> None:
+    folder, fill, simulated = full_disk
+    # (A fill simulated in this process: the server and its LLM in this process.)
+    server = running(create_app(local, session_dir=folder, session_ttl=0.2)) if simulated \
+        else serving(llm, session_dir=folder, session_ttl=0.2)
+    with caplog.at_level(logging.INFO, logger="aoti_sessions.serve"), server as url, \
+            client(url, timeout=60) as http:
         fill(True)
         chats = {f"chat-{i}": [{"role": "user", "content": f"Chat number {i}, hello."}] for i in range(4)}
         for session, messages in chats.items():
@@ -147,9 +161,9 @@ def test_saved_files_are_bounded_per_key_listed_and_deleted(llm: LLM, tmp_path: 
     hello = [{"role": "user", "content": "Hello"}]
     for folder in ("count", "bytes"):
         (tmp_path / folder).mkdir()
-    app = create_app(llm, api_keys=[KEY_A, KEY_B], session_dir=tmp_path / "count", max_session_files=2)
-    with running(app) as url, httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY_A}"}) as a, \
-            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY_B}"}) as b:
+    options = dict(api_keys=[KEY_A, KEY_B], session_dir=tmp_path / "count", max_session_files=2)
+    with serving(llm, **options) as url, client(url, headers={"Authorization": f"Bearer {KEY_A}"}) as a, \
+            client(url, headers={"Authorization": f"Bearer {KEY_B}"}) as b:
         for http in (a, b):
             _chat(http, "s", hello)
         for name in ("one", "two"):
@@ -171,8 +185,7 @@ def test_saved_files_are_bounded_per_key_listed_and_deleted(llm: LLM, tmp_path: 
         assert [f["name"] for f in a.get("/v1/session-files").json()["data"]] == ["three", "two"]
         assert [f["name"] for f in b.get("/v1/session-files").json()["data"]] == ["one", "two"]
     # The bytes: a save is refused once the key's files hold the limit.
-    with running(create_app(llm, session_dir=tmp_path / "bytes", max_session_files_bytes=1)) as url, \
-            httpx.Client(base_url=url) as http:
+    with serving(llm, session_dir=tmp_path / "bytes", max_session_files_bytes=1) as url, client(url) as http:
         _chat(http, "s", hello)
         assert http.post("/v1/sessions/s/save", json={"name": "one"}).status_code == 200
         size = (tmp_path / "bytes" / "one").stat().st_size
@@ -184,11 +197,11 @@ def test_saved_files_are_bounded_per_key_listed_and_deleted(llm: LLM, tmp_path: 
 
 
 def test_a_fork_or_a_load_never_replaces_a_parked_session(llm: LLM, tmp_path: Path) -> None:
-    with running(create_app(llm, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(llm, session_dir=tmp_path) as url, client(url, timeout=60) as http:
         _chat(http, "parked", [{"role": "user", "content": "Hello there, keep this."}])
         tokens = http.get("/v1/sessions/parked").json()["tokens"]
     assert (tmp_path / ".live" / "parked").is_file()  # (parked as the server stopped)
-    with running(create_app(llm, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(llm, session_dir=tmp_path) as url, client(url, timeout=60) as http:
         _chat(http, "other", [{"role": "user", "content": "Some other words, a longer chat than that one."}])
         assert http.post("/v1/sessions/other/save", json={"name": "other"}).status_code == 200
         _error(http.post("/v1/sessions/other/fork", json={"session_id": "parked"}), 409, "session_exists")
@@ -197,15 +210,15 @@ def test_a_fork_or_a_load_never_replaces_a_parked_session(llm: LLM, tmp_path: Pa
         assert http.get("/v1/sessions/parked").json()["tokens"] == tokens
 
 
-def test_a_failed_save_names_no_temporary_file(llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_save_names_no_temporary_file(local: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer's error names its temporary file (with the server's pid):
     the answer says "a temporary file" instead."""
     def write(self: Any, path: str | os.PathLike[str], attachment: bytes = b"") -> None:
         raise SessionFileError(f"writing {Path(path).parent}/.{Path(path).name}.aoti-tmp-{os.getpid()}-3 failed: "
                                f"{os.strerror(errno.EIO)}")
 
-    monkeypatch.setattr(_session.Snapshot, "write", write)
-    with running(create_app(llm, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    monkeypatch.setattr(_session.Snapshot, "write", write)  # (in this process: its server and LLM here)
+    with running(create_app(local, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
         _chat(http, "s", [{"role": "user", "content": "Hello"}])
         message = _error(http.post("/v1/sessions/s/save", json={"name": "f"}), 400, "invalid_session_file")
         assert message == f"cannot save the session as 'f': writing a temporary file failed: {os.strerror(errno.EIO)}"

@@ -15,17 +15,14 @@ import os
 from collections import Counter
 from pathlib import Path
 
-import httpx
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from aoti_sessions.llm import LLM
-from aoti_sessions.serve import create_app
 from llm_models import llm_package
-from serving import running
+from serving import client, open_served, serving
 
 FUZZ_EXAMPLES = int(os.environ.get("AOTI_SESSIONS_FUZZ_EXAMPLES", "15"))
 KEY = "fuzz-key-1"
@@ -38,8 +35,8 @@ def test_the_api_holds_under_fuzzing(tmp_path: Path) -> None:
     chat the model's template refuses, an unknown session: 400 / 404 by
     design)."""
     auth = {"Authorization": f"Bearer {KEY}"}
-    with LLM(llm_package("qwen3", max_cache_len=256), threads=1, max_sessions=8) as llm, \
-            running(create_app(llm, api_key=KEY, session_dir=tmp_path)) as url:
+    with open_served(llm_package("qwen3", max_cache_len=256), max_sessions=8) as llm, \
+            serving(llm, api_key=KEY, session_dir=tmp_path) as url:
         schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=auth)
         cases: Counter[str] = Counter()
         statuses: Counter[int] = Counter()
@@ -68,7 +65,7 @@ def test_the_api_holds_under_fuzzing(tmp_path: Path) -> None:
         assert sum(n for k, n in cases.items() if k.endswith("(negative)")) > 0, cases
         assert all(s < 500 for s in statuses), statuses
         # Still serving.
-        with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
+        with client(url, headers=auth, timeout=60) as http:
             assert http.get("/health").json()["status"] == "ok"
             reply = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                              "max_tokens": 2})

@@ -28,10 +28,9 @@ import pytest
 
 from aoti_sessions.errors import SessionClosedError
 from aoti_sessions.llm import LLM, RemoteLLM
-from aoti_sessions.serve import create_app
 from conftest import on_threads
 from llm_models import llm_package
-from serving import descendants, metrics, running, wait_until
+from serving import FRONT_ENDS, client, descendants, metrics, open_served, serving, wait_until
 
 CONTEXT = 256
 ENGINE_TIMEOUT = 3.0  # the test engine process's: short, with room for a loaded machine's pauses
@@ -46,6 +45,17 @@ def package() -> Path:
 @pytest.fixture(scope="module")
 def llm(package: Path) -> Iterator[LLM]:
     with LLM(package, threads=1, max_sessions=64) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def served(package: Path, llm: LLM) -> Iterator[LLM | RemoteLLM]:
+    """What the servers of the tests below serve: ``llm``, or (FRONT_ENDS >
+    1, tests/serving.py) the package in an engine process, for front ends."""
+    if FRONT_ENDS == 1:
+        yield llm
+        return
+    with open_served(package, max_sessions=64) as model:
         yield model
 
 
@@ -110,7 +120,7 @@ def _stream(http: httpx.Client, session: str, messages: list[dict[str, str]], ma
     return 200, "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
 
 
-def test_the_sweep_never_parks_a_session_under_a_request(llm: LLM, tmp_path: Path) -> None:
+def test_the_sweep_never_parks_a_session_under_a_request(llm: LLM, served: LLM | RemoteLLM, tmp_path: Path) -> None:
     """Sessions idle past a short TTL are parked while clients send streamed
     turns to random sessions of theirs: a sweep that parks one of its list
     after another lets requests in between, and must not park a session one
@@ -122,15 +132,14 @@ def test_the_sweep_never_parks_a_session_under_a_request(llm: LLM, tmp_path: Pat
     for messages in prompts:
         with llm.new_session() as alone:
             want.append(alone.generate(messages, max_tokens=tokens, temperature=0, ignore_eos=True).text)
-    app = create_app(llm, session_dir=tmp_path, session_ttl=1.0)
-    with running(app) as url:
+    with serving(served, session_dir=tmp_path, session_ttl=1.0) as url:
         problems: list[str] = []
         stop_at = time.monotonic() + 7.0
 
-        def client(worker: int) -> None:
+        def chats(worker: int) -> None:
             rng = random.Random(worker)
             mine = list(range(worker, sessions, clients))  # (its own: none of its turns overlap)
-            with httpx.Client(base_url=url, timeout=20) as http:
+            with client(url, timeout=20) as http:
                 while time.monotonic() < stop_at:
                     for i in rng.sample(mine, len(mine)):
                         try:
@@ -145,11 +154,13 @@ def test_the_sweep_never_parks_a_session_under_a_request(llm: LLM, tmp_path: Pat
                     # About the TTL: the next round comes while the sweep parks this one's sessions.
                     time.sleep(rng.uniform(0.5, 1.2))
 
-        on_threads(clients, "cpu", client)
-        registry = app.state.registry
+        on_threads(clients, "cpu", chats)
         assert not problems, problems[:3]
         # (The race ran: sessions were parked and brought back all along.)
-        assert registry.expired >= 10 and registry.unparked >= 5, (registry.expired, registry.unparked)
+        with client(url, timeout=20) as http:
+            seen = metrics(http)
+        expired, unparked = seen["aoti_sessions_sessions_expired_total"], seen["aoti_sessions_sessions_unparked_total"]
+        assert expired >= 10 and unparked >= 5, (expired, unparked)
 
 
 def test_the_heartbeat_goes_on_through_a_long_step(package: Path) -> None:
@@ -211,7 +222,7 @@ def test_a_stopped_engine_fails_requests_within_its_deadline_and_recovers(remote
 
     replica: Any = SimpleNamespace(llm=remote, id="test-replica")  # (its health check alone: no Ray)
     pid = remote.pid or 0
-    with running(create_app(remote, session_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(remote, session_dir=tmp_path) as url, client(url, timeout=60) as http:
         assert http.post("/v1/chat/completions", json=_chat("s")).status_code == 200
         Replica.check_health(replica)
         long = _chat("long", max_tokens=CONTEXT - 64, ignore_eos=True, stream=True)
@@ -244,7 +255,11 @@ def test_a_stopped_engine_fails_requests_within_its_deadline_and_recovers(remote
             assert seen['aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="503"}'] >= 2
         finally:
             os.kill(pid, signal.SIGCONT)
-        wait_until(lambda: http.get("/health").status_code == 200, timeout=10, what="/health to be 200 again")
+        # (With front ends, each front end's connection and the replica's learn from their own heartbeats:
+        # FRONT_ENDS answers in a row, the client's requests going to each in turn, are every front end's.)
+        wait_until(lambda: all(http.get("/health").status_code == 200 for _ in range(FRONT_ENDS)), timeout=10,
+                   what="/health to be 200 again")
+        wait_until(lambda: remote.alive, timeout=10, what="the engine to answer the replica's connection again")
         Replica.check_health(replica)
         assert metrics(http)["aoti_sessions_engine_up"] == 1
         for session in ("s", "long", "new"):
@@ -254,9 +269,10 @@ def test_a_stopped_engine_fails_requests_within_its_deadline_and_recovers(remote
 
 
 def test_a_dead_engine_stops_the_server_with_status_1(package: Path, llm: LLM, tmp_path: Path) -> None:
-    """SIGKILL on the engine process of ``aoti-sessions serve``: the server
-    stops with exit status 1 (a supervisor starts it again) saying why; a
-    session parked before is left in its file for the next server."""
+    """SIGKILL on the engine process of ``aoti-sessions serve`` (with
+    FRONT_ENDS front ends): the server stops with exit status 1 (a
+    supervisor starts it again) saying why; a session parked before is left
+    in its file for the next server."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -264,7 +280,7 @@ def test_a_dead_engine_stops_the_server_with_status_1(package: Path, llm: LLM, t
     with log_path.open("w") as log:
         process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
                                     "--session-dir", str(tmp_path / "sessions"), "--session-ttl", "0.5",
-                                    "--threads", "1", "--engine-timeout", "10"],
+                                    "--threads", "1", "--engine-timeout", "10", "--api-workers", str(FRONT_ENDS)],
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
@@ -279,7 +295,7 @@ def test_a_dead_engine_stops_the_server_with_status_1(package: Path, llm: LLM, t
             assert http.post("/v1/chat/completions", json=_chat("kept")).status_code == 200
             parked = tmp_path / "sessions" / ".live" / "kept"
             wait_until(parked.is_file, timeout=30, what="the session to be parked")
-            engines = descendants(process.pid) - {process.pid}
+            engines = {p for p in descendants(process.pid) - {process.pid} if b"_engine_main" in _cmdline(p)}
             assert len(engines) == 1, engines
             os.kill(engines.pop(), signal.SIGKILL)
             assert process.wait(60) == 1, log_path.read_text()
@@ -291,3 +307,11 @@ def test_a_dead_engine_stops_the_server_with_status_1(package: Path, llm: LLM, t
     assert "the engine process ended (exit code -9): stopped with exit status 1" in said, said[-2000:]
     with llm.load_session(parked) as session:
         assert session.token_count > 0
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -15,22 +15,21 @@ import pytest
 
 from aoti_sessions.__main__ import main
 from aoti_sessions.llm import LLM
-from aoti_sessions.serve import create_app
 from aoti_sessions.serve._tenants import Keys, read_api_keys, tenant_id
 from llm_models import llm_package
-from serving import running, wait_until
+from serving import client, open_served, serving, wait_until
 
 KEY_A, KEY_B, KEY_ROOT = "tenant-a-3f9d", "tenant-b-71c2", "root-key-0b5e"
 
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    with LLM(llm_package("qwen3", max_cache_len=256), threads=1, max_sessions=8) as model:
+    with open_served(llm_package("qwen3", max_cache_len=256), max_sessions=8) as model:
         yield model
 
 
 def _as(url: str, key: str) -> httpx.Client:
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    return client(url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
 
 def _chat(http: httpx.Client, session: str, text: str) -> dict[str, Any]:
@@ -62,8 +61,7 @@ def _absent(http: httpx.Client, session: str) -> None:
 
 def test_each_key_sees_and_uses_only_its_own_sessions_and_files(llm: LLM, tmp_path: Path) -> None:
     secret = "My password is boats, and my bank is on Elm Street."
-    app = create_app(llm, api_key=KEY_ROOT, api_keys=[KEY_A, KEY_B], session_dir=tmp_path)
-    with running(app) as url, _as(url, KEY_A) as a, _as(url, KEY_B) as b, _as(url, KEY_ROOT) as root:
+    with serving(llm, api_key=KEY_ROOT, api_keys=[KEY_A, KEY_B], session_dir=tmp_path) as url, _as(url, KEY_A) as a, _as(url, KEY_B) as b, _as(url, KEY_ROOT) as root:
         assert httpx.get(f"{url}/v1/sessions", headers={"Authorization": "Bearer tenant-c"}).status_code == 401
         _chat(a, "victim", secret)
         assert a.post("/v1/sessions/victim/save", json={"name": "diary"}).status_code == 200
@@ -106,8 +104,7 @@ def test_each_key_sees_and_uses_only_its_own_sessions_and_files(llm: LLM, tmp_pa
     on_disk = [str(p) for p in tmp_path.rglob("*")]
     assert not any(key in path for path in on_disk for key in (KEY_A, KEY_B, KEY_ROOT)), on_disk
     # After a restart, parked sessions are still their key's alone.
-    app = create_app(llm, api_key=KEY_ROOT, api_keys=[KEY_B, KEY_A], session_dir=tmp_path)
-    with running(app) as url, _as(url, KEY_A) as a, _as(url, KEY_B) as b, _as(url, KEY_ROOT) as root:
+    with serving(llm, api_key=KEY_ROOT, api_keys=[KEY_B, KEY_A], session_dir=tmp_path) as url, _as(url, KEY_A) as a, _as(url, KEY_B) as b, _as(url, KEY_ROOT) as root:
         _absent(root, "victim")
         _absent(b, "victim")  # (B deleted its own "victim"; A's, parked, is not B's)
         assert (home_a / ".live" / "victim").is_file()
@@ -150,8 +147,7 @@ def test_the_api_keys_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_a_keys_idle_session_is_parked_in_its_folder(llm: LLM, tmp_path: Path) -> None:
     """The idle sweep parks another key's sessions as the default key's (it
     once looked them up by their bare id, and never parked one)."""
-    app = create_app(llm, api_keys=[KEY_A], session_dir=tmp_path, session_ttl=0.5)
-    with running(app) as url, _as(url, KEY_A) as a:
+    with serving(llm, api_keys=[KEY_A], session_dir=tmp_path, session_ttl=0.5) as url, _as(url, KEY_A) as a:
         _chat(a, "idle", "Hello there")
         tokens = a.get("/v1/sessions/idle").json()["tokens"]
         parked = tmp_path / ".tenants" / tenant_id(KEY_A) / ".live" / "idle"

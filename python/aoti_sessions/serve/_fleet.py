@@ -21,6 +21,7 @@ their state intact).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import functools
 import logging
@@ -76,7 +77,9 @@ class FrontEnd:
 
 
 class Hub:
-    """The registry of named sessions, served to the front ends over their links."""
+    """The registry of named sessions, served to the front ends over their
+    links; from start to close its sweep parks the sessions idle past their
+    TTL (the front ends' registries do not sweep: SharedRegistry)."""
 
     def __init__(self, registry: Registry, path: str) -> None:
         self.registry = registry
@@ -89,11 +92,17 @@ class Hub:
         self._last: dict[Link, dict[str, Any]] = {}  # each front end's counts as last read
         self._retired: list[dict[str, Any]] = []  # the last counts of front ends that ended
         self._server: asyncio.AbstractServer | None = None
+        self._sweeping: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._connected, self.path)
+        self._sweeping = asyncio.get_running_loop().create_task(self.registry.sweep())
 
     async def close(self) -> None:
+        if self._sweeping is not None:
+            self._sweeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeping
         if self._server is not None:
             self._server.close()
         for link in list(self._links):
@@ -270,7 +279,6 @@ async def _run(llm: RemoteLLM, front: FrontEnd, workers: int, sock: socket.socke
         loop.add_signal_handler(sig, stop.set)
     threading.Thread(target=_when_ended, args=(llm, loop, stop), name="aoti-sessions-engine-death",
                      daemon=True).start()
-    sweeping = loop.create_task(registry.sweep())
     processes = [_start_front_end(front) for _ in range(workers)]
     started = [time.monotonic()] * workers
     print(f"aoti-sessions serve: {workers} front ends (pids {', '.join(str(p.pid) for p in processes)}) on "
@@ -295,7 +303,6 @@ async def _run(llm: RemoteLLM, front: FrontEnd, workers: int, sock: socket.socke
                           process.returncode)
                 processes[i], started[i] = _start_front_end(front), time.monotonic()
     finally:
-        sweeping.cancel()
         for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)  # (each finishes what it serves, then exits)
