@@ -4,6 +4,7 @@
     python bench/profile_llm.py --attention-sweep LAYERS   (CUDA)
     python bench/profile_llm.py --chat-scaling LAYERS      (CUDA)
     python bench/profile_llm.py --step-loop ROWS[,ROWS...] [--device cpu]
+    python bench/profile_llm.py --step-loop-fake ROWS[,ROWS...] [--profile]
     python bench/profile_llm.py --one-chat [ROUNDS]          (CUDA)
 
 On the bench_serve model: prefill time by chunk length (host time until the
@@ -309,6 +310,78 @@ def step_loop(rows_list: list[int], device: str) -> None:
         print(f"cProfile of the step thread, {rows} rows (prefill included):")
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
+def step_loop_fake(rows_list: list[int], profiled: bool) -> None:
+    """The step loop's own host work a step, with an engine that does no
+    work (tests/fake_engine.py; its calls' time, ~1 us a row of list
+    appends, is counted apart): ROWS generations decode 256 greedy tokens
+    together, each handing its tokens to a sink (an engine process's way);
+    the fixed cost a step and the cost a row, from LLM.stats(). Five rounds a
+    ROWS, the median; --profile: cProfile's table of the last round's loop."""
+    import cProfile
+    import pstats
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from fake_engine import FakeEngine, FakeLLM, FakeSession  # noqa: E402
+
+    from aoti_sessions.llm import _scheduler
+    from aoti_sessions.llm._plan import Limits
+
+    tokens, vocab = 256, 64
+
+    class Instant(FakeEngine):
+        """Every call's logits the same (token 1 wins): no model at all."""
+
+        def run_batch(self, method: str, sessions: list[FakeSession], ids: torch.Tensor) -> torch.Tensor:
+            for s, row in zip(sessions, ids.tolist()):
+                s.cache += row
+            return logits[: len(sessions)]
+
+    logits = torch.zeros(1024, vocab)
+    logits[:, 1] = 1.0
+    loop = _scheduler.Scheduler._loop
+    profile = cProfile.Profile()
+    for rows in rows_list:
+        per_step = []
+        for round_ in range(5):
+            limits = Limits(budget=512, max_prefill=64, prefill_rows=8, max_context=4096)
+            llm = FakeLLM(max_rows=rows, limits=limits, engine=Instant(rows))
+            llm.max_context = 4096
+            if profiled and round_ == 4:
+                def run(self: _scheduler.Scheduler) -> None:
+                    profile.enable()
+                    try:
+                        loop(self)
+                    finally:
+                        profile.disable()
+                _scheduler.Scheduler._loop = run  # type: ignore[method-assign]
+            try:
+                done = threading.Semaphore(0)
+                sinks: list[list[object]] = []
+                for i in range(rows):
+                    g = llm.new_session().start([2 + i % 50] * 8, max_tokens=tokens, temperature=0, ignore_eos=True)
+                    events: list[object] = []
+                    sinks.append(events)
+                    g.on_tokens(lambda e, events=events: (events.append(e), e is None and done.release()))
+                for _ in range(rows):
+                    assert done.acquire(timeout=300), "a generation did not end"
+                stats = llm._scheduler.stats()
+            finally:
+                llm._scheduler.close()
+                _scheduler.Scheduler._loop = loop  # type: ignore[method-assign]
+            assert all(len(events) == tokens + 1 for events in sinks)
+            steps = stats["steps"]
+            host = stats["step_queue_seconds"] - stats["step_engine_seconds"] + stats["step_text_seconds"]
+            per_step.append((1e3 * host / steps, 1e3 * stats["step_queue_seconds"] / steps,
+                             1e3 * stats["step_engine_seconds"] / steps, 1e3 * stats["step_text_seconds"] / steps,
+                             stats["decode_rows"] / steps))
+        host, queue, engine, text, decode = (statistics.median(v) for v in zip(*per_step))
+        print(f"rows {rows}: host ms a step {host:.3f} (min {min(p[0] for p in per_step):.3f}, max "
+              f"{max(p[0] for p in per_step):.3f}), {1e3 * host / max(decode, 1):.2f} us a row; queue {queue:.3f} "
+              f"(of it the fake engine {engine:.3f}), text {text:.3f}; {decode:.1f} decode rows a step", flush=True)
+    if profiled:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
 # Qwen3-0.6B's shape on bench_serve's model (hidden 1024, 16 / 8 heads): 28 layers, head_dim 128.
 ONE_CHAT_SHAPE = dict(num_hidden_layers=28, head_dim=128)
 
@@ -370,6 +443,9 @@ if __name__ == "__main__":
     if "--one-chat" in sys.argv:
         at = sys.argv.index("--one-chat")
         one_chat(int(sys.argv[at + 1]) if len(sys.argv) > at + 1 else 3)
+    elif "--step-loop-fake" in sys.argv:
+        step_loop_fake([int(r) for r in sys.argv[sys.argv.index("--step-loop-fake") + 1].split(",")],
+                       "--profile" in sys.argv)
     elif "--step-loop" in sys.argv:
         device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
         step_loop([int(r) for r in sys.argv[sys.argv.index("--step-loop") + 1].split(",")], device)

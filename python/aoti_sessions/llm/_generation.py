@@ -131,7 +131,8 @@ class Pieces(Closable):
 
     def _emit(self, event: TokenEvent) -> None:
         with self._cond:
-            self._over = self._over or event is None or isinstance(event, BaseException)
+            if event is None or isinstance(event, BaseException):
+                self._over = True
             if self._sink is not None:
                 self._sink(event)
             else:
@@ -191,6 +192,7 @@ class Generation(Pieces):
         self.finish_reason: str | None = None
         self._ending: str | None = None  # the finish reason once the last token is handed out
         self._error: BaseException | None = None
+        self._ended = False  # finished: a finish reason, an error, or closed (read every step: kept, not derived)
         self._released = threading.Event()  # set once the scheduler no longer holds it
         # Read for every row of every step: kept here, not looked up each time.
         self._max_context = llm.max_context
@@ -215,7 +217,7 @@ class Generation(Pieces):
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None or self._closed or self._error is not None
+        return self._ended
 
     # -- the scheduler's side ----------------------------------------------------
     def _fed(self, count: int) -> None:
@@ -261,27 +263,28 @@ class Generation(Pieces):
         session = self._session
         if not fed and not self.token_ids:  # the first: the whole prompt is in (and, recurrent, no more)
             session._prompt_fed(self)
-        keep = not self.finished and token not in self._stop_ids
+        keep = not self._ended and token not in self._stop_ids
         if fed:
             try:
                 session._settle(token, keep)
             except Exception as e:  # noqa: BLE001 - its session closed under it
-                if not self.finished:
+                if not self._ended:
                     self._fail(e)
                 return
-        if self.finished:
+        if self._ended:
             return
         if not keep:
             self._finish("stop", None)
             return
-        room = self._room_for_next()  # (counted before the token joins token_ids)
-        self.token_ids.append(token)
-        if not fed:
-            if room:  # recurrent state: fed now that it is read
-                self._pending.append(token)
-            else:  # at max_tokens or the context's end
-                self._ending = "length"
-        if self.finished:  # (closed meanwhile, on another thread)
+        if fed:
+            self.token_ids.append(token)
+        elif self._room_for_next():  # (counted before the token joins token_ids) recurrent: fed now it is read
+            self.token_ids.append(token)
+            self._pending.append(token)
+        else:  # at max_tokens or the context's end
+            self.token_ids.append(token)
+            self._ending = "length"
+        if self._ended:  # (closed meanwhile, on another thread)
             return
         if self._stops is not None:
             self._stops.push(token)
@@ -301,6 +304,7 @@ class Generation(Pieces):
         # sees the generation finished before its last events.
         with self._cond:
             self.finish_reason = reason
+            self._ended = True
             self._session._release(self)
             if token is not None:
                 self._emit(token)
@@ -309,6 +313,7 @@ class Generation(Pieces):
     def _fail(self, error: BaseException) -> None:
         with self._cond:
             self._error = error
+            self._ended = True
             self._session._release(self)
             self._emit(error)
 
@@ -324,7 +329,7 @@ class Generation(Pieces):
         what was fed and is free for the next request. Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._ended = True
         self._session.llm._scheduler.cancel(self)
         self._session._release(self)
         # (The step loop is done with it: no piece can follow this end.)

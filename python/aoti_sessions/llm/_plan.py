@@ -37,7 +37,7 @@ class Planned(Protocol):
     def _feeds_next(self) -> bool: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     """One generation's part of a step."""
 
