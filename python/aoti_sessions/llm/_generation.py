@@ -276,14 +276,12 @@ class Generation(Pieces):
         if not keep:
             self._finish("stop", None)
             return
-        if fed:
-            self.token_ids.append(token)
-        elif self._room_for_next():  # (counted before the token joins token_ids) recurrent: fed now it is read
-            self.token_ids.append(token)
-            self._pending.append(token)
-        else:  # at max_tokens or the context's end
-            self.token_ids.append(token)
-            self._ending = "length"
+        if not fed:
+            if self._room_for_next():  # (counted before the token joins token_ids) recurrent: fed now it is read
+                self._pending.append(token)
+            else:  # at max_tokens or the context's end
+                self._ending = "length"
+        self.token_ids.append(token)
         if self._ended:  # (closed meanwhile, on another thread)
             return
         if self._stops is not None:

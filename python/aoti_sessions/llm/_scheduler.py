@@ -110,7 +110,7 @@ class Scheduler:
         # (CUDA) Where steps' sampled tokens land on the host: two pinned
         # buffers with their events, taken in turn (a step's tokens are read
         # before the step after next is queued), made once, not every step.
-        self._landing: list[tuple[torch.Tensor, Any]] = []
+        self._landing: list[tuple[torch.Tensor, Any] | None] = [None, None]
         self._landed = 1
         self.steps = 0  # steps run (for tests and metrics)
         self.decode_rows = 0  # rows of the batched decode calls
@@ -259,16 +259,13 @@ class Scheduler:
     def _land(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Queues the copy of a step's sampled ``tokens`` to the host: the
         pinned buffer they land in and the event recorded after the copy."""
-        self._landed ^= 1
+        slot = self._landed = 1 - self._landed
         count = tokens.numel()
-        if len(self._landing) <= self._landed or self._landing[self._landed][0].numel() < count:
-            buffer = torch.empty(max(count, self.max_rows), dtype=torch.int64, pin_memory=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            if len(self._landing) <= self._landed:
-                self._landing.append((buffer, event))
-            else:
-                self._landing[self._landed] = (buffer, event)
-        buffer, event = self._landing[self._landed]
+        landing = self._landing[slot]
+        if landing is None or landing[0].numel() < count:
+            landing = self._landing[slot] = (torch.empty(max(count, self.max_rows), dtype=torch.int64, pin_memory=True),
+                                             torch.cuda.Event())  # type: ignore[no-untyped-call]
+        buffer, event = landing
         buffer[:count].copy_(tokens, non_blocking=True)
         event.record()
         return buffer, event
