@@ -16,10 +16,13 @@ on 1 vs 4 threads (4 sessions), and torch.profiler's table of one prefill
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -251,17 +254,35 @@ def chat_scaling(layers: int) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+@contextlib.contextmanager
+def step_thread_profiled(profile: cProfile.Profile) -> Iterator[None]:
+    """Step loops started (and ended) in the block run under ``profile``,
+    enabled on the step thread (cProfile sees only the thread that enables it)."""
+    from aoti_sessions.llm import _scheduler
+
+    loop = _scheduler.Scheduler._loop
+
+    def profiled(self: _scheduler.Scheduler) -> None:
+        profile.enable()
+        try:
+            loop(self)
+        finally:
+            profile.disable()
+
+    _scheduler.Scheduler._loop = profiled  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _scheduler.Scheduler._loop = loop  # type: ignore[method-assign]
+
+
 def step_loop(rows_list: list[int], device: str) -> None:
     """ROWS chats decoding together through one LLM (no server): the step
     loop's host time a step (LLM.stats: queueing, of it the engine's calls,
     waiting, text), then cProfile's table of the step thread alone, from a
     second LLM whose step thread runs profiled."""
-    import cProfile
     import pstats
 
-    from aoti_sessions.llm import _scheduler
-
-    loop = _scheduler.Scheduler._loop
     package = bench_package(device)
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # (as a server's processes do: serve/_engine.py)
     for rows in rows_list:
@@ -293,20 +314,8 @@ def step_loop(rows_list: list[int], device: str) -> None:
                   f"{1e3 * d['step_engine_seconds'] / steps:.3f}; graph captures {d.get('graph_captures', 0)}, "
                   f"pool grows {d.get('pool_grows', 0)}", flush=True)
         profile = cProfile.Profile()
-
-        def profiled(self: _scheduler.Scheduler) -> None:
-            profile.enable()  # (on the step thread: cProfile sees only the thread that enables it)
-            try:
-                loop(self)
-            finally:
-                profile.disable()
-
-        _scheduler.Scheduler._loop = profiled  # type: ignore[method-assign]
-        try:
-            with LLM(package, device=device) as llm:
-                turn([llm.new_session() for _ in range(rows)], 96)
-        finally:
-            _scheduler.Scheduler._loop = loop  # type: ignore[method-assign]
+        with step_thread_profiled(profile), LLM(package, device=device) as llm:
+            turn([llm.new_session() for _ in range(rows)], 96)
         print(f"cProfile of the step thread, {rows} rows (prefill included):")
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
@@ -317,13 +326,11 @@ def step_loop_fake(rows_list: list[int], profiled: bool) -> None:
     together, each handing its tokens to a sink (an engine process's way);
     the fixed cost a step and the cost a row, from LLM.stats(). Five rounds a
     ROWS, the median; --profile: cProfile's table of the last round's loop."""
-    import cProfile
     import pstats
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from fake_engine import FakeEngine, FakeLLM, FakeSession  # noqa: E402
 
-    from aoti_sessions.llm import _scheduler
     from aoti_sessions.llm._plan import Limits
 
     tokens, vocab = 256, 64
@@ -338,7 +345,6 @@ def step_loop_fake(rows_list: list[int], profiled: bool) -> None:
 
     logits = torch.zeros(1024, vocab)
     logits[:, 1] = 1.0
-    loop = _scheduler.Scheduler._loop
     profile = cProfile.Profile()
     for rows in rows_list:
         per_step = []
@@ -346,28 +352,21 @@ def step_loop_fake(rows_list: list[int], profiled: bool) -> None:
             limits = Limits(budget=512, max_prefill=64, prefill_rows=8, max_context=4096)
             llm = FakeLLM(max_rows=rows, limits=limits, engine=Instant(rows))
             llm.max_context = 4096
-            if profiled and round_ == 4:
-                def run(self: _scheduler.Scheduler) -> None:
-                    profile.enable()
-                    try:
-                        loop(self)
-                    finally:
-                        profile.disable()
-                _scheduler.Scheduler._loop = run  # type: ignore[method-assign]
-            try:
-                done = threading.Semaphore(0)
-                sinks: list[list[object]] = []
-                for i in range(rows):
-                    g = llm.new_session().start([2 + i % 50] * 8, max_tokens=tokens, temperature=0, ignore_eos=True)
-                    events: list[object] = []
-                    sinks.append(events)
-                    g.on_tokens(lambda e, events=events: (events.append(e), e is None and done.release()))
-                for _ in range(rows):
-                    assert done.acquire(timeout=300), "a generation did not end"
-                stats = llm._scheduler.stats()
-            finally:
-                llm._scheduler.close()
-                _scheduler.Scheduler._loop = loop  # type: ignore[method-assign]
+            with step_thread_profiled(profile) if profiled and round_ == 4 else contextlib.nullcontext():
+                try:
+                    done = threading.Semaphore(0)
+                    sinks: list[list[object]] = []
+                    for i in range(rows):
+                        g = llm.new_session().start([2 + i % 50] * 8, max_tokens=tokens, temperature=0,
+                                                    ignore_eos=True)
+                        events: list[object] = []
+                        sinks.append(events)
+                        g.on_tokens(lambda e, events=events: (events.append(e), e is None and done.release()))
+                    for _ in range(rows):
+                        assert done.acquire(timeout=300), "a generation did not end"
+                    stats = llm._scheduler.stats()
+                finally:
+                    llm._scheduler.close()  # (its thread ends in the block: the profiled loop with it)
             assert all(len(events) == tokens + 1 for events in sinks)
             steps = stats["steps"]
             host = stats["step_queue_seconds"] - stats["step_engine_seconds"] + stats["step_text_seconds"]
