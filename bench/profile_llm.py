@@ -438,6 +438,53 @@ def one_chat(rounds: int) -> None:
                   flush=True)
 
 
+def run_batch(rows_list: list[int], device: str, calls: int = 100) -> None:
+    """The engine's batched decode call alone, ROWS sessions of 64 tokens: its
+    host time (the Python call, and the C++ core's part of it, Engine.stats'
+    batch_seconds) with the device idle before each call, and with calls
+    queued back to back as the step loop queues them (two in flight); the
+    device's time a call. Where the core's time grows with the device busy,
+    a call waits for the device inside it."""
+    package = bench_package(device)
+    with LLM(package, device=device) as llm:
+        engine, dev = llm.engine, llm.device
+        for rows in rows_list:
+            sessions = [engine.new_session() for _ in range(rows)]
+            prompt = torch.randint(0, llm.spec.vocab_size, (1, 64), device=dev)
+            for s in sessions:
+                s.run("prefill", prompt)
+            one = torch.randint(0, llm.spec.vocab_size, (rows, 1), device=dev)
+            for _ in range(10):  # (graphs captured)
+                engine.run_batch("decode", sessions, one)
+            torch.cuda.synchronize()
+            for mode in ("idle", "queued"):
+                host = []
+                core0 = engine.stats()["batch_seconds"]
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for i in range(calls):
+                    if mode == "idle":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    engine.run_batch("decode", sessions, one)
+                    host.append(time.perf_counter() - t0)
+                    if mode == "queued" and i % 2:
+                        torch.cuda.synchronize()  # (at most two calls in flight, as in the loop)
+                end.record()
+                torch.cuda.synchronize()
+                core = engine.stats()["batch_seconds"] - core0
+                slow = sorted(range(calls), key=lambda i: -host[i])[:4]
+                length = sessions[0].length
+                host.sort()
+                device_ms = start.elapsed_time(end) / calls
+                print(f"rows {rows}, {mode}: host ms a call min {1e3 * host[0]:.3f} / median "
+                      f"{1e3 * host[len(host) // 2]:.3f} / max {1e3 * host[-1]:.3f}; in C++ "
+                      f"{1e3 * core / calls:.3f} ms a call; the wall a call (device) {device_ms:.3f} ms; "
+                      f"slowest calls at positions {[length - calls + i for i in slow]}", flush=True)
+            for s in sessions:
+                s.close()
+
+
 if __name__ == "__main__":
     if "--one-chat" in sys.argv:
         at = sys.argv.index("--one-chat")
@@ -445,6 +492,9 @@ if __name__ == "__main__":
     elif "--step-loop-fake" in sys.argv:
         step_loop_fake([int(r) for r in sys.argv[sys.argv.index("--step-loop-fake") + 1].split(",")],
                        "--profile" in sys.argv)
+    elif "--run-batch" in sys.argv:
+        device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
+        run_batch([int(r) for r in sys.argv[sys.argv.index("--run-batch") + 1].split(",")], device)
     elif "--step-loop" in sys.argv:
         device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
         step_loop([int(r) for r in sys.argv[sys.argv.index("--step-loop") + 1].split(",")], device)

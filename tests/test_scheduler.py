@@ -74,6 +74,10 @@ def test_prompts_arriving_together_share_prefill_calls(llm: LLM) -> None:
     assert after["step_queue_seconds"] > before["step_queue_seconds"]
     engine = after["step_engine_seconds"] - before["step_engine_seconds"]
     assert 0 < engine <= after["step_queue_seconds"] - before["step_queue_seconds"]  # (a part of queueing)
+    cpu = after["step_queue_cpu_seconds"] - before["step_queue_cpu_seconds"]
+    assert 0 < cpu <= after["step_queue_seconds"] - before["step_queue_seconds"] + 0.01  # (clocks' grain)
+    # The core's time in the batches is within the engine's calls that made them.
+    assert 0 < after["batch_seconds"] - before["batch_seconds"] <= engine
     for s, p, w in zip(sessions, prompts, want):
         assert s.token_count == s._session.length == len(p) + len(w) - 1  # no padding position kept
         s.close()

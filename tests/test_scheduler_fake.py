@@ -13,11 +13,12 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from aoti_sessions.errors import SessionClosedError
+from aoti_sessions.llm._generation import TokenEvent
 from aoti_sessions.llm._plan import Limits
 from fake_engine import CONTEXT, EOS, VOCAB, FakeLLM, FakeSession, next_token
 
@@ -133,3 +134,48 @@ def test_a_generation_closed_while_running_leaves_its_session_consistent(llm: Fa
     with pytest.raises(SessionClosedError):
         llm._scheduler.close()
         sessions[1].start([1, 2], max_tokens=2).step()
+
+
+def test_what_a_step_hands_out_is_flushed_before_the_loop_waits(llm: FakeLLM) -> None:
+    """Scheduler.before_wait (where an engine process sends its events): run
+    on the loop's thread after each step is queued and before the loop waits
+    for work, so nothing a step handed out is left unflushed once the loop
+    is idle; each generation's tokens arrive whole and in order."""
+    lock = threading.Lock()
+    handed: list[tuple[int, TokenEvent]] = []  # put by the sinks
+    flushed: list[tuple[int, TokenEvent]] = []
+    calls = [0]
+
+    def flush() -> None:
+        assert llm._scheduler.on_loop()
+        calls[0] += 1
+        with lock:
+            flushed.extend(handed)
+            handed.clear()
+
+    def sink(i: int) -> Callable[[TokenEvent], None]:
+        def put(event: TokenEvent) -> None:
+            with lock:
+                handed.append((i, event))
+        return put
+
+    llm._scheduler.before_wait.append(flush)
+    sessions = [llm.new_session() for _ in range(5)]
+    prompts = [[3 + i, 17, 5 * i + 1] for i in range(5)]
+    gens = [s.start(p, max_tokens=9 + i, temperature=0, ignore_eos=True)
+            for i, (s, p) in enumerate(zip(sessions, prompts))]
+    for i, g in enumerate(gens):
+        g.on_tokens(sink(i))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with lock:
+            if sum(event is None for _, event in flushed) == len(gens):
+                break
+        time.sleep(0.01)
+    with lock:
+        assert not handed, "a step's hand-out was not flushed before the loop went idle"
+        for i, (g, p) in enumerate(zip(gens, prompts)):
+            events = [event for j, event in flushed if j == i]
+            assert events == [*solo(p, 9 + i, frozenset())[0], None] and g.token_ids == events[:-1]
+    assert calls[0] >= llm._scheduler.stats()["steps"]
+    assert not llm._scheduler.on_loop()

@@ -496,6 +496,8 @@ def test_metrics_show_sessions_and_latencies(http: httpx.Client, client: openai.
     phases = [counts[f'aoti_sessions_step_seconds_total{{phase="{p}"}}'] for p in ("wait", "queue", "text")]
     assert all(x >= 0 for x in phases) and phases[1] > 0
     assert 0 < counts["aoti_sessions_step_engine_seconds_total"] <= phases[1]  # (a part of queueing)
+    assert 0 < counts["aoti_sessions_step_queue_cpu_seconds_total"]
+    assert 0 < counts["aoti_sessions_batch_seconds_total"]
 
 
 def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import pytest
 
 from aoti_sessions.errors import EngineProcessError, SessionClosedError
 from aoti_sessions.llm import LLM, RemoteLLM
-from aoti_sessions.llm._remote_engine import EngineAddress
+from aoti_sessions.llm._remote_engine import EngineAddress, Outbox
 from aoti_sessions.serve._fleet import default_api_workers
 from aoti_sessions.serve._sessions import Entry, Registry
 from aoti_sessions.serve._shared import SharedRegistry
@@ -54,6 +55,32 @@ def _solo(llm: LLM, turns: list[str]) -> list[str]:
             replies.append(session.generate(messages, max_tokens=TOKENS, temperature=0, ignore_eos=True).text)
             messages.append({"role": "assistant", "content": replies[-1]})
     return replies
+
+
+def test_an_outbox_sends_what_was_put_later_at_its_flush() -> None:
+    """An engine process's events from the step loop are put ``later`` and
+    sent at the loop's flush (Scheduler.before_wait), in order with what was
+    put for at once; a put for at once sends everything before it too."""
+    ours, theirs = Pipe()
+    outbox = Outbox(ours, "test-sender")
+    try:
+        outbox.put(("event", 1), later=True)
+        outbox.put(("event", 2), later=True)
+        assert not theirs.poll(0.2)  # (held until a flush)
+        outbox.flush()
+        assert theirs.poll(5) and theirs.recv() == [("event", 1), ("event", 2)]
+        outbox.flush()  # nothing put: nothing sent
+        assert not theirs.poll(0.1)
+        outbox.put(("event", 3), later=True)
+        outbox.put(("reply", 4))
+        got: list[Any] = []
+        while len(got) < 2 and theirs.poll(5):
+            got += theirs.recv()
+        assert got == [("event", 3), ("reply", 4)]
+    finally:
+        outbox.stop(5)
+        ours.close()
+        theirs.close()
 
 
 def test_attached_processes_share_the_engines_sessions(package: Path, device: str, llm: LLM) -> None:

@@ -406,6 +406,8 @@ void BindValues(py::module_& m) {
   stats.def_property_readonly("bind_seconds", [](const EngineStats& s) { return s.bind_nanoseconds * 1e-9; })
       .def_property_readonly("reclaim_seconds",
                              [](const EngineStats& s) { return s.reclaim_nanoseconds * 1e-9; })
+      .def_property_readonly("batch_seconds",
+                             [](const EngineStats& s) { return s.batch_nanoseconds * 1e-9; })
       .def_readonly("sessions", &EngineStats::sessions);
 }
 

@@ -223,6 +223,7 @@ struct EngineStats {
   int64_t pages_copied = 0;         // copy-on-write copies of a shared page
   int64_t batch_runs = 0;           // runs of a pooled method
   int64_t batch_rows = 0;           // sessions those runs stepped
+  int64_t batch_nanoseconds = 0;    // in the core for them (rows, pages, the run)
 };
 
 }  // namespace aoti_sessions

@@ -183,6 +183,7 @@ void Runner::AddStats(EngineStats& s) const {
   s.runs = runs_.load();
   s.batch_runs = batch_runs_.load();
   s.batch_rows = batch_rows_.load();
+  s.batch_nanoseconds = batch_nanoseconds_.load();
   s.binds = binds_.load();
   s.bind_nanoseconds = bind_nanoseconds_.load();
   s.reclaim_nanoseconds = reclaim_nanoseconds_.load();

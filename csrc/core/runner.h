@@ -92,7 +92,12 @@ class Runner {
   // runs and updates throw kSessionClosed. Idempotent.
   void Close() EXCLUDES(weights_mutex_);
   bool closed() const { return closed_.load(); }
-  // runs, binds, bind and reclaim time, lanes and graphs.
+  // Counts `nanoseconds` a batch of pooled rows took in the core (its rows'
+  // bookkeeping, pages and the run itself: Session::RunRowsLocked).
+  void NoteBatchTime(int64_t nanoseconds) {
+    batch_nanoseconds_.fetch_add(nanoseconds, std::memory_order_relaxed);
+  }
+  // runs, binds, bind and reclaim time, batches, lanes and graphs.
   void AddStats(EngineStats& stats) const;
 
  private:
@@ -187,6 +192,7 @@ class Runner {
   std::atomic<int64_t> reclaim_nanoseconds_{0};
   std::atomic<int64_t> batch_runs_{0};
   std::atomic<int64_t> batch_rows_{0};
+  std::atomic<int64_t> batch_nanoseconds_{0};
 };
 
 }  // namespace aoti_sessions

@@ -93,6 +93,12 @@ std::vector<OwnedTensor> Session::RunRowsLocked(const EngineParts& parts,
                                                 size_t method, std::vector<OwnedTensor>&& inputs,
                                                 StreamHandle stream) NO_THREAD_SAFETY_ANALYSIS {
   // Every row's lock is held (a dynamic set, which the analysis cannot follow).
+  // The time the rows take here, for stats (the caller's host work a step).
+  struct Timed {
+    Runner& runner;
+    int64_t start = SteadyNowNs();
+    ~Timed() { runner.NoteBatchTime(SteadyNowNs() - start); }
+  } timed{*parts.runner};
   const Method& called = parts.model->method(method);
   if (!called.pool) {
     Throw(ErrorKind::kInvalidArgument, "method '" + called.name + "' takes no pooled state");

@@ -485,6 +485,9 @@ class EngineStats:
     def batch_runs(self) -> int:
         ...
     @property
+    def batch_seconds(self) -> float:
+        ...
+    @property
     def bind_seconds(self) -> float:
         ...
     @property

@@ -173,7 +173,9 @@ class LLM(Prompts, Closable):
         (``step_wait_seconds``), and reading its tokens and handing them out
         (``step_text_seconds``: their text included for stop strings, and
         for a callback, which gets text on the step loop's thread), and of the
-        queueing, the seconds in the engine's calls (``step_engine_seconds``);
+        queueing, the seconds in the engine's calls (``step_engine_seconds``)
+        and the step thread's CPU seconds (``step_queue_cpu_seconds``: the
+        rest it waited for the GIL other threads held, or for a lock);
         for recurrent state, the turns that rewound to a checkpoint
         (``checkpoint_rewinds``) and checkpoints not kept for want of room
         (``checkpoints_skipped``)."""

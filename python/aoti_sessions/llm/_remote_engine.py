@@ -14,7 +14,10 @@ handshake): what the connection carries is pickles.
 Calls run in worker threads (they may wait: a fork, a save, a cancellation
 waiting for the step in flight), as a server's calls do in its own process.
 Replies and the generations' pieces leave through one outbox drained by a
-sender thread: what the step loop hands out in one step goes as one message.
+sender thread: what the step loop hands out in one step goes as one message,
+sent once the loop waits for the device (Scheduler.before_wait), so that the
+sender's pickling and writing do not take the GIL between the launches of the
+step the loop queues (every launch lets the GIL go).
 A generation's ``start`` reply is queued before its first piece.
 
 A heartbeat thread says every ``beat`` seconds that the process lives and how
@@ -93,10 +96,16 @@ class Outbox:
         self._thread = threading.Thread(target=self._send, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, item: tuple[Any, ...]) -> None:
-        """From any thread; one wake-up of the sender for all that came before it ran."""
+    def put(self, item: tuple[Any, ...], *, later: bool = False) -> None:
+        """From any thread; one wake-up of the sender for all that came before
+        it ran. ``later``: the sender is woken by the next :meth:`flush`, not now."""
         self._items.append(item)
-        if not self._armed:
+        if not later:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wakes the sender for what was put (if anything was, and it is not awake)."""
+        if self._items and not self._armed:
             self._armed = True
             self._wake.set()
 
@@ -185,8 +194,8 @@ class _Peer:
         self.tokens = False  # its generations' events go as token ids (its process makes their text), else as text
         self.gone = False  # it detached or went (set under the engine's lock)
 
-    def put(self, item: tuple[Any, ...]) -> None:
-        self.outbox.put(item)
+    def put(self, item: tuple[Any, ...], *, later: bool = False) -> None:
+        self.outbox.put(item, later=later)
 
 
 class _Engine:
@@ -201,6 +210,16 @@ class _Engine:
         self._address: EngineAddress | None = None
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="aoti-sessions-call")
         self._stopping = threading.Event()
+        # The events a step hands out are sent while the step loop waits for
+        # the device (or for work), not while it queues a step: the senders'
+        # pickling and writing take the GIL then, not between its launches.
+        llm._scheduler.before_wait.append(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            peers = list(self._peers)
+        for peer in peers:
+            peer.outbox.flush()
 
     def serve(self, beat: float) -> None:
         heart = threading.Thread(target=self._beat, args=(beat,), name="aoti-sessions-heartbeat", daemon=True)
@@ -380,6 +399,7 @@ class _Engine:
 
     def _start(self, peer: _Peer, cid: int, sid: int, ids: list[int], params: Any) -> None:
         session = self._session(sid)
+        scheduler = self._llm._scheduler
         g = session.start(ids, params)
         gid = next(self._ids)
         with self._lock:
@@ -399,7 +419,9 @@ class _Engine:
                 finals = _finals(g)
                 if event is not None:
                     event = portable(event)
-            peer.put(("event", gid, event, g.completion_tokens, session.token_count, finals))
+            # (on the step loop's thread: sent once it waits, _flush; else now)
+            peer.put(("event", gid, event, g.completion_tokens, session.token_count, finals),
+                     later=scheduler.on_loop())
 
         if peer.tokens:
             g.on_tokens(sink)

@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -126,13 +126,21 @@ class Scheduler:
         self.queue_seconds = 0.0
         self.text_seconds = 0.0
         self.engine_seconds = 0.0  # of queue_seconds: in the engine's calls (inputs to launches, in C++)
+        # Of queue_seconds, this thread's CPU time; the rest it waited: for the
+        # GIL (other threads of the process), a lock, or the device's queue.
+        self.queue_cpu_seconds = 0.0
+        # Called on the loop's thread when it is about to wait (for the device,
+        # or for work): where a process's other threads may take the GIL
+        # without holding up the queueing of a step (_remote_engine.py).
+        self.before_wait: list[Callable[[], None]] = []
 
     def stats(self) -> dict[str, float]:
         """The step loop's counters (LLM.stats())."""
         return {"steps": self.steps, "decode_rows": self.decode_rows, "prefill_calls": self.prefill_calls,
                 "prefill_rows": self.prefill_rows_fed, "prefill_tokens": self.prefill_tokens,
                 "step_wait_seconds": self.wait_seconds, "step_queue_seconds": self.queue_seconds,
-                "step_text_seconds": self.text_seconds, "step_engine_seconds": self.engine_seconds}
+                "step_text_seconds": self.text_seconds, "step_engine_seconds": self.engine_seconds,
+                "step_queue_cpu_seconds": self.queue_cpu_seconds}
 
     # -- from other threads ----------------------------------------------------
     def submit(self, generation: Generation) -> None:
@@ -173,6 +181,10 @@ class Scheduler:
             previous: _Step | None = None
             while True:
                 with self._cond:
+                    idle = not self._closed and not self._waiting and not self._active and previous is None
+                if idle:
+                    self._waiting_now()
+                with self._cond:
                     while not self._closed and not self._waiting and not self._active and previous is None:
                         self._cond.wait()
                     if self._closed:
@@ -181,9 +193,11 @@ class Scheduler:
                     self._waiting.clear()
                 # Queued while the device computes the step before; then that
                 # step's tokens are read and their text made while this one runs.
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.thread_time()
                 step = self._run_step(previous)
                 queued = time.perf_counter()
+                self.queue_cpu_seconds += time.thread_time() - cpu
+                self._waiting_now()
                 tokens = self._read(previous)
                 read = time.perf_counter()
                 if previous is not None:
@@ -196,6 +210,16 @@ class Scheduler:
                 self.wait_seconds += read - queued
                 self.text_seconds += done - read
         self._end_all(SessionClosedError("the LLM was closed while generating"))
+        self._waiting_now()  # (what the ends handed out)
+
+    def on_loop(self) -> bool:
+        """Whether the calling thread is the step loop's."""
+        return threading.current_thread() is self._thread
+
+    def _waiting_now(self) -> None:
+        """The loop is about to wait: for the device (after queueing a step) or for work."""
+        for hook in self.before_wait:
+            hook()
 
     def _read(self, step: _Step | None) -> list[int]:
         if step is None or step.tokens is None:

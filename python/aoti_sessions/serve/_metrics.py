@@ -258,7 +258,10 @@ class ServerMetrics:
         for key, help in (("evictions", "Sessions offloaded to host memory to make room."),
                           ("idle_offloads", "Sessions offloaded after being idle."),
                           ("restores", "Offloaded sessions brought back to the device."),
-                          ("sessions_created", "Sessions created by the engine.")):
+                          ("sessions_created", "Sessions created by the engine."),
+                          ("graph_captures", "CUDA graphs captured (a shape's second run; each a pause of its "
+                                             "step)."),
+                          ("graph_replays", "Runs served by replaying a CUDA graph.")):
             r.gauge(f"{p}{key}_total", help, read(key), kind="counter")
         # The step loop's (docs/batching.md): with steps, the rows a step
         # decodes; with the seconds, what bounds it (the device or the host).
@@ -276,6 +279,13 @@ class ServerMetrics:
         r.gauge(p + "step_engine_seconds_total",
                 "Of the step loop's queueing time, the part spent in the engine's calls (the model's inputs "
                 "made and its work launched).", read("step_engine_seconds"), kind="counter")
+        r.gauge(p + "step_queue_cpu_seconds_total",
+                "Of the step loop's queueing time, its thread's CPU time (the rest it waited: for the "
+                "process's other threads, which share its GIL, or for a lock).", read("step_queue_cpu_seconds"),
+                kind="counter")
+        r.gauge(p + "batch_seconds_total",
+                "Time the C++ core spent in batched runs (their rows' bookkeeping, pages, inputs and launches), "
+                "without the GIL.", read("batch_seconds"), kind="counter")
 
     def snapshot(self) -> dict[str, Any]:
         """This front end's counts (serve/_shared.py: a scrape of another sums them in)."""
