@@ -498,6 +498,9 @@ def test_metrics_show_sessions_and_latencies(http: httpx.Client, client: openai.
     assert 0 < counts["aoti_sessions_step_engine_seconds_total"] <= phases[1]  # (a part of queueing)
     assert 0 < counts["aoti_sessions_step_queue_cpu_seconds_total"]
     assert 0 < counts["aoti_sessions_batch_seconds_total"]
+    # The engine's graphs, as Engine.stats counts them (read after the scrape: no fewer).
+    assert 0 <= counts["aoti_sessions_graph_captures_total"] <= stats["graph_captures"]
+    assert 0 <= counts["aoti_sessions_graph_replays_total"] <= stats["graph_replays"]
 
 
 def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_path: Path) -> None:
