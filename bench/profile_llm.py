@@ -5,6 +5,7 @@
     python bench/profile_llm.py --chat-scaling LAYERS      (CUDA)
     python bench/profile_llm.py --step-loop ROWS[,ROWS...] [--device cpu]
     python bench/profile_llm.py --step-loop-fake ROWS[,ROWS...] [--profile]
+    python bench/profile_llm.py --run-batch ROWS[,ROWS...]     (CUDA: the engine's batched decode alone)
     python bench/profile_llm.py --one-chat [ROUNDS]          (CUDA)
 
 On the bench_serve model: prefill time by chunk length (host time until the
