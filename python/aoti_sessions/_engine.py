@@ -131,8 +131,7 @@ _STATS = ("live_sessions", "live_bytes", "resident_sessions", "offloaded_session
           "host_bytes", "host_spare_bytes", "sessions_created", "offloads", "evictions", "idle_offloads",
           "idle_closes", "restores", "saves", "loads", "runs", "binds", "bind_seconds", "reclaim_seconds",
           "lanes", "graph_replays", "graph_captures", "graphs", "graph_pools", "pool_pages", "pool_pages_used",
-          "pool_slots", "pool_slots_used", "pool_grows", "pages_copied", "batch_runs", "batch_rows",
-          "batch_seconds")
+          "pool_slots", "pool_slots_used", "pool_grows", "pages_copied", "batch_runs", "batch_rows", "batch_seconds")
 
 
 class Engine(Closable):
@@ -384,15 +383,11 @@ class Engine(Closable):
           ``host_spare_bytes``: host blocks kept for reuse.
         - ``offloads`` (every move to the host) of which ``evictions`` (to make
           room) and ``idle_offloads``; ``idle_closes``; ``restores``; ``saves``;
-          ``loads``; ``sessions_created``; ``runs``; ``binds``, ``bind_seconds``,
-          ``reclaim_seconds``.
+          ``loads``; ``sessions_created``; ``runs``; ``binds``, ``bind_seconds``, ``reclaim_seconds``.
         - ``lanes`` (containers per method); CUDA graphs: ``graph_captures``,
           ``graph_replays`` (runs served by a replay), ``graphs`` (alive now)
           and ``graph_pools`` (activation pools, one per capture stream).
-        - Pooled state: ``pool_pages``, ``pool_pages_used``, ``pool_slots``,
-          ``pool_slots_used``, ``pool_grows``, ``pages_copied``; batched runs:
-          ``batch_runs``, ``batch_rows`` and ``batch_seconds`` (the core's time
-          in them: rows, pages, inputs and launches, without the GIL).
+        - Pooled state: ``pool_*``, ``pages_copied``; ``batch_runs``, ``batch_rows``, ``batch_seconds`` (no GIL).
         - ``sessions``: per open session ``id``, ``resident``, ``bytes`` and
           ``last_use`` (seconds of :func:`time.monotonic`).
         """
