@@ -181,11 +181,11 @@ class Scheduler:
             previous: _Step | None = None
             while True:
                 with self._cond:
-                    idle = not self._closed and not self._waiting and not self._active and previous is None
+                    idle = self._idle(previous)
                 if idle:
                     self._waiting_now()
                 with self._cond:
-                    while not self._closed and not self._waiting and not self._active and previous is None:
+                    while self._idle(previous):
                         self._cond.wait()
                     if self._closed:
                         break
@@ -211,6 +211,10 @@ class Scheduler:
                 self.text_seconds += done - read
         self._end_all(SessionClosedError("the LLM was closed while generating"))
         self._waiting_now()  # (what the ends handed out)
+
+    def _idle(self, previous: _Step | None) -> bool:
+        """(Under _cond) Whether the loop has nothing to do: open, no generation and no step in flight."""
+        return not self._closed and not self._waiting and not self._active and previous is None
 
     def on_loop(self) -> bool:
         """Whether the calling thread is the step loop's."""
