@@ -4,7 +4,9 @@
 # chats, api workers 1 then 4 then 2, twice each, no anchor; STAGE=old: an older
 # Python package against this tree; STAGE=spy: py-spy over the engine process; STAGE=anchor:
 # transformers at B = 16, 64, 256 and the server at 16 and 256 chats with
-# 4 front ends. Results under $OUT.
+# 4 front ends; STAGE=targets: issue 35's table in one call (bench_pool, the engine alone, at 1, 16
+# and 64 rows; the server at 1, 16, 64 chats against transformers at B = chats); STAGE=targets256: the
+# server at 256 chats against transformers at B = 256. Results under $OUT.
 set -uo pipefail
 stage=${STAGE:-ab}
 turns=${TURNS:-4}; tokens=${TOKENS:-64}
@@ -54,4 +56,12 @@ fi
 if [ "$stage" = anchor ]; then
   run w4-16-64 16,64 --rounds 2 --anchor --anchor-batches 16,64 --server-arg=--api-workers=4
   run w4-256 256 --rounds 1 --no-anchor --server-arg=--api-workers=4 --server-arg=--max-sessions=1024
+fi
+if [ "$stage" = targets ]; then
+  python3 bench/bench_pool.py --device cuda --rows 1,16,64 --rounds 3 --out "$runs/pool.md" > "$runs/pool.txt" 2>&1
+  echo "pool: exit $?"; grep -E "^\| (1|16|64) \|" "$runs/pool.md" | head -4
+  run w4-1-16-64 1,16,64 --rounds 2 --anchor --anchor-batches 1,16,64 --server-arg=--api-workers=4
+fi
+if [ "$stage" = targets256 ]; then
+  run w4-256 256 --rounds 1 --anchor --anchor-batches 256 --server-arg=--api-workers=4 --server-arg=--max-sessions=1024
 fi
