@@ -203,6 +203,13 @@ def start_server(package: Path, device: str, port: int, log: Path, threads: int 
     raise RuntimeError("server did not start in 300 s")
 
 
+# --response-format json: every turn held to a JSON schema whose one string is longer than any turn, so a
+# turn still generates --tokens tokens (the grammar's masks cost, against the same bench without them).
+RESPONSE_FORMAT_ENV = "BENCH_SERVE_RESPONSE_FORMAT"
+LONG_JSON = {"type": "json_schema", "json_schema": {"name": "long", "schema": {
+    "type": "object", "properties": {"text": {"type": "string", "minLength": 100000}}, "required": ["text"]}}}
+
+
 def user_message(chat: int, turn: int) -> str:
     return f"Chat {chat}, turn {turn}: tell me more about the river and the old mill by the bridge."
 
@@ -216,6 +223,8 @@ async def run_chat(client: httpx.AsyncClient, chat: int, turns: int, tokens: int
         messages.append({"role": "user", "content": user_message(chat, turn)})
         body = {"model": MODEL[0], "messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
+        if os.environ.get(RESPONSE_FORMAT_ENV) == "json":  # (--response-format: set for the client processes)
+            body["response_format"] = LONG_JSON
         if mode != "no-session":
             body["session_id"] = f"{tag}-{chat}"
         async with (lock if lock is not None else _null()):
@@ -507,11 +516,14 @@ def main() -> None:
     parser.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
                         help="time transformers generate (static cache, torch.compile) at B = each chat count "
                              "(default: on for CUDA, off for the CPU)")
+    parser.add_argument("--response-format", choices=("text", "json"), default="text",
+                        help="json: every turn held to a JSON schema (structured output's masks) that outlasts it")
     parser.add_argument("--anchor-batches", default=None, help="the anchor's batch sizes (default: --chats)")
     # The anchor's worker process (run_anchor): one B, its results on one line of stdout.
     parser.add_argument("--anchor-worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--anchor-folder", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ[RESPONSE_FORMAT_ENV] = args.response_format
     device = args.device
     if args.anchor_worker is not None:
         result = anchor_worker(Path(args.anchor_folder), device, args.anchor_worker, args.rounds)
@@ -602,7 +614,9 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
            f"Random-weight Qwen3 ({size['num_hidden_layers']} layers, hidden {size['hidden_size']}, {size['dtype']}), "
            f"context {CONTEXT}. {args.turns} turns per chat, {args.tokens} tokens per turn (greedy, ignore_eos), "
            f"streaming; {args.rounds} rounds, modes interleaved."
-           + (f" Server arguments: `{' '.join(args.server_arg)}`." if args.server_arg else ""), "",
+           + (f" Server arguments: `{' '.join(args.server_arg)}`." if args.server_arg else "")
+           + (" Every turn held to a JSON schema (`--response-format json`)." if args.response_format == "json"
+              else ""), "",
            "| chats | mode | generated tokens/s: median (min / max) | vs serialised | vs 1 chat |",
            "|---:|---|---:|---:|---:|"]
     med = {k: statistics.median(v) for k, v in rates.items()}

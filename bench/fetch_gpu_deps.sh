@@ -7,16 +7,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .deps/wheels .deps/gtest
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d .deps/wheels \
   pytest pluggy iniconfig packaging pathspec pybind11==3.1.0 scikit-build-core==1.1.2 \
   pybind11-stubgen==3.0.0 mypy==2.4.1 mypy_extensions librt ast-serialize
 # aoti_sessions.llm and the server (tests, bench_serve), with their dependencies;
 # numpy is on the GPU machine already, and the hub's optional extras are not needed.
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d .deps/wheels \
-  transformers==5.24.0 fastapi uvicorn uvloop httptools httpx openai
+  transformers==5.24.0 fastapi uvicorn uvloop httptools httpx openai llguidance==1.9.1 jsonschema
 rm -f .deps/wheels/numpy-* .deps/wheels/hf_xet-* .deps/wheels/pygments-* .deps/wheels/rich-* \
   .deps/wheels/markdown_it_py-* .deps/wheels/mdurl-*
 tmp=$(mktemp -d)
@@ -41,7 +41,7 @@ if [ "${1:-}" = --cluster ]; then
   done
   tmp=$(mktemp -d)
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d "$tmp" "ray[serve]==2.60.0"
   for f in "$tmp"/*.whl; do
     b=$(basename "$f")

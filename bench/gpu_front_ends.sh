@@ -6,7 +6,8 @@
 # transformers at B = 16, 64, 256 and the server at 16 and 256 chats with
 # 4 front ends; STAGE=targets: issue 35's table in one call (bench_pool, the engine alone, at 1, 16
 # and 64 rows; the server at 1, 16, 64 chats against transformers at B = chats); STAGE=targets256: the
-# server at 256 chats against transformers at B = 256. Results under $OUT.
+# server at 256 chats against transformers at B = 256; STAGE=grammar: 16 chats with and without
+# structured output (--response-format json). Results under $OUT.
 set -uo pipefail
 stage=${STAGE:-ab}
 turns=${TURNS:-4}; tokens=${TOKENS:-64}
@@ -64,4 +65,12 @@ if [ "$stage" = targets ]; then
 fi
 if [ "$stage" = targets256 ]; then
   run w4-256 256 --rounds 1 --anchor --anchor-batches 256 --server-arg=--api-workers=4 --server-arg=--max-sessions=1024
+fi
+if [ "$stage" = grammar ]; then
+  # Structured output's cost: 16 chats with every turn held to a JSON schema (masks) against the same bench
+  # without, in turn, twice each.
+  for pass in 1 2; do
+    run text-p$pass 16 --rounds 1 --no-anchor --server-arg=--api-workers=4
+    run json-p$pass 16 --rounds 1 --no-anchor --server-arg=--api-workers=4 --response-format json
+  done
 fi

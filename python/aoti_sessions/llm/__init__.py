@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from ._export import export
 from ._generation import Completion, Generation
+from ._grammar import Constraint
 from ._llm import LLM, ChatSession, ContextLengthError, Prompt
 from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteGeneration, RemoteLLM, RemoteSession
 from ._sampling import SamplingParams
 
-__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "ContextLengthError",
-           "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]
+__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "Constraint",
+           "ContextLengthError", "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]

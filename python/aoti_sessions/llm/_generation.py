@@ -164,6 +164,8 @@ class Generation(Pieces):
 
     def __init__(self, session: ChatSession, prompt: list[int], params: SamplingParams) -> None:
         llm = session.llm
+        # A constraint's grammar is compiled (or copied) first: one the vocabulary cannot spell changes nothing.
+        self._guide = llm._grammars.guide(params.constraint) if params.constraint is not None else None
         super().__init__(TextStream(llm.tokenizer, params.stop))
         self._session = session
         self.params = params
@@ -264,6 +266,13 @@ class Generation(Pieces):
         if not fed and not self.token_ids:  # the first: the whole prompt is in (and, recurrent, no more)
             session._prompt_fed(self)
         keep = not self._ended and token not in self._stop_ids
+        grammar, refused = "more", None
+        if keep and self._guide is not None:
+            try:
+                grammar = self._guide.take(token)
+            except ValueError as e:
+                refused = e
+            keep = grammar != "end" and refused is None
         if fed:
             try:
                 session._settle(token, keep)
@@ -273,10 +282,13 @@ class Generation(Pieces):
                 return
         if self._ended:
             return
+        if refused is not None:
+            self._fail(refused)
+            return
         if not keep:
             self._finish("stop", None)
             return
-        if not fed:
+        if not fed and grammar != "done":
             if self._room_for_next():  # (counted before the token joins token_ids) recurrent: fed now it is read
                 self._pending.append(token)
             else:  # at max_tokens or the context's end
@@ -289,7 +301,9 @@ class Generation(Pieces):
             if self._stops.stopped:
                 self._finish("stop", token)
                 return
-        if self._ending is not None:
+        if grammar == "done":  # (nothing but the end can follow)
+            self._finish("stop", token)
+        elif self._ending is not None:
             self._finish(self._ending, token)
         else:
             self._emit(token)

@@ -31,6 +31,7 @@ from .._engine import Engine
 from .._session import Closable, Session
 from ..errors import CapacityError, PackageError, SessionBusyError, SessionClosedError, SessionFileError
 from ._generation import Completion, Generation
+from ._grammar import Grammars
 from ._sampling import SamplingParams, sampling_params
 from ._scheduler import Scheduler
 from ._prompts import ChatPrompt, ContextLengthError, Prompt, Prompts, Spelling
@@ -138,6 +139,7 @@ class LLM(Prompts, Closable):
         eos = self.generation_config.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset(int(t) for t in (*self.spec.eos_token_ids, *eos_ids))
+        self._grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         self._scheduler = Scheduler(self)
 
     def _check_spec(self) -> None:

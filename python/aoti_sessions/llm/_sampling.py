@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ._grammar import Constraint
+
 # The largest ``max_tokens`` accepted: anything past the context ends with
 # finish reason "length" anyway, but a number this large is a client bug.
 MAX_TOKENS_LIMIT = 1 << 20
@@ -68,6 +70,9 @@ class SamplingParams:
     ``stop``: strings that end the text (not included in it);
     ``stop_token_ids``: token ids that end it, besides the model's
     end-of-sequence tokens (``ignore_eos=True`` drops those).
+    ``constraint``: a grammar the text must match (:class:`Constraint`: a
+    JSON schema, any JSON object, a regex, a Lark grammar); the reply ends
+    where the grammar is complete, whatever ``ignore_eos`` says.
     """
 
     max_tokens: int | None = None
@@ -78,6 +83,7 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -106,6 +112,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise TypeError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
 
 
 class Sampler:

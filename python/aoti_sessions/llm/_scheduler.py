@@ -45,6 +45,7 @@ import torch
 
 from ..errors import SessionClosedError
 from ._generation import Held
+from ._grammar import apply_masks
 from ._plan import Limits, Plan, Row, plan_step, prefill_width
 from ._sampling import sample
 from ._spec import PAD_ID
@@ -80,6 +81,9 @@ class _Step:
     tokens: torch.Tensor | None = None   # [len(sampled)] on the device: the next step's inputs
     host: torch.Tensor | None = None     # pinned (CUDA) copy of them
     done: Any = None                     # CUDA event once they are there
+    # Logits whose sampling waits for the step before to be handed out: a
+    # constrained row's mask needs the token before (_grammar.py).
+    logits: torch.Tensor | None = None
 
 
 class Scheduler:
@@ -202,6 +206,8 @@ class Scheduler:
                 read = time.perf_counter()
                 if previous is not None:
                     self._hand_out(previous, tokens)
+                if step.logits is not None:
+                    self._sample(step)
                 self._drop_finished()
                 previous = step if step.sampled else None
                 self.steps += 1
@@ -278,11 +284,22 @@ class Scheduler:
                     logits.append(out)
                     step.sampled.append(row.generation)
         if logits:
-            all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
-            step.tokens = sample(all_logits, [g._sampler for g in step.sampled])
-            if self._cuda:
-                step.host, step.done = self._land(step.tokens)
+            step.logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+            if not any(g._guide is not None for g in step.sampled):
+                self._sample(step)
         return step
+
+    def _sample(self, step: _Step) -> None:
+        """Queues the sampling of a step's logits (masked first where a row's
+        generation has a constraint) and the copy of its tokens to the host."""
+        assert step.logits is not None
+        logits, step.logits = step.logits, None
+        guides = [g._guide if not g.finished else None for g in step.sampled]
+        if any(guides):
+            apply_masks(logits, guides)
+        step.tokens = sample(logits, [g._sampler for g in step.sampled])
+        if self._cuda:
+            step.host, step.done = self._land(step.tokens)
 
     def _land(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Queues the copy of a step's sampled ``tokens`` to the host: the

@@ -68,6 +68,11 @@ class Job:
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(r, name) is not None:
                 options[name] = getattr(r, name)
+        if isinstance(r, ChatRequest) and r.response_format is not None:
+            try:
+                options["constraint"] = r.response_format.constraint()
+            except ValueError as e:  # a schema the grammar engine refuses
+                raise APIError(400, f"response_format: {e}", "invalid_value", "response_format") from e
         try:
             return SamplingParams(**options)
         except ParamError as e:  # the runtime's own bounds (seed, top_k, stop)

@@ -7,9 +7,10 @@ accepted where their value asks for nothing this server does not do:
 ``user`` (ignored), ``stream_options`` (``include_usage`` honoured), ``n``: 1,
 ``logprobs``: false / null (completions: null or 0), ``top_logprobs``: null
 or 0, ``presence_penalty`` / ``frequency_penalty``: 0, ``logit_bias``: {},
-``response_format``: ``{"type": "text"}``, ``echo``: false, ``best_of``: 1,
-``suffix``: null. Any other value of these is a 400 saying it is not
-supported. Extensions: ``top_k``, ``ignore_eos`` and ``session_id``.
+``echo``: false, ``best_of``: 1, ``suffix``: null. Any other value of these
+is a 400 saying it is not supported. ``response_format`` (chat): text,
+json_object or json_schema, held to by the grammar engine (llm/_grammar.py).
+Extensions: ``top_k``, ``ignore_eos`` and ``session_id``.
 """
 
 from __future__ import annotations
@@ -45,8 +46,35 @@ class Message(_Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # (the schema is always held to)
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """``text``; ``json_object`` (any JSON object); ``json_schema`` (JSON
+    valid against ``json_schema.schema``; none: any JSON object)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    def constraint(self) -> Any:
+        """The llm's Constraint for this format (None for text); ValueError
+        for a schema the grammar engine refuses."""
+        from ..llm import Constraint
+
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        return Constraint.json_object() if schema is None else Constraint.json_schema(schema)
 
 
 def _unsupported(value: Any, allowed: str) -> ValueError:
