@@ -166,6 +166,7 @@ class Generation(Pieces):
         llm = session.llm
         # A constraint's grammar is compiled (or copied) first: one the vocabulary cannot spell changes nothing.
         self._guide = llm._grammars.guide(params.constraint) if params.constraint is not None else None
+        self._guided: tuple[int, str | ValueError] | None = None  # (token, what the guide said of it), not handed out
         super().__init__(TextStream(llm.tokenizer, params.stop))
         self._session = session
         self.params = params
@@ -267,12 +268,17 @@ class Generation(Pieces):
             session._prompt_fed(self)
         keep = not self._ended and token not in self._stop_ids
         grammar, refused = "more", None
-        if keep and self._guide is not None:
-            try:
-                grammar = self._guide.take(token)
-            except ValueError as e:
-                refused = e
-            keep = grammar != "end" and refused is None
+        if self._guide is not None:
+            if self._guided is None or self._guided[0] != token:
+                self._guide_token(token)
+            assert self._guided is not None
+            taken, self._guided = self._guided[1], None
+            if keep:
+                if isinstance(taken, ValueError):
+                    refused = taken
+                else:
+                    grammar = taken
+                keep = grammar != "end" and refused is None
         if fed:
             try:
                 session._settle(token, keep)
@@ -307,6 +313,16 @@ class Generation(Pieces):
             self._finish(self._ending, token)
         else:
             self._emit(token)
+
+    def _guide_token(self, token: int) -> None:
+        """(The step loop, before it hands the token out, so that the next
+        step's mask can be computed first; else :meth:`_take_token`) the
+        guide takes a sampled token: what it said is kept for _take_token."""
+        assert self._guide is not None
+        try:
+            self._guided = (token, self._guide.take(token))
+        except ValueError as e:
+            self._guided = (token, e)
 
     def _finish(self, reason: str, token: int | None) -> None:
         """Ends the generation (``token``: its last one to hand out, if any)."""

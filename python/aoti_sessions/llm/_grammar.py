@@ -8,7 +8,7 @@ vocabulary once (:class:`Grammars` keeps compiled grammars, each generation
 a copy), and for each step gives a bit mask of the tokens that keep the text
 within the grammar. The step loop computes the masks of a step's
 constrained rows on the host once the step before is read (while the
-device runs the forward pass), and :func:`apply_masks` sets every other
+device runs the forward pass), and :class:`Masks` sets every other
 token's logit to -inf before the batch is sampled: even a random-weight
 model's text then matches its grammar.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Constraint", "Grammars", "Guide", "apply_masks"]
+__all__ = ["Constraint", "Grammars", "Guide", "Masks"]
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_CONSTRAINT_CHARS = 100_000  # a schema, pattern or grammar's text at most
@@ -169,27 +169,44 @@ class Grammars:
             return Guide(template.deep_copy(), self._eos)
 
 
-_executor: Any = None
+MASK_THREADS = 4  # llguidance's threads computing a step's masks (more only contend with the step loop)
 
 
-def apply_masks(logits: torch.Tensor, guides: Sequence[Guide | None]) -> None:
-    """Sets to -inf, in place, each row's logits of the tokens its guide does
-    not allow next (rows without one, or whose guide failed, stay as they
-    are). The masks are computed on the host (llguidance, in parallel over
-    the rows), copied in one piece and unpacked on the device."""
-    global _executor
+class Masks:
+    """A step loop's masks: one host buffer (pinned on CUDA), reused: a
+    step's masks are copied before its tokens, which the loop reads before
+    it computes the next step's."""
+
+    def __init__(self) -> None:
+        self._executor: Any = None
+        self._host: torch.Tensor | None = None
+
+    def apply(self, logits: torch.Tensor, guides: Sequence[Guide | None]) -> None:
+        """Sets to -inf, in place, each row's logits of the tokens its guide
+        does not allow next (rows without one, or whose guide failed, stay as
+        they are). The masks are computed on the host (llguidance, in
+        parallel over the rows), copied in one piece and unpacked on the
+        device."""
+        rows, vocab = logits.shape
+        guided = [(g.matcher, r) for r, g in enumerate(guides) if g is not None and g.usable]
+        if not guided:
+            return
+        if self._executor is None:
+            self._executor = _llguidance().LLExecutor(num_threads=MASK_THREADS)
+        words = (vocab + 31) // 32
+        host = self._host
+        if host is None or host.shape[0] < rows or host.shape[1] != words:
+            host = self._host = torch.empty((max(rows, 64), words), dtype=torch.int32,
+                                            pin_memory=logits.device.type == "cuda")
+        bits = host[:rows]
+        bits.fill_(-1)
+        self._executor.unsafe_compute_mask_ptr(guided, bits.data_ptr(), words * 4, rows)
+        _unpack_into(logits, bits.to(logits.device, non_blocking=True))
+
+
+def _unpack_into(logits: torch.Tensor, bits: torch.Tensor) -> None:
     rows, vocab = logits.shape
-    guided = [(g.matcher, r) for r, g in enumerate(guides) if g is not None and g.usable]
-    if not guided:
-        return
-    lg = _llguidance()
-    if _executor is None:
-        _executor = lg.LLExecutor()
-    words = (vocab + 31) // 32
-    cuda = logits.device.type == "cuda"
-    bits = torch.full((rows, words), -1, dtype=torch.int32, pin_memory=cuda)
-    _executor.unsafe_compute_mask_ptr(guided, bits.data_ptr(), words * 4, rows)
-    bits = bits.to(logits.device, non_blocking=True)
+    words = bits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = (bits[:, :, None] >> shifts).bitwise_and_(1).view(rows, words * 32)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))

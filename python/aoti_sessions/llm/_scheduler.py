@@ -45,7 +45,7 @@ import torch
 
 from ..errors import SessionClosedError
 from ._generation import Held
-from ._grammar import apply_masks
+from ._grammar import Masks
 from ._plan import Limits, Plan, Row, plan_step, prefill_width
 from ._sampling import sample
 from ._spec import PAD_ID
@@ -116,6 +116,7 @@ class Scheduler:
         # before the step after next is queued), made once, not every step.
         self._landing: list[tuple[torch.Tensor, Any] | None] = [None, None]
         self._landed = 1
+        self._masks = Masks()  # structured output's (_grammar.py)
         self.steps = 0  # steps run (for tests and metrics)
         self.decode_rows = 0  # rows of the batched decode calls
         self.prefill_calls = 0  # prefill calls made, the rows and tokens they fed
@@ -204,10 +205,14 @@ class Scheduler:
                 self._waiting_now()
                 tokens = self._read(previous)
                 read = time.perf_counter()
+                if step.logits is not None:  # (its masks need the tokens just read: they go first)
+                    if previous is not None:
+                        for g, token in zip(previous.sampled, tokens):
+                            if g._guide is not None and not g.finished:
+                                g._guide_token(token)
+                    self._sample(step)
                 if previous is not None:
                     self._hand_out(previous, tokens)
-                if step.logits is not None:
-                    self._sample(step)
                 self._drop_finished()
                 previous = step if step.sampled else None
                 self.steps += 1
@@ -296,7 +301,7 @@ class Scheduler:
         logits, step.logits = step.logits, None
         guides = [g._guide if not g.finished else None for g in step.sampled]
         if any(guides):
-            apply_masks(logits, guides)
+            self._masks.apply(logits, guides)
         step.tokens = sample(logits, [g._sampler for g in step.sampled])
         if self._cuda:
             step.host, step.done = self._land(step.tokens)
