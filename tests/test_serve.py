@@ -412,6 +412,8 @@ BAD_BODIES: list[tuple[str, Any, str | None]] = [  # (what, body or raw bytes, t
     ("json_schema without its schema", {"response_format": {"type": "json_schema"}}, "response_format"),
     ("a schema the grammar engine refuses", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "response_format"),
+    ("tools on a model whose template renders none", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
     ("a schema name with a space", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "a b", "schema": {"type": "object"}}}}, "response_format.json_schema.name"),
 ]

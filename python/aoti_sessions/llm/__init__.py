@@ -22,6 +22,8 @@ from ._grammar import Constraint
 from ._llm import LLM, ChatSession, ContextLengthError, Prompt
 from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteGeneration, RemoteLLM, RemoteSession
 from ._sampling import SamplingParams
+from ._tools import ToolCall, ToolCallStream, parse_tool_calls, tool_call_constraint
 
 __all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "Constraint",
-           "ContextLengthError", "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]
+           "ContextLengthError", "ToolCall", "ToolCallStream", "parse_tool_calls", "tool_call_constraint",
+           "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]

@@ -20,6 +20,7 @@ from typing import Any, Union
 
 from ._encode import PieceEncoder
 from ._spec import read_llm_package
+from ._tools import tool_format
 
 __all__ = ["Prompts", "Prompt", "ChatPrompt", "Spelling", "ContextLengthError"]
 
@@ -104,21 +105,41 @@ class Prompts:
         the assistant's reply."""
         return self.chat_prompt(messages).ids
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> ChatPrompt:
-        """``messages`` through the chat template: the text, its ids (as
-        :meth:`chat_tokens`) and where its added tokens start."""
+    @property
+    def tool_format(self) -> str | None:
+        """The tool-call format the model's chat template teaches (``hermes``),
+        or None where it renders no tools this runtime parses (llm/_tools.py)."""
+        return tool_format(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> ChatPrompt:
+        """``messages`` through the chat template (with ``tools``, OpenAI's
+        function definitions, where given: the model's template renders
+        them): the text, its ids (as :meth:`chat_tokens`) and where its added
+        tokens start. A message's content may be None where it has
+        ``tool_calls``."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
         for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            calls = m.get("tool_calls") if isinstance(m, Mapping) else None
+            content = m.get("content") if isinstance(m, Mapping) else None
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
+                    or not (isinstance(content, str) or (content is None and calls)):
                 raise ValueError(f"messages[{i}] must have a string 'role' and a string 'content'")
-            _check_unicode(m["content"], f"messages[{i}]['content']")
+            if calls is not None and not isinstance(calls, list):
+                raise ValueError(f"messages[{i}]['tool_calls'] must be a list")
+            if content is not None:
+                _check_unicode(content, f"messages[{i}]['content']")
             _check_unicode(m["role"], f"messages[{i}]['role']")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.name} has no chat template; send a text prompt instead")
+        if tools and self.tool_format is None:
+            raise ValueError(f"the chat template of {self.name} renders no tools in a format this runtime parses "
+                             "(Hermes/Qwen <tool_call>)")
         try:
             text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True,
+                                                      **({"tools": [dict(t) for t in tools]} if tools else {}))
         except Exception as e:  # the template's own refusals (jinja2's TemplateError)
             if type(e).__module__.split(".")[0] != "jinja2":
                 raise
@@ -146,11 +167,12 @@ class Prompts:
         prepared = self.prepare(prompt)
         return prepared.ids if isinstance(prepared, ChatPrompt) else prepared
 
-    def prepare(self, prompt: Prompt) -> list[int] | ChatPrompt:
+    def prepare(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int] | ChatPrompt:
         """A prompt made ready for a chat session: chat messages as a
-        :class:`ChatPrompt` (a session keeps its own ids for the part of its
-        text that it fed: :meth:`_respell`), anything else as token ids;
-        checked as :meth:`prompt_ids` checks them."""
+        :class:`ChatPrompt` (with ``tools`` rendered by the chat template: a
+        session keeps its own ids for the part of its text that it fed:
+        :meth:`_respell`), anything else as token ids; checked as
+        :meth:`prompt_ids` checks them."""
         chat = None
         if isinstance(prompt, ChatPrompt):
             chat = prompt
@@ -164,13 +186,15 @@ class Prompts:
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             contents = (m.get("content") for m in prompt if isinstance(m, Mapping))
             self._check_length(sum(len(c) for c in contents if isinstance(c, str)))
-            chat = self.chat_prompt(prompt)  # type: ignore[arg-type]
+            chat = self.chat_prompt(prompt, tools)  # type: ignore[arg-type]
             ids = chat.ids
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             ids = list(prompt)  # type: ignore[arg-type]
             self._check_ids(ids)
         else:
             raise TypeError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
+        if tools and chat is None:
+            raise ValueError("tools go with chat messages, not a text prompt or token ids")
         if not ids:
             raise ValueError("the prompt is empty")
         self._check_tokens(len(ids))

@@ -328,7 +328,10 @@ async def _events(job: Job, request: Request, retry_after: int,
         yield job.chunk(None, first=True)
     try:
         async for piece in job.pieces(request.is_disconnected):
-            yield job.piece_chunk(piece)
+            for chunk in job.stream_chunks(piece):
+                yield chunk
+        for chunk in job.stream_chunks(None):
+            yield chunk
     except Exception as e:  # the stream has begun: the error goes in it
         error = e if isinstance(e, APIError) else runtime_error(e, retry_after)
         if error is None:
@@ -342,7 +345,7 @@ async def _events(job: Job, request: Request, retry_after: int,
     with anyio.CancelScope(shield=True):
         await release()
     assert job.generation is not None
-    yield job.chunk(None, finish_reason=job.generation.finish_reason)
+    yield job.chunk(None, finish_reason=job.finish_reason())
     if job.request.include_usage():
         yield job.usage_chunk()
     yield DONE

@@ -22,7 +22,7 @@ from ._protocol import ChatRequest, CompletionRequest
 from ._sessions import Entry, in_thread
 
 if TYPE_CHECKING:
-    from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM
+    from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM, ToolCall, ToolCallStream
     from ..llm._prompts import ChatPrompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -51,6 +51,12 @@ class Job:
         self.params = self._params()
         self.prompt: list[int] | ChatPrompt = []  # token ids (chat: with the text), from tokenize()
         self._piece_frame: tuple[bytes, bytes] | None = None  # piece_chunk's bytes around the text
+        # The reply's tool calls, parsed from its text where tools were offered (llm/_tools.py).
+        self.calls: ToolCallStream | None = None
+        if isinstance(request, ChatRequest) and request.tools_offered():
+            from ..llm import ToolCallStream
+
+            self.calls = ToolCallStream()
 
     # -- start -----------------------------------------------------------
     def _params(self) -> Any:
@@ -68,15 +74,30 @@ class Job:
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(r, name) is not None:
                 options[name] = getattr(r, name)
-        if isinstance(r, ChatRequest) and r.response_format is not None:
-            try:
-                options["constraint"] = r.response_format.constraint()
-            except ValueError as e:  # a schema the grammar engine refuses
-                raise APIError(400, f"response_format: {e}", "invalid_value", "response_format") from e
+        if isinstance(r, ChatRequest):
+            options["constraint"] = self._constraint(r)
         try:
             return SamplingParams(**options)
         except ParamError as e:  # the runtime's own bounds (seed, top_k, stop)
             raise APIError(400, str(e), "invalid_value", e.field) from e
+
+    def _constraint(self, r: ChatRequest) -> Any:
+        """What the reply is held to: response_format's schema, or calls of the
+        tools where tool_choice asks for one (not both); None for neither."""
+        if r.tools_offered() and self.llm.tool_format is None:
+            raise APIError(400, f"the chat template of {self.model} renders no tools in a format this server parses "
+                                "(Hermes/Qwen <tool_call>)", "invalid_value", "tools")
+        field = "response_format"
+        try:
+            constraint = r.response_format.constraint() if r.response_format is not None else None
+            field = "tools"
+            calls = r.call_constraint()
+        except ValueError as e:  # a schema the grammar engine refuses
+            raise APIError(400, f"{field}: {e}", "invalid_value", field) from e
+        if constraint is not None and calls is not None:
+            raise APIError(400, "response_format and a tool_choice that asks for a call cannot both hold the reply",
+                           "invalid_value", "tool_choice")
+        return constraint if constraint is not None else calls
 
     async def tokenize(self) -> None:
         """The prompt as token ids (chat template, tokenizer, the runtime's
@@ -87,8 +108,9 @@ class Job:
 
         r = self.request
         prompt: Any = [m.as_dict() for m in r.messages] if isinstance(r, ChatRequest) else r.the_prompt()
+        tools = r.tools_offered() if isinstance(r, ChatRequest) else None
         try:
-            self.prompt = await in_thread(lambda: self.llm.prepare(prompt))
+            self.prompt = await in_thread(lambda: self.llm.prepare(prompt, tools))
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
             raise APIError(400, str(e), code, "messages" if self.chat else "prompt") from e
@@ -185,17 +207,57 @@ class Job:
             body["session_id"] = self.entry.id
         return body
 
-    def response(self, text: str) -> dict[str, Any]:
+    def finish_reason(self) -> str | None:
+        """The generation's, or "tool_calls" where it stopped after calling tools."""
         g = self.generation
         assert g is not None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": g.finish_reason, "logprobs": None}
+        return "tool_calls" if g.finish_reason == "stop" and self.calls is not None and self.calls.calls else \
+            g.finish_reason
+
+    def response(self, text: str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.calls is not None:
+                pieces = [*self.calls.push(text), *self.calls.finish()]
+                content = "".join(p for p in pieces if isinstance(p, str))
+                calls = [self._call(p) for p in pieces if not isinstance(p, str)]
+                message = {"role": "assistant", "content": content if content.strip() or not calls else None}
+                if calls:
+                    message["tool_calls"] = calls
+            choice["message"] = message
         else:
             choice["text"] = text
+        choice["finish_reason"] = self.finish_reason()
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         body["usage"] = self.usage()
         return body
+
+    @staticmethod
+    def _call(call: ToolCall) -> dict[str, Any]:
+        return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
+    def stream_chunks(self, piece: str | None) -> list[bytes]:
+        """The stream's chunks for a piece of text (None: the end, what is
+        held back): the piece itself, or where tools were offered its text
+        and calls (a call as one ``tool_calls`` delta, once its block closes)."""
+        if self.calls is None:
+            return [self.piece_chunk(piece)] if piece is not None else []
+        out = []
+        index = self.calls.calls
+        for p in self.calls.push(piece) if piece is not None else self.calls.finish():
+            if isinstance(p, str):
+                out.append(self.piece_chunk(p))
+                continue
+            call = {"index": index, **self._call(p)}
+            index += 1
+            body = self._envelope(self._chunk_kind, [{"index": 0, "finish_reason": None, "logprobs": None,
+                                                      "delta": {"tool_calls": [call]}}])
+            if self.request.include_usage():
+                body["usage"] = None
+            out.append(_event(body))
+        return out
 
     def piece_chunk(self, text: str) -> bytes:
         """``chunk(text)``, from the event's bytes around the text, made once

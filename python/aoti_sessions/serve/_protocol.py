@@ -9,12 +9,15 @@ accepted where their value asks for nothing this server does not do:
 or 0, ``presence_penalty`` / ``frequency_penalty``: 0, ``logit_bias``: {},
 ``echo``: false, ``best_of``: 1, ``suffix``: null. Any other value of these
 is a 400 saying it is not supported. ``response_format`` (chat): text,
-json_object or json_schema, held to by the grammar engine (llm/_grammar.py).
+json_object or json_schema, held to by the grammar engine (llm/_grammar.py);
+``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls``
+and ``tool`` messages (llm/_tools.py).
 Extensions: ``top_k``, ``ignore_eos`` and ``session_id``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -36,14 +39,78 @@ class TextPart(_Strict):
     text: str
 
 
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None  # accepted, not shown to the model
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+class CalledFunction(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(_Strict):
+    id: str = Field(max_length=256)
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # accepted, not shown to the model
+    tool_calls: list[ToolCallMessage] | None = Field(default=None, max_length=128)  # (assistant)
+    tool_call_id: str | None = Field(default=None, max_length=256)  # (tool)
+
+    @model_validator(mode="after")
+    def _parts(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message has a tool_call_id, and only a tool message")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it (a call's arguments as an object where they are one)."""
+        content = self.content
+        text = content if isinstance(content, str) or content is None else "".join(p.text for p in content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # (a required call is always held to its parameters)
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(_Strict):
+    name: str
+
+
+class ToolChoice(_Strict):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class JSONSchemaFormat(_Strict):
@@ -130,6 +197,9 @@ class ChatRequest(_Generate):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     HARMLESS = {**_Generate.HARMLESS, "logprobs": (False, "logprobs=false"), "top_logprobs": (0, "0")}
 
     @model_validator(mode="after")
@@ -138,6 +208,41 @@ class ChatRequest(_Generate):
                 and self.max_tokens != self.max_completion_tokens):
             raise ValueError("max_tokens and max_completion_tokens differ: give one")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _names_once(cls, tools: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("two functions have one name")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice asks for a call, but no tools are given")
+        if isinstance(choice, ToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        return choice
+
+    def tools_offered(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template (none where tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def call_constraint(self) -> Any:
+        """The llm's Constraint holding the reply to calls where tool_choice
+        asks for one ("required", or a function named), else None."""
+        from ..llm import tool_call_constraint
+
+        choice, tools = self.tool_choice, self.tools_offered()
+        if tools is None or choice in (None, "auto"):
+            return None
+        name = choice.function.name if isinstance(choice, ToolChoice) else None
+        return tool_call_constraint(tools, name, parallel=self.parallel_tool_calls is not False)
 
     def limit(self) -> tuple[str, int | None]:
         """The completion length asked for, and the field that asked."""
