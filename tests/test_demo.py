@@ -19,6 +19,19 @@ def test_demo_passes(decoder_pkg, device: str) -> None:  # the fixture compiles 
     assert "isolation           PASS" in out
 
 
+def test_demo_needs_no_extras(decoder_pkg, device: str) -> None:
+    """The README's first command installs aoti-sessions without extras: the
+    demo runs with transformers, tokenizers, llguidance and FastAPI absent
+    (each import of them fails here, as on such an install)."""
+    hide = "import sys\nfor m in ('transformers', 'tokenizers', 'llguidance', 'fastapi', 'uvicorn'):\n" \
+           "    sys.modules[m] = None\n" \
+           "sys.argv = ['aoti-sessions', 'demo', '--sessions', '2', '--steps', '4', '--device', sys.argv[1]]\n" \
+           "import runpy\nrunpy.run_module('aoti_sessions', run_name='__main__')\n"
+    result = subprocess.run([sys.executable, "-c", hide, device], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "isolation           PASS" in result.stdout and "FAIL" not in result.stdout
+
+
 def test_info_command(counter_pkg, device: str) -> None:
     """From the package's files by default; loaded (its libraries run) with --load."""
     result = subprocess.run([sys.executable, "-m", "aoti_sessions", "info", str(counter_pkg)],

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizers.decoders import DecodeStream
-
 # How many tokens before the newest ones are decoded again with them, so a
 # character split over tokens, or a space the tokenizer merges, comes out right.
 _CONTEXT_TOKENS = 6
@@ -29,7 +27,11 @@ class TextStream:
         self.stopped = False  # a stop string was found; the text ends before it
         # Where the Rust tokenizer decodes directly: its incremental decoder, one
         # call a token (it holds back an unfinished character itself).
-        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        self._stream = None
+        if self._backend is not None:  # (tokenizers is there: imported here, so the CLI's demo needs no llm extra)
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
         self._streamed = 0    # ids given to it
 
     @property
