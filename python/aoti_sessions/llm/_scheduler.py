@@ -210,7 +210,7 @@ class Scheduler:
                         for g, token in zip(previous.sampled, tokens):
                             if g._guide is not None and not g.finished:
                                 g._guide_token(token)
-                    self._sample(step)
+                    self._sample(step, guided=True)
                 if previous is not None:
                     self._hand_out(previous, tokens)
                 self._drop_finished()
@@ -291,17 +291,17 @@ class Scheduler:
         if logits:
             step.logits = logits[0] if len(logits) == 1 else torch.cat(logits)
             if not any(g._guide is not None for g in step.sampled):
-                self._sample(step)
+                self._sample(step, guided=False)
         return step
 
-    def _sample(self, step: _Step) -> None:
-        """Queues the sampling of a step's logits (masked first where a row's
-        generation has a constraint) and the copy of its tokens to the host."""
+    def _sample(self, step: _Step, guided: bool) -> None:
+        """Queues the sampling of a step's logits (masked first where
+        ``guided``: a row's generation has a constraint) and the copy of its
+        tokens to the host."""
         assert step.logits is not None
         logits, step.logits = step.logits, None
-        guides = [g._guide if not g.finished else None for g in step.sampled]
-        if any(guides):
-            self._masks.apply(logits, guides)
+        if guided:
+            self._masks.apply(logits, [g._guide if not g.finished else None for g in step.sampled])
         step.tokens = sample(logits, [g._sampler for g in step.sampled])
         if self._cuda:
             step.host, step.done = self._land(step.tokens)
