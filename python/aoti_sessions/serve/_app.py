@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,8 +25,10 @@ from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_SESSION_FILES, DEFAULT_M
 from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._protocol import (SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ErrorBody, ForkRequest, LoadRequest,
                         SaveRequest)
-from ._sessions import Registry, described_one, in_thread
+from ._routes import GENERATED, TENANT, answer, check_model, tenant_of
+from ._sessions import Registry, described_one
 from ._tenants import DEFAULT_TENANT, Keys
+from ._threads import in_thread
 
 if TYPE_CHECKING:
     from ..llm import LLM, RemoteLLM
@@ -35,14 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("aoti_sessions.serve")
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 OPEN_PATHS = ("/health",)  # answered without the API key
-TENANT = "aoti_sessions.tenant"  # the request's tenant, in its ASGI scope (set by _Guard)
-
-
-def tenant_of(request: Request) -> str:
-    """The tenant of the request (its API key's): whose sessions and files it sees."""
-    return str(request.scope.get(TENANT, DEFAULT_TENANT))
-
-
 def new_registry(llm: LLM | RemoteLLM, *, session_dir: str | os.PathLike[str] | None = None,
                  session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
                  checkpoint_sessions: bool = False, max_session_files: int = DEFAULT_MAX_SESSION_FILES,
@@ -201,53 +195,34 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str) -> dict[str, Any]:
-        _check_model(model_id, model)
+        check_model(model_id, model)
         return model_card()
 
     async def generate(request: Request, body: ChatRequest | CompletionRequest, header_id: str | None,
                        tenant: str) -> Response:
         session_id = _session_id(body.session_id, header_id)
         if body.model is not None:
-            _check_model(body.model, model)
+            check_model(body.model, model)
         job = Job(llm, body, model, metrics)
         await job.tokenize()
         entry = await registry.acquire(tenant, session_id, create=True)
         headers = {"X-Session-ID": session_id} if session_id else {}
-        released = False
 
-        async def cleanup() -> None:  # (once: a second release could let go a session another request took since)
-            nonlocal released
-            if not released:
-                released = True
-                try:
-                    await job.finish()
-                finally:
-                    await registry.release(entry)
+        async def whole() -> Response:
+            text = "".join([piece async for piece in job.pieces(request.is_disconnected)])
+            if job.cancelled:
+                return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+            return JSONResponse(job.response(text), headers=headers)
 
-        if not body.stream:
-            try:
-                await job.start(entry)
-                text = "".join([piece async for piece in job.pieces(request.is_disconnected)])
-                if job.cancelled:
-                    return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-                return JSONResponse(job.response(text), headers=headers)
-            finally:
-                await cleanup()
+        return await answer(job, entry, registry, bool(body.stream), whole,
+                            lambda release: _events(job, request, retry_after, release), headers)
 
-        try:
-            await job.start(entry)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await cleanup()
-            raise
-        return _Stream(_events(job, request, retry_after, cleanup), cleanup, headers)
-
-    @app.post("/v1/chat/completions", responses=_GENERATED)
+    @app.post("/v1/chat/completions", responses=GENERATED)
     async def chat(request: Request, body: ChatRequest, x_session_id: str | None = Header(default=None),
                    tenant: str = Depends(tenant_of)) -> Response:
         return await generate(request, body, x_session_id, tenant)
 
-    @app.post("/v1/completions", responses=_GENERATED)
+    @app.post("/v1/completions", responses=GENERATED)
     async def complete(request: Request, body: CompletionRequest, x_session_id: str | None = Header(default=None),
                        tenant: str = Depends(tenant_of)) -> Response:
         return await generate(request, body, x_session_id, tenant)
@@ -296,18 +271,6 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
     return app
 
 
-# A generation's answer: one JSON object, or with "stream": true server-sent events.
-_GENERATED: dict[int | str, dict[str, Any]] = {200: {
-    "description": "The completion, or (stream) its chunks as server-sent events",
-    "content": {"application/json": {}, "text/event-stream": {}}}}
-
-
-def _check_model(name: str, model: str) -> None:
-    if name != model:
-        raise APIError(404, f"the model {name!r} does not exist; this server has {model!r}", "model_not_found",
-                       "model")
-
-
 def _session_id(in_body: str | None, in_header: str | None) -> str | None:
     if in_header is not None and not _SESSION_ID.fullmatch(in_header):
         raise APIError(400, f"X-Session-ID: invalid session id {in_header!r} (1-128 letters, digits, '.', '_', "
@@ -349,25 +312,6 @@ async def _events(job: Job, request: Request, retry_after: int,
     if job.request.include_usage():
         yield job.usage_chunk()
     yield DONE
-
-
-class _Stream(StreamingResponse):
-    """A server-sent event stream that runs ``cleanup`` however it ends: done,
-    failed, or cut short by the client (Starlette then cancels the stream)."""
-
-    def __init__(self, content: AsyncGenerator[bytes, None], cleanup: Callable[[], Awaitable[None]],
-                 headers: dict[str, str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._content, self._cleanup = content, cleanup
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._content.aclose()
-                await self._cleanup()
 
 
 class _BodyLimit:

@@ -38,8 +38,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._sessions import Entry, Registry, described_one, in_thread
+from ._sessions import Entry, Registry, described_one
 from ._shared import METRICS_TIMEOUT_S, Link
+from ._threads import in_thread
 
 if TYPE_CHECKING:
     from ..llm import RemoteLLM

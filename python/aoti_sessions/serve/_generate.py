@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from ._errors import APIError
 from ._metrics import ServerMetrics
 from ._protocol import ChatRequest, CompletionRequest
-from ._sessions import Entry, in_thread
+from ._sessions import Entry
+from ._threads import in_thread
 
 if TYPE_CHECKING:
     from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM, ToolCall, ToolCallStream

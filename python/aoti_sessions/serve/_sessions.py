@@ -52,21 +52,19 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.to_thread
 
 from ..errors import SessionClosedError, SessionFileError, SessionFileNotFoundError
 from ._errors import APIError
 from ._limits import DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES
 from ._protocol import FILE_NAME_PATTERN, SESSION_ID_PATTERN
 from ._tenants import DEFAULT_TENANT, TENANTS_DIR, scoped
+from ._threads import in_thread
 
 if TYPE_CHECKING:
     from ..llm import LLM, ChatSession, RemoteLLM, RemoteSession
-
-T = TypeVar("T")
 
 log = logging.getLogger("aoti_sessions.serve")
 PARKED_DIR = ".live"  # in --session-dir: parked sessions (a name no client's file can take)
@@ -81,15 +79,6 @@ _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 # its name carries the server's pid, kept out of answers.
 _TEMPORARY = re.compile(r"\S*\.aoti-tmp-\d+-\d+")
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-async def in_thread(call: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
-    """Runs ``call`` in a worker thread (of ``limiter``'s, if given, else
-    the shared ones); a cancelled caller still waits for it, so whatever it
-    made or changed is accounted for."""
-    with anyio.CancelScope(shield=True):
-        result = await anyio.to_thread.run_sync(call, limiter=limiter)
-    return result
 
 
 def new_id() -> str:
