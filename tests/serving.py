@@ -172,6 +172,26 @@ def transport_for(url: str) -> Alternating | None:
     return Alternating(url.ports) if isinstance(url, FrontEnds) else None
 
 
+class AsyncAlternating(httpx.AsyncBaseTransport):
+    """Alternating, for an async client (the openai-agents SDK's)."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self._ports = itertools.cycle(ports)
+        self._inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        request.url = request.url.copy_with(port=next(self._ports))
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def async_transport_for(url: str) -> AsyncAlternating | None:
+    """transport_for, for an async client."""
+    return AsyncAlternating(url.ports) if isinstance(url, FrontEnds) else None
+
+
 @contextmanager
 def running_front_ends(owner: Any, count: int, registry: Any = None, **options: Any) -> Iterator[FrontEnds]:
     """``count`` front ends of ``owner`` (a RemoteLLM) sharing one registry

@@ -61,7 +61,7 @@ def test_the_api_holds_under_fuzzing(tmp_path: Path) -> None:
                     failures.append(f"{operation.label} ({mode.value}): {str(e)[:2000]}")
         assert not failures, "\n\n".join(failures)
         operations = [r.ok().label for r in schema.get_all_operations()]
-        assert len(operations) == 15 and all(cases[f"{o} (positive)"] for o in operations), cases
+        assert len(operations) == 18 and all(cases[f"{o} (positive)"] for o in operations), cases
         assert sum(n for k, n in cases.items() if k.endswith("(negative)")) > 0, cases
         assert all(s < 500 for s in statuses), statuses
         # Still serving.

@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI's chat, completion and model endpoints,
-session management, ``/metrics`` and ``/health``."""
+session management, ``/metrics`` and ``/health``; the Responses API's
+routes come from serve/_responses.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import _errors
+from . import _errors, _responses
 from ._errors import APIError, error_response, runtime_error, sse_error, unexpected
 from ._generate import DONE, Job
 from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES,
@@ -268,6 +269,7 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         await registry.delete_file(tenant, name)
         return {"name": name, "object": "session_file.deleted", "deleted": True}
 
+    _responses.install(app, llm, registry, metrics, model, retry_after)  # /v1/responses (serve/_responses.py)
     return app
 
 

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._response_store import ResponseStore
 from ._sessions import Entry, Registry, described_one
 from ._shared import METRICS_TIMEOUT_S, Link
 from ._threads import in_thread
@@ -114,7 +115,7 @@ class Hub:
         link = Link(reader, writer, handlers)
         handlers.update({name: functools.partial(getattr(self, "_op_" + name), link) for name in (
             "acquire", "release", "lookup", "reset", "fork", "load", "delete", "save", "files", "delete_file",
-            "listing", "metrics")})
+            "listing", "metrics", "responses")})
         self._links.add(link)
         await link.closed.wait()
         self._links.discard(link)
@@ -190,6 +191,12 @@ class Hub:
 
     async def _op_listing(self, link: Link, tenant: str) -> list[dict[str, Any]]:
         return await self.registry.listing(tenant)
+
+    async def _op_responses(self, link: Link, op: str, *args: Any) -> Any:
+        """One call of the registry's stored responses (serve/_response_store.py)."""
+        if op not in ResponseStore.OPS:
+            raise ValueError(f"no such operation of the stored responses: {op!r}")
+        return await getattr(self.registry.responses, op)(*args)
 
     async def _op_metrics(self, link: Link, own: dict[str, Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """The registry's figures, and every other front end's counts (as last read, if it does not answer in time)."""

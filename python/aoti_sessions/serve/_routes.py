@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 TENANT = "aoti_sessions.tenant"  # the request's tenant, in its ASGI scope (set by serve/_app.py's _Guard)
 # A generation's answer: one JSON object, or with "stream": true server-sent events.
 GENERATED: dict[int | str, dict[str, Any]] = {200: {
-    "description": "The completion, or (stream) its chunks as server-sent events",
+    "description": "The completion or response, or (stream) its chunks or events as server-sent events",
     "content": {"application/json": {}, "text/event-stream": {}}}}
 
 

@@ -60,6 +60,7 @@ from ..errors import SessionClosedError, SessionFileError, SessionFileNotFoundEr
 from ._errors import APIError
 from ._limits import DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES
 from ._protocol import FILE_NAME_PATTERN, SESSION_ID_PATTERN
+from ._response_store import ResponseStore
 from ._tenants import DEFAULT_TENANT, TENANTS_DIR, scoped
 from ._threads import in_thread
 
@@ -147,6 +148,8 @@ class Registry:
         self._saving: dict[str, asyncio.Lock] = {}  # a tenant's saves, one at a time (each checks the limits)
         self._writes: set[asyncio.Task[None]] = set()
         self._writers: anyio.CapacityLimiter | None = None  # (made on the event loop)
+        # Stored responses of /v1/responses (serve/_response_store.py): parked with the sessions, beside them.
+        self.responses = ResponseStore(self._home if self.parked is not None else None)
 
     sweeps = True  # its sessions idle past their TTL are parked by its own sweep (sweep, expire_idle)
     # Its figures for /metrics (figure): counts kept as attributes, and ``named``.
@@ -345,6 +348,7 @@ class Registry:
         if self.ttl is None or not self.llm.alive:
             return 0  # (an engine that does not answer would fail every park: the next sweep's)
         cutoff = time.time() - self.ttl
+        self.responses.expire(cutoff)
 
         def idle(e: Entry) -> bool:
             return not e.busy and e.writing is None and e.session is not None and e.last_used < cutoff \

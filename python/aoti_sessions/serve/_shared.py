@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..errors import EngineProcessError
+from ._response_store import RemoteResponses
 from ._sessions import Entry
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ class SharedRegistry:
         self._snapshot: Callable[[], dict[str, Any]] = dict
         # The hub's figures, as of the last scrape (what Registry keeps as attributes).
         self.shared: dict[str, float] = {}
+        self.responses = RemoteResponses(self._call)  # the hub's stored responses (serve/_response_store.py)
 
     async def open(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         """Connects to the hub; ``snapshot``: this front end's metrics, when a scrape asks."""
