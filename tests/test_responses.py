@@ -233,6 +233,33 @@ def test_stored_responses_are_parked_at_their_ttl(llm: LLM, tmp_path: Path) -> N
             assert follow.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 2, follow.usage
 
 
+def test_stored_sessions_make_room_for_other_sessions(tmp_path: Path) -> None:
+    """Sessions of stored responses are caches: on a server of 2 sessions,
+    one held by a named chat session, each new response (and a stateless
+    chat) gets one by parking the least recently used response's (closed
+    without a session dir); the chat session stays, and a parked response is
+    followed up from its file, with its cache."""
+    with LLM(tools_package(), "cpu", threads=1, max_sessions=2) as small:
+        for folder in (None, tmp_path):
+            with running(create_app(small, api_key=KEY, session_dir=folder)) as url, _client(url) as client:
+                chat = [{"role": "user", "content": "Hello"}]
+                client.chat.completions.create(model=small.name, messages=chat, max_tokens=2,  # type: ignore[arg-type]
+                                               extra_body={"session_id": "mine"})
+                first = forced_call(client, small)
+                forced_call(client, small)  # (the first's session parked to make room)
+                assert client.chat.completions.create(model=small.name, messages=chat,  # type: ignore[arg-type]
+                                                      max_tokens=2).choices[0].finish_reason == "length"
+                sessions = {s["id"] for s in client.get("/sessions", cast_to=object)["data"]}
+                assert sessions == {"mine"}, sessions
+                follow = ask(client, small, previous_response_id=first.id, input=[_tool_output(first.output[0])],
+                             tools=[WEATHER], max_output_tokens=4)
+                cached = follow.usage.input_tokens_details.cached_tokens
+                assert cached == 0 if folder is None else cached >= first.usage.input_tokens - 2, follow.usage
+                again = client.chat.completions.create(model=small.name, messages=chat, max_tokens=2,  # type: ignore[arg-type]
+                                                       extra_body={"session_id": "mine"})
+                assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
 @pytest.mark.parametrize("change, field", [
     ({"input": []}, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),

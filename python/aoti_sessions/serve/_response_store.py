@@ -9,9 +9,10 @@ conversation's tokens while the response is the chain's latest. The first
 follow-up on it *claims* it (:meth:`ResponseStore.claim`) and goes on in
 that session; any later follow-up on it forks the session (the common start
 of the conversations is reused; serve/_responses.py). The session is only a
-cache: a response whose session went (deleted, or closed at its TTL with
-no session dir) is followed up in a new session, prefilling the whole
-conversation.
+cache: a response whose session went (deleted, closed at its TTL with no
+session dir, or parked to make room for another session: serve/_sessions.py)
+is followed up in a new session, prefilling the whole conversation (a
+parked one comes back from its file).
 
 Like named sessions, stored responses belong to the tenant (API key) that
 made them (another's id is unknown to it) and are parked: one unused for
@@ -106,6 +107,10 @@ class ResponseStore:
         if (path := self._path(tenant, response_id)) is not None:
             await in_thread(lambda: path.unlink(missing_ok=True))
         return record
+
+    def holds(self, tenant: str, session_id: str) -> bool:
+        """Whether ``session_id`` is the session of a stored response in memory."""
+        return any(r.session == session_id and k == scoped(tenant, r.id) for k, r in self._records.items())
 
     def expire(self, cutoff: float) -> int:
         """Out of memory: the responses unused since ``cutoff`` (their files stay)."""

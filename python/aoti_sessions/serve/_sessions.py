@@ -32,6 +32,10 @@ and a session file are the tenant's own; every method takes the tenant of
 the request, and another tenant's session or file is absent to it. A
 tenant's saved files are bounded in count and bytes (403 past them).
 
+The sessions of stored responses (serve/_response_store.py) are caches: where
+the engine has no room for a new session, the least recently used idle one
+is parked (without persistence: closed) to make some, before any 429.
+
 A park that fails (a full disk) keeps the session in memory, usable, and
 the next sweep tries again; such failures, and failed checkpoint writes,
 are logged once an episode (the first failure, then one line when writing
@@ -56,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..errors import SessionClosedError, SessionFileError, SessionFileNotFoundError
+from ..errors import CapacityError, SessionClosedError, SessionFileError, SessionFileNotFoundError
 from ._errors import APIError
 from ._limits import DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES
 from ._protocol import FILE_NAME_PATTERN, SESSION_ID_PATTERN
@@ -381,7 +385,7 @@ class Registry:
         :meth:`release`."""
         if session_id is None:
             entry = Entry(None)
-            entry.session = await in_thread(self.llm.new_session)
+            entry.session = await self._made(self.llm.new_session)
             self.throwaway += 1
             return entry
         existing = await self._current(self._entries.get(scoped(tenant, session_id)), wait=False)
@@ -404,11 +408,30 @@ class Registry:
             raise APIError(409, f"session {session_id!r} already exists", "session_exists", "session_id")
         entry = self._entries[key] = Entry(session_id, tenant)
         try:
-            entry.session = await in_thread(make)
+            entry.session = await self._made(make)
         except BaseException:
             del self._entries[key]
             raise
         return entry
+
+    async def _made(self, make: Callable[[], ChatSession | RemoteSession]) -> ChatSession | RemoteSession:
+        """A new session from ``make()``, in a thread; while the engine has
+        no room, the least recently used idle session of stored responses
+        (a cache: serve/_response_store.py) is parked (closed, without
+        persistence) to make some."""
+        while True:
+            try:
+                return await in_thread(make)
+            except CapacityError:
+                caches = [e for e in self._entries.values() if not e.busy and e.writing is None and e.session is not None
+                          and e.id is not None and self.responses.holds(e.tenant, e.id)]
+                if not caches:
+                    raise
+                entry = min(caches, key=lambda e: e.last_used)
+                entry.busy = True
+                await self._park(entry, "to make room for a new session")
+                if entry.session is not None:  # (its park failed: it stays)
+                    raise
 
     async def release(self, entry: Entry) -> None:
         """Ends a request's hold; a throwaway session is closed."""
