@@ -12,7 +12,9 @@ two front ends over one engine process."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,7 +152,8 @@ def _tool_output(call: Any, text: str = "sunny, 21 C") -> dict[str, Any]:
 
 def _in_full(llm: LLM, client: openai.OpenAI, items: list[Any], **options: Any) -> Any:
     """The same turn sent whole (every item, no previous response): the reference."""
-    return ask(client, llm, input=items, tools=[WEATHER], max_output_tokens=8, store=False, **options)
+    options.setdefault("max_output_tokens", 8)
+    return ask(client, llm, input=items, tools=[WEATHER], store=False, **options)
 
 
 def _as_input(call: Any) -> dict[str, Any]:
@@ -199,6 +202,24 @@ def test_follow_ups_continue_and_fork_the_stored_session(client: openai.OpenAI, 
         client.responses.retrieve(branch.id)
     with pytest.raises(openai.NotFoundError):
         ask(client, llm, previous_response_id=branch.id, input="hi", max_output_tokens=2)
+
+
+def test_concurrent_follow_ups_each_answer_as_alone(client: openai.OpenAI, llm: LLM) -> None:
+    """Follow-ups on one response sent at once (one continues its session,
+    the others fork it or, while it is busy, start afresh) each answer as
+    its whole conversation sent alone does."""
+    first = forced_call(client, llm)
+    [call] = first.output
+    history = [{"role": "user", "content": QUESTION}, _as_input(call)]
+    results = [f"{random.Random(seed).choice(['sunny', 'rain', 'snow'])}, {seed} C" for seed in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(len(results)) as pool:
+        together = list(pool.map(lambda text: ask(client, llm, previous_response_id=first.id,
+                                                  input=[_tool_output(call, text)], tools=[WEATHER],
+                                                  max_output_tokens=6), results))
+    alone = [_in_full(llm, client, [*history, _tool_output(call, text)], max_output_tokens=6) for text in results]
+    assert [r.output_text for r in together] == [r.output_text for r in alone]
+    assert [r.usage.input_tokens for r in together] == [r.usage.input_tokens for r in alone]
+    assert max(r.usage.input_tokens_details.cached_tokens for r in together) >= first.usage.input_tokens - 2
 
 
 def test_stored_responses_outlive_a_restart(llm: LLM, tmp_path: Path) -> None:

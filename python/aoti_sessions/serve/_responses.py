@@ -158,7 +158,11 @@ class _Responses:
         if previous is None or previous.session is None:
             return await self.registry.acquire(tenant, name, create=True)
         if await self.registry.responses.claim(tenant, previous.id, response_id):
-            return await self.registry.acquire(tenant, previous.session, create=True)
+            try:
+                return await self.registry.acquire(tenant, previous.session, create=True)
+            except APIError as e:  # (busy: a request naming the session itself holds it)
+                if e.status != 409:
+                    raise
         if name is not None:
             try:
                 await self.registry.fork(tenant, previous.session, name)
