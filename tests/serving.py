@@ -212,7 +212,7 @@ def running_front_ends(owner: Any, count: int, registry: Any = None, **options: 
     asyncio.run_coroutine_threadsafe(hub.start(), loop).result(30)
     address = owner.share()
     attached = [RemoteLLM.attach(owner.package, address, engine_timeout=owner.engine_timeout,
-                                 step_timeout=owner.step_timeout) for _ in range(count)]
+                                 step_timeout=owner.step_timeout, **owner.prompt_options) for _ in range(count)]
     try:
         with contextlib.ExitStack() as stack:
             urls = [stack.enter_context(running(create_app(llm, shared=SharedRegistry(llm, hub.path), **options)))

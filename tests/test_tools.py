@@ -115,8 +115,11 @@ def test_required_and_named_calls_hold_for_a_random_model(llm: LLM) -> None:
     arguments valid against their parameters; batched together with free
     rows, each equals its solo run."""
     prompt = llm.chat_prompt(QUESTION, TOOLS)
-    cases = [(tool_call_constraint(TOOLS, parallel=False), None, 1), (tool_call_constraint(TOOLS, "add"), "add", None),
-             (tool_call_constraint(TOOLS, "get_weather", parallel=False), "get_weather", 1)]
+    # (The LLM's own format: its markup written as the tokenizer's tokens, <tool_call> one of them here.)
+    held = llm.reply_format.tool_constraint
+    assert held(TOOLS) == tool_call_constraint(TOOLS, format=llm.reply_format.tools) != tool_call_constraint(TOOLS)
+    cases = [(held(TOOLS, parallel=False), None, 1), (held(TOOLS, "add"), "add", None),
+             (held(TOOLS, "get_weather", parallel=False), "get_weather", 1)]
     params = [SamplingParams(max_tokens=200, temperature=1.0, seed=seed, constraint=c)
               for seed in range(8) for c, _, _ in cases]
     free = [SamplingParams(max_tokens=30, temperature=1.0, seed=100 + i) for i in range(3)]

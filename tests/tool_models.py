@@ -1,17 +1,22 @@
-"""The tiny Qwen3 of llm_models.py with a chat template that renders tools
-in the Hermes / Qwen format (``<tools>`` in the system turn, calls as
-``<tool_call>`` JSON, results as ``<tool_response>``, as Qwen2.5's and
-Qwen3's templates do), exported once: the tool-calling tests' model."""
+"""The tiny Qwen3 of llm_models.py with the tool-calling and reasoning
+markup of several families in its vocabulary (MARKUP: single tokens, the
+special ones special, as in each family's own tokenizer) and a chat template
+that renders tools in the Hermes / Qwen format (``<tools>`` in the system
+turn, calls as ``<tool_call>`` JSON, results as ``<tool_response>``, as
+Qwen2.5's and Qwen3's templates do), exported once: the tool-calling and
+reasoning tests' model. Other families' templates (chat_templates.py) are
+given to it with ``LLM(..., chat_template=...)``: one package serves them all."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 
+import torch
+import transformers
+
 from aoti_sessions.llm import _export
-from llm_models import FAST, _atomic_dir, cache_dir, cached_package, hf_model_dir
+from llm_models import FAST, SEED, _atomic_dir, _config, _source_key, _train_tokenizer, cache_dir, cached_package
 
 CONTEXT = 2048
 
@@ -57,19 +62,34 @@ XML tags:
 {% endif %}"""
 
 
+# Each family's markup, one token each: Qwen's (added, not special), Llama 3's, Mistral's and harmony's
+# (special: decoding leaves them out unless a format keeps them).
+MARKUP = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+SPECIAL_MARKUP = ["<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                  "<|constrain|>", "<|return|>", "<|call|>"]
+
+
 def tools_model_dir() -> Path:
-    """hf_model_dir("qwen3") with TOOLS_TEMPLATE as its chat template."""
-    source = hf_model_dir("qwen3")
-
+    """The tiny random Qwen3 of hf_model_dir("qwen3"), its tokenizer with
+    MARKUP and SPECIAL_MARKUP, TOOLS_TEMPLATE its chat template and a
+    context of CONTEXT (room for the tools' text: the test tokenizer spends
+    many tokens on it)."""
     def build(folder: Path) -> None:
-        shutil.copytree(source, folder, dirs_exist_ok=True)
-        (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-        # Room for the tools' text (the test tokenizer spends many tokens on it).
-        config = json.loads((folder / "config.json").read_text())
-        config["max_position_embeddings"] = CONTEXT
-        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer = _train_tokenizer()
+        tokenizer.add_tokens(MARKUP)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *SPECIAL_MARKUP]})
+        tokenizer.chat_template = TOOLS_TEMPLATE
+        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+               (("bos_token_id", "<|endoftext|>"), ("eos_token_id", "<|im_end|>"), ("pad_token_id", "<|endoftext|>"))}
+        config = _config("qwen3", len(tokenizer), ids)
+        config.max_position_embeddings = CONTEXT
+        torch.manual_seed(SEED)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model.generation_config = transformers.GenerationConfig(**ids)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
 
-    key = hashlib.sha256(f"{TOOLS_TEMPLATE}\0{source.parent.name}\0{CONTEXT}".encode()).hexdigest()[:20]
+    key = _source_key("qwen3-tools", TOOLS_TEMPLATE, json.dumps([MARKUP, SPECIAL_MARKUP]), str(CONTEXT))
     return _atomic_dir(cache_dir() / "hf" / f"tools-{key}" / "tiny-qwen3-tools", build)
 
 
@@ -77,5 +97,5 @@ def tools_package(device: str = "cpu", max_cache_len: int = CONTEXT) -> Path:
     def build(path: Path) -> None:
         _export.export(tools_model_dir(), path, device=device, max_cache_len=max_cache_len, inductor_configs=FAST)
 
-    return cached_package(f"llm-qwen3-tools-{device}", ("qwen3-tools", device, str(max_cache_len), TOOLS_TEMPLATE),
-                          build)
+    return cached_package(f"llm-qwen3-tools-{device}", ("qwen3-tools", device, str(max_cache_len), TOOLS_TEMPLATE,
+                                                        json.dumps([MARKUP, SPECIAL_MARKUP])), build)

@@ -5,7 +5,8 @@ methods, weights once, a static KV cache per session, the tokenizer and
 generation config inside); ``LLM`` loads it, and its chat sessions generate,
 remembering the tokens in their cache between turns. ``RemoteLLM`` runs the
 same in a process of its own (what ``aoti-sessions serve`` does), keeping the
-tokenizer and proxies here.
+tokenizer and proxies here. A reply's text is read in pieces (its answer,
+``Reasoning``, ``ToolCall``) by its model's ``ReplyFormat`` (``llm.reply_format``).
 
 >>> from aoti_sessions.llm import LLM, export
 >>> export("path/to/hf-model", "model.pt2")
@@ -21,9 +22,12 @@ from ._generation import Completion, Generation
 from ._grammar import Constraint
 from ._llm import LLM, ChatSession, ContextLengthError, Prompt
 from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteGeneration, RemoteLLM, RemoteSession
+from ._reasoning import Reasoning
+from ._replies import Reply, ReplyFormat, ReplyStream, ToolCallStream, parse_tool_calls, tool_call_constraint
 from ._sampling import SamplingParams
-from ._tools import ToolCall, ToolCallStream, parse_tool_calls, tool_call_constraint
+from ._tools import ToolCall
 
 __all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "Constraint",
            "ContextLengthError", "ToolCall", "ToolCallStream", "parse_tool_calls", "tool_call_constraint",
+           "Reasoning", "Reply", "ReplyFormat", "ReplyStream",
            "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]

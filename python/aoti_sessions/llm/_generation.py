@@ -167,7 +167,7 @@ class Generation(Pieces):
         # A constraint's grammar is compiled (or copied) first: one the vocabulary cannot spell changes nothing.
         self._guide = llm._grammars.guide(params.constraint) if params.constraint is not None else None
         self._guided: tuple[int, str | ValueError] | None = None  # (token, what the guide said of it), not handed out
-        super().__init__(TextStream(llm.tokenizer, params.stop))
+        super().__init__(TextStream(llm.tokenizer, params.stop, params.keep_special_tokens))
         self._session = session
         self.params = params
         self.prompt_tokens = len(prompt)
@@ -189,7 +189,7 @@ class Generation(Pieces):
         self._fed_ahead = False
         self._sampler = Sampler(params, llm.generation_config, llm.device)
         # Stop strings end the reply in the step loop: its text is made there too (else only where it is read).
-        self._stops = TextStream(llm.tokenizer, params.stop) if params.stop else None
+        self._stops = TextStream(llm.tokenizer, params.stop, params.keep_special_tokens) if params.stop else None
         self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else llm.eos_token_ids)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -212,7 +212,7 @@ class Generation(Pieces):
         if self._flushed:  # a reader took every piece: its text is the whole
             assert self._reading is not None
             return self._reading.text
-        return decoded(self._session.llm.tokenizer, self.token_ids, final=self.finished)
+        return decoded(self._session.llm.tokenizer, self.token_ids, self.finished, self.params.keep_special_tokens)
 
     @property
     def completion_tokens(self) -> int:

@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["Constraint", "Grammars", "Guide", "Masks"]
 
-KINDS = ("json_schema", "json_object", "regex", "lark")
+KINDS = ("json_schema", "json_object", "regex", "lark", "llguidance")
 MAX_CONSTRAINT_CHARS = 100_000  # a schema, pattern or grammar's text at most
 GRAMMARS_CACHED = 128  # compiled grammars an LLM keeps (least recently used dropped)
 
@@ -42,13 +42,15 @@ def _llguidance() -> Any:
 @dataclass(frozen=True)
 class Constraint:
     """What a generation's text must match. Made with :meth:`json_schema`,
-    :meth:`json_object`, :meth:`regex` or :meth:`lark`; checked when made
+    :meth:`json_object`, :meth:`regex`, :meth:`lark` (or :meth:`after`,
+    a grammar followed by another); checked when made
     (a ValueError names what is wrong). A JSON constraint's text has no
     whitespace between its tokens (``{"a":1}``), so a model cannot spend
     its tokens on blanks."""
 
     kind: str
-    value: str = ""  # the schema as JSON text, the pattern or the grammar ("" for json_object)
+    # The schema as JSON text, the pattern or the grammar ("" for json_object; llguidance's own grammar as JSON).
+    value: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -57,7 +59,7 @@ class Constraint:
             raise TypeError(f"a constraint's value must be a str, got {type(self.value).__name__}")
         if len(self.value) > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"{self.kind}: at most {MAX_CONSTRAINT_CHARS} characters, got {len(self.value)}")
-        if self.kind in ("regex", "lark") and not self.value:
+        if self.kind in ("regex", "lark", "llguidance") and not self.value:
             raise ValueError(f"{self.kind}: empty")
         error = _llguidance().LLMatcher.validate_grammar(self.grammar())
         if error:
@@ -90,8 +92,23 @@ class Constraint:
         """Text of a Lark grammar (llguidance's dialect: ``start: ...``; ``%json {...}`` embeds a schema)."""
         return Constraint("lark", grammar)
 
+    @staticmethod
+    def after(lark: str, body: Constraint) -> Constraint:
+        """Text of the Lark grammar ``lark``, where ``@body`` stands for text
+        ``body`` holds (how a reply may reason before what a constraint
+        holds: llm/_reasoning.py)."""
+        inner = body.grammar()
+        entry: dict[str, Any]
+        try:
+            entry = dict(json.loads(inner)["grammars"][0])
+        except (ValueError, KeyError, TypeError, IndexError):
+            entry = {"lark_grammar": inner}  # (a Lark grammar's text)
+        return Constraint("llguidance", json.dumps({"grammars": [{"lark_grammar": lark}, {**entry, "name": "body"}]}))
+
     def grammar(self) -> str:
         """llguidance's grammar text for this constraint."""
+        if self.kind == "llguidance":
+            return self.value
         matcher = _llguidance().LLMatcher
         compact = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
         if self.kind == "json_schema":

@@ -96,6 +96,9 @@ class LLM(Prompts, Closable):
     the whole history is fed again. An offloaded session loses its
     checkpoints.
 
+    ``chat_template``, ``tool_parser``, ``reasoning_parser``: how chat
+    prompts are made and replies read (:class:`Prompts`).
+
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``,
     ``trust_op_modules``, ...).
@@ -105,7 +108,8 @@ class LLM(Prompts, Closable):
     """
 
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
-                 threads: int | None = None, rewind_checkpoints: int = 1, **engine_options: Any) -> None:
+                 threads: int | None = None, rewind_checkpoints: int = 1, *, chat_template: str | None = None,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None, **engine_options: Any) -> None:
         if isinstance(rewind_checkpoints, bool) or not isinstance(rewind_checkpoints, int) or rewind_checkpoints < 0:
             raise ValueError(f"rewind_checkpoints must be an int >= 0, got {rewind_checkpoints!r}")
         self.rewind_checkpoints = rewind_checkpoints
@@ -120,7 +124,8 @@ class LLM(Prompts, Closable):
             log.warning("LLM on the CPU: torch runs the model's kernels on all %d CPUs, and a kernel waits for its "
                         "slowest thread: other work here (another process, this program's threads) can stall every "
                         "step many times over. LLM(..., threads=%d) leaves one CPU free.", cpus, cpus - 1)
-        super().__init__(package)
+        super().__init__(package, chat_template=chat_template, tool_parser=tool_parser,
+                         reasoning_parser=reasoning_parser)
         self.engine = Engine(package, device=device, **engine_options)
         missing = [m for m in ("prefill", "decode") if m not in self.engine.methods]
         if missing or self.engine.pool is None:

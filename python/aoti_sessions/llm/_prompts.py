@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from ._encode import PieceEncoder
+from ._replies import ReplyFormat
 from ._spec import read_llm_package
-from ._tools import tool_format
 
 __all__ = ["Prompts", "Prompt", "ChatPrompt", "Spelling", "ContextLengthError"]
 
@@ -67,14 +67,41 @@ def _check_unicode(text: str, what: str) -> None:
             raise ValueError(f"{what} is not valid Unicode text: a lone surrogate at character {e.start}") from None
 
 
-class Prompts:
-    """A package's tokenizer, generation config and limits."""
+# What apply_chat_template itself takes: not a template's variable (chat_template_kwargs).
+TEMPLATE_CALL_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                 "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                                 "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                                 "tokenizer_kwargs"})
 
-    def __init__(self, package: str | os.PathLike[str]) -> None:
+
+class Prompts:
+    """A package's tokenizer, generation config and limits, and how its
+    chat prompts are made and its replies read.
+
+    ``chat_template``: a Jinja chat template used instead of the package's
+    (checked here: a template that cannot render a user's message is a
+    ValueError). ``tool_parser`` / ``reasoning_parser``: the format of the
+    replies' tool calls and reasoning, by name (``"none"``: not read), else
+    read from the template (llm/_replies.py).
+    """
+
+    def __init__(self, package: str | os.PathLike[str], *, chat_template: str | None = None,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         read = read_llm_package(package)
         self.spec = read.spec
         self.generation_config: dict[str, Any] = dict(read.generation_config)
         self.tokenizer = read.load_tokenizer()
+        # What another process's Prompts of this package is given to make prompts and read replies the same.
+        self.prompt_options: dict[str, Any] = {k: v for k, v in (
+            ("chat_template", chat_template), ("tool_parser", tool_parser),
+            ("reasoning_parser", reasoning_parser)) if v is not None}
+        if chat_template is not None:
+            self._use_template(chat_template)
+        added = self.tokenizer.added_tokens_decoder
+        self.reply_format = ReplyFormat(getattr(self.tokenizer, "chat_template", None),
+                                        {t.content: int(i) for i, t in added.items()},
+                                        [t.content for t in added.values() if t.special], tool_parser,
+                                        reasoning_parser)
         # Encodes a turn's new messages only (_encode.py), where that gives the same ids.
         self._pieces = PieceEncoder(self.tokenizer)
         # The most characters one token stands for (its vocabulary's longest
@@ -105,19 +132,32 @@ class Prompts:
         the assistant's reply."""
         return self.chat_prompt(messages).ids
 
+    def _use_template(self, template: str) -> None:
+        if not isinstance(template, str) or not template.strip():
+            raise ValueError("chat_template must be a Jinja template's text")
+        try:
+            self.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], chat_template=template,
+                                               tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2's syntax and template errors
+            raise ValueError(f"chat_template: cannot render a user's message: {type(e).__name__}: {e}") from None
+        self.tokenizer.chat_template = template
+
     @property
     def tool_format(self) -> str | None:
-        """The tool-call format the model's chat template teaches (``hermes``),
-        or None where it renders no tools this runtime parses (llm/_tools.py)."""
-        return tool_format(getattr(self.tokenizer, "chat_template", None))
+        """The name of the tool-call format of the model's replies (``hermes``,
+        ``llama3_json``, ``mistral``, ``harmony``), or None where its chat
+        template renders no tools this runtime reads (llm/_replies.py)."""
+        tools = self.reply_format.tools
+        return tools.name if tools is not None else None
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> ChatPrompt:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
         """``messages`` through the chat template (with ``tools``, OpenAI's
         function definitions, where given: the model's template renders
-        them): the text, its ids (as :meth:`chat_tokens`) and where its added
-        tokens start. A message's content may be None where it has
-        ``tool_calls``."""
+        them; ``template_kwargs``: more of the template's variables, as
+        ``enable_thinking`` or ``reasoning_effort``): the text, its ids (as
+        :meth:`chat_tokens`) and where its added tokens start. A message's
+        content may be None where it has ``tool_calls``."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
         for i, m in enumerate(messages):
@@ -134,11 +174,18 @@ class Prompts:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.name} has no chat template; send a text prompt instead")
         if tools and self.tool_format is None:
-            raise ValueError(f"the chat template of {self.name} renders no tools in a format this runtime parses "
-                             "(Hermes/Qwen <tool_call>)")
+            raise ValueError(f"the chat template of {self.name} renders no tools in a format this runtime reads "
+                             "(hermes, llama3_json, mistral, harmony)")
+        extra = dict(template_kwargs or {})
+        if not all(isinstance(k, str) for k in extra):
+            raise ValueError("template_kwargs: its keys must be strings")
+        reserved = sorted(TEMPLATE_CALL_ARGS.intersection(extra))
+        if reserved:
+            raise ValueError(f"template_kwargs: {', '.join(reserved)}: the template's caller's own arguments, "
+                             "not its variables")
         try:
             text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                                      add_generation_prompt=True,
+                                                      add_generation_prompt=True, **extra,
                                                       **({"tools": [dict(t) for t in tools]} if tools else {}))
         except Exception as e:  # the template's own refusals (jinja2's TemplateError)
             if type(e).__module__.split(".")[0] != "jinja2":
@@ -167,12 +214,13 @@ class Prompts:
         prepared = self.prepare(prompt)
         return prepared.ids if isinstance(prepared, ChatPrompt) else prepared
 
-    def prepare(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int] | ChatPrompt:
+    def prepare(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,
+                template_kwargs: Mapping[str, Any] | None = None) -> list[int] | ChatPrompt:
         """A prompt made ready for a chat session: chat messages as a
-        :class:`ChatPrompt` (with ``tools`` rendered by the chat template: a
-        session keeps its own ids for the part of its text that it fed:
-        :meth:`_respell`), anything else as token ids; checked as
-        :meth:`prompt_ids` checks them."""
+        :class:`ChatPrompt` (with ``tools`` and ``template_kwargs`` rendered
+        by the chat template: a session keeps its own ids for the part of
+        its text that it fed: :meth:`_respell`), anything else as token ids;
+        checked as :meth:`prompt_ids` checks them."""
         chat = None
         if isinstance(prompt, ChatPrompt):
             chat = prompt
@@ -186,15 +234,15 @@ class Prompts:
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             contents = (m.get("content") for m in prompt if isinstance(m, Mapping))
             self._check_length(sum(len(c) for c in contents if isinstance(c, str)))
-            chat = self.chat_prompt(prompt, tools)  # type: ignore[arg-type]
+            chat = self.chat_prompt(prompt, tools, template_kwargs)  # type: ignore[arg-type]
             ids = chat.ids
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             ids = list(prompt)  # type: ignore[arg-type]
             self._check_ids(ids)
         else:
             raise TypeError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
-        if tools and chat is None:
-            raise ValueError("tools go with chat messages, not a text prompt or token ids")
+        if (tools or template_kwargs) and chat is None:
+            raise ValueError("tools go with chat messages, not a text prompt or token ids; so do template_kwargs")
         if not ids:
             raise ValueError("the prompt is empty")
         self._check_tokens(len(ids))

@@ -102,15 +102,19 @@ class RemoteLLM(Prompts, Closable):
     ``text_here``: the engine process sends its generations' token ids and
     this process makes their text (default False: the engine makes it, one
     front end being the server's bound; several front ends attach with it on,
-    taking that work off the step loop's thread).
+    taking that work off the step loop's thread). ``chat_template``,
+    ``tool_parser``, ``reasoning_parser``: :class:`Prompts`' (this process
+    makes the prompts and reads the replies).
     """
 
     _shared: str | None  # the folder of the engine's socket, once shared
 
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
                  threads: int | None = None, *, engine_timeout: float = ENGINE_TIMEOUT_S,
-                 step_timeout: float = STEP_TIMEOUT_S, text_here: bool = False, **engine_options: Any) -> None:
-        self._begin(package, engine_timeout, step_timeout, text_here)
+                 step_timeout: float = STEP_TIMEOUT_S, text_here: bool = False, chat_template: str | None = None,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None, **engine_options: Any) -> None:
+        self._begin(package, engine_timeout, step_timeout, text_here, dict(
+            chat_template=chat_template, tool_parser=tool_parser, reasoning_parser=reasoning_parser))
         # A new interpreter (no fork of a process with threads or CUDA, and
         # unlike multiprocessing's spawn, no import of the caller's script):
         # its end of a socket pair is its pipe, read for its arguments first.
@@ -126,15 +130,16 @@ class RemoteLLM(Prompts, Closable):
     @classmethod
     def attach(cls, package: str | os.PathLike[str], address: EngineAddress, *,
                engine_timeout: float = ENGINE_TIMEOUT_S, step_timeout: float = STEP_TIMEOUT_S,
-               text_here: bool = True) -> RemoteLLM:
+               text_here: bool = True, **prompt_options: Any) -> RemoteLLM:
         """This process's connection to the engine process another RemoteLLM
         of ``package`` started and shared (:meth:`share`): its sessions are
         the same, by id (:meth:`session_of`); its generations are this
         connection's. :meth:`close` detaches (the engine goes on); the engine
         ending (its first RemoteLLM closed, or it died) ends this one's calls
-        with SessionClosedError or EngineProcessError."""
+        with SessionClosedError or EngineProcessError. ``prompt_options``:
+        :class:`Prompts`' (the other RemoteLLM's ``prompt_options``)."""
         self = cls.__new__(cls)
-        self._begin(package, engine_timeout, step_timeout, text_here)
+        self._begin(package, engine_timeout, step_timeout, text_here, prompt_options)
         self._process = None
         try:
             self._conn = Client(address.path, "AF_UNIX", authkey=address.authkey)
@@ -159,11 +164,11 @@ class RemoteLLM(Prompts, Closable):
         return self._session(sid, tokens)
 
     def _begin(self, package: str | os.PathLike[str], engine_timeout: float, step_timeout: float,
-               text_here: bool) -> None:
+               text_here: bool, prompt_options: dict[str, Any]) -> None:
         for name, value in (("engine_timeout", engine_timeout), ("step_timeout", step_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-        Prompts.__init__(self, package)
+        Prompts.__init__(self, package, **prompt_options)
         self.package = os.fspath(package)  # (what attach() takes)
         self.text_here = bool(text_here)
         self.engine_timeout, self.step_timeout = float(engine_timeout), float(step_timeout)
@@ -504,7 +509,7 @@ class RemoteGeneration(Pieces):
 
     def __init__(self, session: RemoteSession, started: Started) -> None:
         llm = session._llm  # its events: token ids whose text is made here (text_here), else text
-        super().__init__(TextStream(llm.tokenizer, started.stop) if llm.text_here else None)
+        super().__init__(TextStream(llm.tokenizer, started.stop, started.keep) if llm.text_here else None)
         self._session = session
         self.id = started.generation
         self.submitted = started.submitted

@@ -62,6 +62,7 @@ class Started(NamedTuple):
     prompt_tokens: int
     cached_tokens: int
     stop: tuple[str, ...]  # its stop strings (for a connection that makes the text of its token ids)
+    keep: tuple[int, ...] = ()  # the special tokens its text keeps (likewise)
 
 
 class EngineAddress(NamedTuple):
@@ -410,7 +411,7 @@ class _Engine:
             g.close()
             return
         peer.put(("reply", cid, True, Started(gid, sid, g.submitted, g.prompt_tokens, g.cached_tokens,
-                                              tuple(g.params.stop))))
+                                              tuple(g.params.stop), tuple(g.params.keep_special_tokens))))
 
         def sink(event: TokenEvent) -> None:  # on the step loop's thread
             finals = None

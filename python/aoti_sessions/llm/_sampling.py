@@ -73,6 +73,9 @@ class SamplingParams:
     ``constraint``: a grammar the text must match (:class:`Constraint`: a
     JSON schema, any JSON object, a regex, a Lark grammar); the reply ends
     where the grammar is complete, whatever ``ignore_eos`` says.
+    ``keep_special_tokens``: ids of special tokens the text keeps (a
+    tool-call or reasoning format's markup, as ``[TOOL_CALLS]``); it
+    leaves out the others.
     """
 
     max_tokens: int | None = None
@@ -84,6 +87,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     constraint: Constraint | None = None
+    keep_special_tokens: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -112,6 +116,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        keep = tuple(self.keep_special_tokens)
+        for t in keep:
+            _number("keep_special_tokens[]", t, 0, 1 << 31, integer=True)
+        object.__setattr__(self, "keep_special_tokens", keep)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise TypeError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
 

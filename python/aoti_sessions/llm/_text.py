@@ -3,7 +3,8 @@ and where a stop string ends the text."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Collection, Sequence
 from typing import Any
 
 # How many tokens before the newest ones are decoded again with them, so a
@@ -14,12 +15,17 @@ _CONTEXT_TOKENS = 6
 class TextStream:
     """Decodes a growing list of token ids. ``push`` returns the text that is
     final: not the tail of a multi-byte character still being spelled, not a
-    prefix of a stop string that the next tokens may complete."""
+    prefix of a stop string that the next tokens may complete. Special
+    tokens are left out of the text, but for those in ``keep`` (a tool-call
+    or reasoning format's markup: llm/_replies.py)."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str], keep: Collection[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._backend = _backend(tokenizer)
         self._stop = tuple(stop)
+        # Kept: decoded with every special token, the others left out as they come.
+        self._skip = not keep
+        self._drop = special_ids(tokenizer) - frozenset(keep) if keep else frozenset()
         self._ids: list[int] = []
         self._text = ""       # decoded text of every id so far (complete characters)
         self._decoded = 0     # ids whose text is in _text
@@ -31,7 +37,7 @@ class TextStream:
         if self._backend is not None:  # (tokenizers is there: imported here, so the CLI's demo needs no llm extra)
             from tokenizers.decoders import DecodeStream
 
-            self._stream = DecodeStream(skip_special_tokens=True)
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
         self._streamed = 0    # ids given to it
 
     @property
@@ -41,11 +47,13 @@ class TextStream:
 
     def _decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
-            return str(self._backend.decode(ids, skip_special_tokens=True))
-        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True,
+            return str(self._backend.decode(ids, skip_special_tokens=self._skip))
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=self._skip,
                                           clean_up_tokenization_spaces=False))
 
     def push(self, token: int) -> str:
+        if self._drop and token in self._drop:
+            return ""  # (a special token not kept: left out, as decoding would)
         self._ids.append(token)
         if not self._catch_up(final=False):
             return ""  # a character is still being spelled: wait for the next token
@@ -121,15 +129,15 @@ class TextStream:
         return piece
 
 
-def decoded(tokenizer: Any, ids: Sequence[int], final: bool = True) -> str:
+def decoded(tokenizer: Any, ids: Sequence[int], final: bool = True, keep: Collection[int] = ()) -> str:
     """The text :class:`TextStream` makes of ``ids`` (without stop strings):
     all of it once ``final``, else without an unfinished character at the end.
     All of it from the Rust tokenizer is one call: its text is the
     incremental decoder's (tests/test_llm.py checks the two agree)."""
-    backend = _backend(tokenizer) if final else None
+    backend = _backend(tokenizer) if final and not keep else None
     if backend is not None:
         return str(backend.decode(list(ids), skip_special_tokens=True))
-    stream = TextStream(tokenizer, ())
+    stream = TextStream(tokenizer, (), keep)
     for token in ids:
         stream.push(token)
     return stream.text + (stream.flush() if final else "")
@@ -147,3 +155,17 @@ def _backend(tokenizer: Any) -> Any:
     if isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._decode is TokenizersBackend._decode:
         return tokenizer._tokenizer
     return None
+
+
+_special: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokens decoding leaves out with ``skip_special_tokens``
+    (the special ones among the added tokens, and the named special tokens)."""
+    ids = _special.get(tokenizer)
+    if ids is None:
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        ids = _special[tokenizer] = frozenset(int(i) for i, t in added.items() if getattr(t, "special", False)) \
+            | frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()))
+    return ids

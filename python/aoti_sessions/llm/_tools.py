@@ -1,36 +1,34 @@
-"""Tool calls: the tools a request offers go to the model's own chat
-template (``Prompts.chat_prompt(messages, tools=...)``); the calls in its
-reply are parsed out of the text in the format its template teaches it
-(:func:`tool_format`), as the reply streams or at its end; and
-:func:`tool_call_constraint` holds a reply to calls of the offered tools (a
-grammar: ``tool_choice`` "required" or a named function), so that even a
-random-weight model's reply is a call whose arguments fit their schema.
+"""Tool calls: what a tool-call format is (:class:`ToolFormat`, one small
+class per model family's format, in _tool_formats.py and _harmony.py) and
+the helpers the formats share. (_replies.py splits a reply's text with
+one: ``ToolCallStream``.)
 
-Formats: ``hermes`` (Qwen2.5 / Qwen3, Hermes, and the templates that copy
-them): each call is ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+A format reads the calls in a reply's text, as it streams or whole (its
+:meth:`ToolFormat.scanner`), and writes the grammar that holds a reply to
+calls of the offered tools (:meth:`ToolFormat.calls_grammar`: ``tool_choice``
+"required" or a named function), so that even a random-weight model's reply
+is calls whose arguments fit their schemas. Its markup (``<tool_call>``,
+``[TOOL_CALLS]``...) is written in a grammar as the tokenizer's own token
+where it has one (:meth:`ToolFormat.marker`: a model emits the token, never
+its spelling), and where that token is special, the reply's text keeps it
+(:attr:`ToolFormat.markers`; the text leaves special tokens out otherwise).
+Which format a model's replies use is chosen by name or read from its chat
+template: _replies.py.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, ClassVar, Protocol, Union
 
-from ._grammar import Constraint
+__all__ = ["ToolCall", "ToolFormat", "Scanner", "Piece", "call_of", "decode_json", "partial_end", "NAME"]
 
-__all__ = ["ToolCall", "ToolCallStream", "parse_tool_calls", "tool_call_constraint", "tool_format", "HERMES"]
-
-HERMES = "hermes"
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-
-
-def tool_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template teaches, or None (it renders no
-    tools this module can parse)."""
-    if chat_template and _OPEN in chat_template and "tools" in chat_template:
-        return HERMES
-    return None
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name as a reply writes it
+_JSON = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -44,98 +42,112 @@ class ToolCall:
 Piece = Union[str, ToolCall]
 
 
-class ToolCallStream:
-    """A reply's text as it streams, split into text and calls: :meth:`push`
-    each piece, then :meth:`finish`. Text that may begin a call is held
-    until it does or cannot; a call's block is held until it closes. A block
-    that is not a call (its JSON is not ``{"name": str, "arguments": {...}}``)
-    or never closes is text, as written."""
+class Scanner(Protocol):
+    """A format's reader of one reply. :meth:`scan` takes the reply's text
+    not consumed yet and whether it is the whole rest (``final``), and
+    returns the pieces found and how many characters they consumed; the rest
+    comes again, with more, at the next call. It decides only on what it was
+    given, so any split of a reply gives the same pieces as the whole."""
 
-    def __init__(self) -> None:
-        self._held = ""
-        self._in_call = False
-        self.calls = 0
-
-    def push(self, piece: str) -> list[Piece]:
-        self._held += piece
-        out: list[Piece] = []
-        while True:
-            if self._in_call:
-                end = self._held.find(_CLOSE)
-                if end < 0:
-                    return out
-                block, self._held = self._held[:end + len(_CLOSE)], self._held[end + len(_CLOSE):]
-                self._in_call = False
-                call = _call_of(block[len(_OPEN):-len(_CLOSE)])
-                if call is not None:
-                    self.calls += 1
-                out.append(call if call is not None else block)
-                continue
-            start = self._held.find(_OPEN)
-            if start >= 0:
-                if start:
-                    out.append(self._held[:start])
-                self._held, self._in_call = self._held[start:], True
-                continue
-            keep = _partial_open(self._held)
-            text, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
-            if text:
-                out.append(text)
-            return out
-
-    def finish(self) -> list[Piece]:
-        """What is still held, as text."""
-        held, self._held, self._in_call = self._held, "", False
-        return [held] if held else []
+    def scan(self, text: str, final: bool) -> tuple[list[Piece], int]: ...
 
 
-def _partial_open(text: str) -> int:
-    """The length of the longest end of ``text`` that begins ``<tool_call>``."""
-    for n in range(min(len(_OPEN) - 1, len(text)), 0, -1):
-        if _OPEN.startswith(text[-n:]):
-            return n
-    return 0
+class ToolFormat:
+    """A family's tool-call format. ``template``: the chat template (a form
+    of the format may depend on it); ``tokens``: the tokenizer's added
+    tokens, text -> id (its markup's tokens, for the grammar)."""
+
+    name: ClassVar[str]
+    # Its markup, where a tokenizer holds it as special tokens: kept in the reply's text.
+    markers: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, template: str = "", tokens: Mapping[str, int] | None = None) -> None:
+        self.template = template
+        self.tokens = dict(tokens or {})
+
+    @classmethod
+    def detect(cls, template: str) -> bool:
+        """Whether ``template`` renders tools in this format."""
+        return False
+
+    def scanner(self) -> Scanner:
+        """A reader of one reply."""
+        raise NotImplementedError
+
+    def calls_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) of a reply that is calls of
+        ``tools`` (OpenAI's function definitions) and nothing else: one
+        call, or (``parallel``) one or more."""
+        raise NotImplementedError
+
+    def call_id(self) -> str:
+        """A new call's id, as the family's template takes it back."""
+        return "call_" + secrets.token_hex(12)
+
+    def marker(self, text: str) -> str:
+        """``text`` in a grammar: its token where the tokenizer has it as one, else the string."""
+        token = self.tokens.get(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
-def _call_of(body: str) -> ToolCall | None:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+def function_schemas(tools: Sequence[Mapping[str, Any]], arguments: str = "arguments") -> list[dict[str, Any]]:
+    """Each tool's call as a JSON object ``{"name": ..., arguments: {...}}``
+    and its schema (the function's ``parameters`` under ``arguments``)."""
+    schemas = []
+    for tool in tools:
+        function = tool["function"]
+        schemas.append({"type": "object", "properties": {"name": {"const": function["name"]},
+                                                         arguments: parameters(function)},
+                        "required": ["name", arguments], "additionalProperties": False})
+    if not schemas:
+        raise ValueError("no tools to call")
+    return schemas
+
+
+def parameters(function: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(function.get("parameters") or {"type": "object"})
+
+
+def json_rule(schema: Mapping[str, Any]) -> str:
+    """A Lark rule's body of JSON valid against ``schema``, written as the
+    families' templates write calls (``{"a": 1, "b": 2}``)."""
+    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return f"%json {json.dumps({**schema, 'x-guidance': compact})}"
+
+
+def any_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def call_of(value: Any) -> ToolCall | None:
+    """A call of a decoded JSON object ``{"name": str, "arguments": {...}}``
+    (or ``"parameters"``, as Llama writes it; arguments as JSON text of an
+    object are taken too), else None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not NAME.fullmatch(value["name"]):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
     if not isinstance(arguments, dict):
         return None
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """A whole reply's text outside its calls, and its calls."""
-    stream = ToolCallStream()
-    pieces = [*stream.push(text), *stream.finish()]
-    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ToolCall)]
+def decode_json(text: str, at: int) -> tuple[Any, int] | None:
+    """The JSON value starting at ``text[at]`` and where it ends, or None
+    (not JSON, or not whole yet)."""
+    try:
+        return _JSON.raw_decode(text, at)
+    except json.JSONDecodeError:
+        return None
 
 
-def tool_call_constraint(tools: Sequence[Mapping[str, Any]], name: str | None = None,
-                         parallel: bool = True) -> Constraint:
-    """A reply that is calls of ``tools`` (OpenAI's ``{"type": "function",
-    "function": {"name", "parameters"}}``) and nothing else: of the one
-    called ``name`` if given, one call or (``parallel``) one or more, each
-    call's arguments valid against its function's ``parameters``."""
-    schemas = []
-    for tool in tools:
-        function = tool["function"]
-        if name is not None and function["name"] != name:
-            continue
-        parameters = function.get("parameters") or {"type": "object"}
-        schemas.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-                        "required": ["name", "arguments"], "additionalProperties": False})
-    if not schemas:
-        raise ValueError(f"no tool named {name!r}" if name is not None else "no tools to call")
-    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    grammar = (f'start: {calls}\ncall: "{_OPEN}\\n" body "\\n{_CLOSE}"\n'
-               f"body: %json {json.dumps(schema)}")
-    return Constraint.lark(grammar)
+def partial_end(text: str, *markers: str) -> int:
+    """The length of the longest end of ``text`` that begins one of ``markers``."""
+    for n in range(min(max(len(m) for m in markers) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-n:]) for m in markers):
+            return n
+    return 0

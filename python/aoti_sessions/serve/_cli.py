@@ -147,10 +147,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompt's end; default 1)")
     parser.add_argument("--trust-op-modules", type=trusted_modules, default=False, metavar="MODULES",
                         help=TRUST_HELP)
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="a Jinja chat template used instead of the package's (checked at start)")
+    parser.add_argument("--tool-call-parser", metavar="NAME",
+                        help="the format of the model's tool calls: hermes (Qwen, Hermes), llama3_json, mistral, "
+                             "harmony (GPT-OSS), or none (default: read from the chat template)")
+    parser.add_argument("--reasoning-parser", metavar="NAME",
+                        help="the format of the model's reasoning, returned as reasoning_content: think (<think>, "
+                             "as Qwen3 and DeepSeek-R1; also named qwen3, deepseek_r1), harmony (GPT-OSS's analysis "
+                             "channel), or none (default: read from the chat template)")
     parser.add_argument("--threads", type=_positive,
                         help="threads for the model's CPU kernels (torch.set_num_threads); default on a CPU "
                              "device: one fewer than the CPUs this process may use (at least 1), leaving one to "
                              "the server's own work; on CUDA: torch's default")
+
+
+def prompt_options(args: argparse.Namespace) -> dict[str, Any]:
+    """How prompts are made and replies read (the LLM's ``chat_template``,
+    ``tool_parser``, ``reasoning_parser``), from the command line."""
+    options: dict[str, Any] = {"tool_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser}
+    if args.chat_template is not None:
+        options["chat_template"] = Path(args.chat_template).read_text()
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def describe_limits(args: argparse.Namespace, memory_budget: int | None, host_budget: int) -> str:
@@ -210,6 +228,11 @@ def run(args: argparse.Namespace) -> int:
                                         ("trust_op_modules", args.trust_op_modules)) if v is not None}
     if args.engine_process:
         engine_options.update(engine_timeout=args.engine_timeout, step_timeout=args.step_timeout)
+    try:
+        engine_options.update(prompt_options(args))
+    except OSError as e:
+        print(f"aoti-sessions serve: --chat-template: {e}", file=sys.stderr)
+        return 2
     # The model's kernels and the server's event loop share the CPUs: a
     # parallel kernel waits for its slowest thread, so one the loop preempts
     # stalls every step.
@@ -223,8 +246,12 @@ def run(args: argparse.Namespace) -> int:
         print("aoti-sessions serve: --api-workers above 1 needs the engine process (not --no-engine-process)",
               file=sys.stderr)
         return 2
-    llm = open_llm(args.package, device=args.device, threads=threads, engine_process=args.engine_process,
-                   engine_options=engine_options)
+    try:
+        llm = open_llm(args.package, device=args.device, threads=threads, engine_process=args.engine_process,
+                       engine_options=engine_options)
+    except ValueError as e:  # a chat template or parser refused (before anything starts)
+        print(f"aoti-sessions serve: {e}", file=sys.stderr)
+        return 2
     kernels = f", {threads} CPU thread{'s' if threads != 1 else ''} for its kernels" if threads is not None else ""
     print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
     print(f"aoti-sessions serve: limits: {describe_limits(args, memory_budget, host_budget)}", file=sys.stderr,

@@ -76,6 +76,7 @@ class FrontEnd:
     server_options: dict[str, Any]
     engine_timeout: float
     step_timeout: float
+    prompt_options: dict[str, Any]  # the engine's RemoteLLM's: its chat template and reply formats
 
 
 class Hub:
@@ -249,7 +250,7 @@ def serve(llm: RemoteLLM, package: str, workers: int, *, host: str, port: int, a
     try:
         guard = _port_guard(sock.getsockname()[1])
         front = FrontEnd(package, llm.share(), os.path.join(folder, "hub.sock"), (host, sock.getsockname()[1]),
-                         app_options, server_options, llm.engine_timeout, llm.step_timeout)
+                         app_options, server_options, llm.engine_timeout, llm.step_timeout, llm.prompt_options)
         with guard:
             asyncio.run(_run(llm, front, workers, sock, registry))
     finally:
@@ -359,7 +360,7 @@ def front_end_main() -> int:
     # kernel hands this front end no connection before it can serve one.
     sock = port_socket(*front.address, listen=False)
     llm = RemoteLLM.attach(front.package, front.engine, engine_timeout=front.engine_timeout,
-                           step_timeout=front.step_timeout)
+                           step_timeout=front.step_timeout, **front.prompt_options)
     try:
         servers: list[uvicorn.Server] = []
 

@@ -8,6 +8,7 @@ chunks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -23,7 +24,7 @@ from ._sessions import Entry
 from ._threads import in_thread
 
 if TYPE_CHECKING:
-    from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM, ToolCall, ToolCallStream
+    from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM, ReplyStream, ToolCall
     from ..llm._prompts import ChatPrompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -48,16 +49,16 @@ class Job:
         self.generation: Generation | RemoteGeneration | None = None
         self.cancelled = False
         self._counted = False
+        self._tools = request.tools_offered() if isinstance(request, ChatRequest) else None
+        self._holds_calls = False  # the constraint holds the reply to tool calls (tool_choice)
         # Checked before any session is touched: a bad request changes nothing.
         self.params = self._params()
         self.prompt: list[int] | ChatPrompt = []  # token ids (chat: with the text), from tokenize()
         self._piece_frame: tuple[bytes, bytes] | None = None  # piece_chunk's bytes around the text
-        # The reply's tool calls, parsed from its text where tools were offered (llm/_tools.py).
-        self.calls: ToolCallStream | None = None
-        if isinstance(request, ChatRequest) and request.tools_offered():
-            from ..llm import ToolCallStream
-
-            self.calls = ToolCallStream()
+        # The reply read in pieces (its reasoning, its tool calls) where the model's reply format reads any
+        # (llm/_replies.py), from tokenize(); ``calls`` given out so far.
+        self.reply: ReplyStream | None = None
+        self._calls_out = 0
 
     # -- start -----------------------------------------------------------
     def _params(self) -> Any:
@@ -77,6 +78,7 @@ class Job:
                 options[name] = getattr(r, name)
         if isinstance(r, ChatRequest):
             options["constraint"] = self._constraint(r)
+            options["keep_special_tokens"] = self.llm.reply_format.keep(self._tools is not None)
         try:
             return SamplingParams(**options)
         except ParamError as e:  # the runtime's own bounds (seed, top_k, stop)
@@ -84,20 +86,24 @@ class Job:
 
     def _constraint(self, r: ChatRequest) -> Any:
         """What the reply is held to: response_format's schema, or calls of the
-        tools where tool_choice asks for one (not both); None for neither."""
-        if r.tools_offered() and self.llm.tool_format is None:
-            raise APIError(400, f"the chat template of {self.model} renders no tools in a format this server parses "
-                                "(Hermes/Qwen <tool_call>)", "invalid_value", "tools")
+        tools where tool_choice asks for one (not both); None for neither.
+        (Where the model reasons, it holds what follows the reasoning: tokenize().)"""
+        formats = self.llm.reply_format
+        if self._tools and formats.tools is None:
+            raise APIError(400, f"the chat template of {self.model} renders no tools in a format this server reads "
+                                "(hermes, llama3_json, mistral, harmony)", "invalid_value", "tools")
         field = "response_format"
         try:
             constraint = r.response_format.constraint() if r.response_format is not None else None
             field = "tools"
-            calls = r.call_constraint()
+            called = r.called()
+            calls = formats.tool_constraint(self._tools, *called) if called is not None and self._tools else None
         except ValueError as e:  # a schema the grammar engine refuses
             raise APIError(400, f"{field}: {e}", "invalid_value", field) from e
         if constraint is not None and calls is not None:
             raise APIError(400, "response_format and a tool_choice that asks for a call cannot both hold the reply",
                            "invalid_value", "tool_choice")
+        self._holds_calls = calls is not None
         return constraint if constraint is not None else calls
 
     async def tokenize(self) -> None:
@@ -109,12 +115,23 @@ class Job:
 
         r = self.request
         prompt: Any = [m.as_dict() for m in r.messages] if isinstance(r, ChatRequest) else r.the_prompt()
-        tools = r.tools_offered() if isinstance(r, ChatRequest) else None
+        kwargs = r.template_kwargs() if isinstance(r, ChatRequest) else None
         try:
-            self.prompt = await in_thread(lambda: self.llm.prepare(prompt, tools))
+            self.prompt = await in_thread(lambda: self.llm.prepare(prompt, self._tools, kwargs))
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
             raise APIError(400, str(e), code, "messages" if self.chat else "prompt") from e
+        formats = self.llm.reply_format
+        if isinstance(r, ChatRequest) and formats.reads(self._tools is not None):
+            text = getattr(self.prompt, "text", "")
+            self.reply = formats.stream(text, tools=self._tools is not None)
+            try:
+                held = formats.after_reasoning(self.params.constraint, text, calls=self._holds_calls)
+            except ValueError as e:
+                field = "tools" if self._holds_calls else "response_format"
+                raise APIError(400, f"{field}: {e}", "invalid_value", field) from e
+            if held is not self.params.constraint:
+                self.params = dataclasses.replace(self.params, constraint=held)
 
     async def start(self, entry: Entry) -> None:
         """Starts the generation on ``entry``'s session, held by this request."""
@@ -212,18 +229,23 @@ class Job:
         """The generation's, or "tool_calls" where it stopped after calling tools."""
         g = self.generation
         assert g is not None
-        return "tool_calls" if g.finish_reason == "stop" and self.calls is not None and self.calls.calls else \
+        return "tool_calls" if g.finish_reason == "stop" and self.reply is not None and self.reply.calls else \
             g.finish_reason
 
     def response(self, text: str) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.calls is not None:
-                pieces = [*self.calls.push(text), *self.calls.finish()]
+            if self.reply is not None:
+                from ..llm import Reasoning
+
+                pieces = [*self.reply.push(text), *self.reply.finish()]
                 content = "".join(p for p in pieces if isinstance(p, str))
-                calls = [self._call(p) for p in pieces if not isinstance(p, str)]
+                calls = [self._call(p) for p in pieces if not isinstance(p, (str, Reasoning))]
                 message = {"role": "assistant", "content": content if content.strip() or not calls else None}
+                if self.llm.reply_format.reasoning is not None:
+                    thoughts = [p.text for p in pieces if isinstance(p, Reasoning)]
+                    message["reasoning_content"] = "".join(thoughts) if thoughts else None
                 if calls:
                     message["tool_calls"] = calls
             choice["message"] = message
@@ -234,31 +256,37 @@ class Job:
         body["usage"] = self.usage()
         return body
 
-    @staticmethod
-    def _call(call: ToolCall) -> dict[str, Any]:
-        return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+    def _call(self, call: ToolCall) -> dict[str, Any]:
+        tools = self.llm.reply_format.tools  # (its ids are the kind its template takes back)
+        return {"id": tools.call_id() if tools is not None else "call_" + uuid.uuid4().hex[:24], "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments}}
 
     def stream_chunks(self, piece: str | None) -> list[bytes]:
         """The stream's chunks for a piece of text (None: the end, what is
-        held back): the piece itself, or where tools were offered its text
-        and calls (a call as one ``tool_calls`` delta, once its block closes)."""
-        if self.calls is None:
+        held back): the piece itself, or where the reply is read its text,
+        reasoning (``reasoning_content`` deltas) and calls (a call as one
+        ``tool_calls`` delta, once it is whole)."""
+        if self.reply is None:
             return [self.piece_chunk(piece)] if piece is not None else []
+        from ..llm import Reasoning
+
         out = []
-        index = self.calls.calls
-        for p in self.calls.push(piece) if piece is not None else self.calls.finish():
+        for p in self.reply.push(piece) if piece is not None else self.reply.finish():
             if isinstance(p, str):
                 out.append(self.piece_chunk(p))
-                continue
-            call = {"index": index, **self._call(p)}
-            index += 1
-            body = self._envelope(self._chunk_kind, [{"index": 0, "finish_reason": None, "logprobs": None,
-                                                      "delta": {"tool_calls": [call]}}])
-            if self.request.include_usage():
-                body["usage"] = None
-            out.append(_event(body))
+            elif isinstance(p, Reasoning):
+                out.append(self._delta({"reasoning_content": p.text}))
+            else:
+                out.append(self._delta({"tool_calls": [{"index": self._calls_out, **self._call(p)}]}))
+                self._calls_out += 1
         return out
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        body = self._envelope(self._chunk_kind, [{"index": 0, "finish_reason": None, "logprobs": None,
+                                                  "delta": delta}])
+        if self.request.include_usage():
+            body["usage"] = None
+        return _event(body)
 
     def piece_chunk(self, text: str) -> bytes:
         """``chunk(text)``, from the event's bytes around the text, made once

@@ -11,7 +11,10 @@ or 0, ``presence_penalty`` / ``frequency_penalty``: 0, ``logit_bias``: {},
 is a 400 saying it is not supported. ``response_format`` (chat): text,
 json_object or json_schema, held to by the grammar engine (llm/_grammar.py);
 ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls``
-and ``tool`` messages (llm/_tools.py).
+and ``tool`` messages (llm/_replies.py); ``reasoning_effort``,
+``chat_template_kwargs`` (the chat template's variables, as vLLM takes them)
+and assistant ``reasoning_content`` (given to the template, which may render
+it).
 Extensions: ``top_k``, ``ignore_eos`` and ``session_id``.
 """
 
@@ -59,6 +62,7 @@ class Message(_Strict):
     name: str | None = None  # accepted, not shown to the model
     tool_calls: list[ToolCallMessage] | None = Field(default=None, max_length=128)  # (assistant)
     tool_call_id: str | None = Field(default=None, max_length=256)  # (tool)
+    reasoning_content: str | None = None  # (assistant) its reasoning, as the server gave it
 
     @model_validator(mode="after")
     def _parts(self) -> Message:
@@ -68,6 +72,8 @@ class Message(_Strict):
             raise ValueError("only an assistant message has tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message has a tool_call_id, and only a tool message")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has reasoning_content")
         return self
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,6 +87,8 @@ class Message(_Strict):
                                  for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:  # (Qwen3's template reads reasoning_content; GPT-OSS's, thinking)
+            out["reasoning_content"] = out["thinking"] = self.reasoning_content
         return out
 
 
@@ -200,6 +208,8 @@ class ChatRequest(_Generate):
     tools: list[ToolDef] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     HARMLESS = {**_Generate.HARMLESS, "logprobs": (False, "logprobs=false"), "top_logprobs": (0, "0")}
 
     @model_validator(mode="after")
@@ -227,22 +237,43 @@ class ChatRequest(_Generate):
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
         return choice
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        from ..llm._prompts import TEMPLATE_CALL_ARGS
+
+        reserved = sorted(TEMPLATE_CALL_ARGS.intersection(kwargs or {}))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)}: arguments of the template's call, not its variables")
+        return kwargs
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables: ``chat_template_kwargs``, and
+        ``reasoning_effort`` (which GPT-OSS's template reads; ``"none"`` also
+        turns thinking off where a template reads ``enable_thinking``, as
+        Qwen3's does, unless chat_template_kwargs sets it)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            if self.reasoning_effort == "none":
+                kwargs.setdefault("enable_thinking", False)
+        return kwargs
+
     def tools_offered(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template (none where tool_choice is "none")."""
         if not self.tools or self.tool_choice == "none":
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
-    def call_constraint(self) -> Any:
-        """The llm's Constraint holding the reply to calls where tool_choice
-        asks for one ("required", or a function named), else None."""
-        from ..llm import tool_call_constraint
-
-        choice, tools = self.tool_choice, self.tools_offered()
-        if tools is None or choice in (None, "auto"):
+    def called(self) -> tuple[str | None, bool] | None:
+        """Where tool_choice asks for a call ("required", or a function
+        named): the function's name (None: any) and whether calls may be
+        several; else None."""
+        choice = self.tool_choice
+        if self.tools_offered() is None or choice in (None, "auto"):
             return None
         name = choice.function.name if isinstance(choice, ToolChoice) else None
-        return tool_call_constraint(tools, name, parallel=self.parallel_tool_calls is not False)
+        return name, self.parallel_tool_calls is not False
 
     def limit(self) -> tuple[str, int | None]:
         """The completion length asked for, and the field that asked."""
