@@ -126,11 +126,16 @@ QWEN3 = _QWEN3_TOOLS + _QWEN3_TAIL + """
 
 {% endif %}{% endif %}"""
 
-# DeepSeek-R1 and the thinking-only models: the generation prompt opens <think>, so the reply starts inside it.
+# DeepSeek-R1 and the thinking-only models (Qwen3's Thinking-2507): the generation prompt opens <think>, so
+# the reply starts inside it (here closed instead with enable_thinking=False, as Qwen3's is).
 R1 = _QWEN3_TOOLS + _QWEN3_TAIL + """
 {%- if add_generation_prompt %}<|im_start|>assistant
-<think>
-{% endif %}"""
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
 
 
 def harmony_vocabulary() -> None:
