@@ -5,13 +5,20 @@ it, ``chat_template_kwargs`` / ``reasoning_effort`` given to the template,
 incoming ``reasoning_content`` accepted, and GPT-OSS's harmony format; each
 server the one tools package (tool_models.py) with another family's chat
 template (LLM(chat_template=...)), in this process, in an engine process,
-and as two front ends over one (the template and formats travel to them)."""
+and as two front ends over one (the template and formats travel to them);
+and the command line's ``--chat-template`` and parsers."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +29,7 @@ import pytest
 import chat_templates as templates
 from aoti_sessions.llm import LLM, RemoteLLM
 from aoti_sessions.serve import create_app
-from serving import running, running_front_ends, transport_for
+from serving import running, running_front_ends, transport_for, wait_until
 from test_tools import ADD, PARAMETERS, QUESTION, TOOLS
 from tool_models import tools_package
 
@@ -192,3 +199,49 @@ def test_harmony_calls_reasoning_and_effort(harmony: str) -> None:
         assert response.status_code == 200, response.text
         tokens.append(response.json()["usage"]["prompt_tokens"])
     assert tokens[0] != tokens[1]
+
+
+def test_cli_chat_template_and_parsers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``aoti-sessions serve --chat-template FILE --reasoning-parser NAME``:
+    the reasoning comes back apart; a template that cannot render, a parser
+    unknown, a file missing: exit status 2 at start, saying why. (In one
+    process: the engine process and front ends take the same options, the
+    fixtures above.)"""
+    from aoti_sessions.__main__ import main
+
+    package = tools_package()
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }")
+    for flags, said in ([["--chat-template", str(bad)], "chat_template: cannot render a user's message"],
+                        [["--chat-template", str(tmp_path / "none.jinja")], "--chat-template: [Errno 2]"],
+                        [["--tool-call-parser", "nope"], "tool_parser: unknown format 'nope'"]):
+        with pytest.raises(SystemExit) as stopped:
+            main(["serve", str(package), "--no-engine-process", *flags])
+        assert stopped.value.code == 2 and said in capsys.readouterr().err
+    template = tmp_path / "r1.jinja"
+    template.write_text(templates.R1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
+                                    "--no-engine-process", "--threads", "1", "--chat-template", str(template),
+                                    "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes"],
+                                   env={**os.environ, "AOTI_SESSIONS_API_KEY": KEY}, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60) as http:
+            def up() -> bool:
+                assert process.poll() is None, log.read_text()
+                try:
+                    return http.get("/health").status_code == 200
+                except httpx.TransportError:
+                    return False
+            wait_until(up, timeout=120, what="the server to start")
+            reply = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 6}).json()
+            assert reply["choices"][0]["message"]["reasoning_content"], reply
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        assert process.wait(60) is not None

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from typing import Any
 
+from ..serve._cli import prompt_options
 from ..serve._limits import available_memory, default_budgets
 from ..serve._tenants import Keys, read_api_keys
 
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
                                 ("host_budget", args.host_budget or host_budget), ("idle_timeout", args.idle_timeout),
                                 ("rewind_checkpoints", args.rewind_checkpoints),
                                 ("trust_op_modules", args.trust_op_modules)) if v is not None}
+    engine.update(prompt_options(args))  # (each replica makes its prompts and reads its replies)
     threads = args.threads or (max(1, (usable_cpus() - 1) // replicas) if cpu and local else None)
     server = {"session_ttl": args.session_ttl, "body_timeout": args.body_timeout,
               "max_body_bytes": args.max_body_bytes, "max_session_files": args.max_session_files,

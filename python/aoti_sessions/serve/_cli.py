@@ -164,10 +164,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def prompt_options(args: argparse.Namespace) -> dict[str, Any]:
     """How prompts are made and replies read (the LLM's ``chat_template``,
-    ``tool_parser``, ``reasoning_parser``), from the command line."""
+    ``tool_parser``, ``reasoning_parser``), from the command line (the LLM
+    checks them: a ValueError, exit status 2)."""
     options: dict[str, Any] = {"tool_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser}
     if args.chat_template is not None:
-        options["chat_template"] = Path(args.chat_template).read_text()
+        try:
+            options["chat_template"] = Path(args.chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: {e}") from None
     return {k: v for k, v in options.items() if v is not None}
 
 
@@ -228,11 +232,7 @@ def run(args: argparse.Namespace) -> int:
                                         ("trust_op_modules", args.trust_op_modules)) if v is not None}
     if args.engine_process:
         engine_options.update(engine_timeout=args.engine_timeout, step_timeout=args.step_timeout)
-    try:
-        engine_options.update(prompt_options(args))
-    except OSError as e:
-        print(f"aoti-sessions serve: --chat-template: {e}", file=sys.stderr)
-        return 2
+    engine_options.update(prompt_options(args))
     # The model's kernels and the server's event loop share the CPUs: a
     # parallel kernel waits for its slowest thread, so one the loop preempts
     # stalls every step.
@@ -246,12 +246,8 @@ def run(args: argparse.Namespace) -> int:
         print("aoti-sessions serve: --api-workers above 1 needs the engine process (not --no-engine-process)",
               file=sys.stderr)
         return 2
-    try:
-        llm = open_llm(args.package, device=args.device, threads=threads, engine_process=args.engine_process,
-                       engine_options=engine_options)
-    except ValueError as e:  # a chat template or parser refused (before anything starts)
-        print(f"aoti-sessions serve: {e}", file=sys.stderr)
-        return 2
+    llm = open_llm(args.package, device=args.device, threads=threads, engine_process=args.engine_process,
+                   engine_options=engine_options)  # (a chat template or parser refused: ValueError, exit status 2)
     kernels = f", {threads} CPU thread{'s' if threads != 1 else ''} for its kernels" if threads is not None else ""
     print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
     print(f"aoti-sessions serve: limits: {describe_limits(args, memory_budget, host_budget)}", file=sys.stderr,
