@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from tool_models import TOOLS_TEMPLATE
+
 # Llama 3.1 / 3.2 / 3.3: JSON calls {"name", "parameters"}, results as ipython turns.
 LLAMA3 = """\
 {{- bos_token }}
@@ -86,57 +88,22 @@ type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
 {%- endif %}{% endfor %}
 {%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
 
-# Qwen3: Hermes tool calls, <think> reasoning (reasoning_content rendered back), enable_thinking.
-_QWEN3_TAIL = """\
-{%- for message in messages %}
-{%- if message.role == 'assistant' %}<|im_start|>assistant
-{% if message.reasoning_content %}<think>
-{{ message.reasoning_content }}
-</think>
-
-{% endif %}{% if message.content %}{{ message.content }}{% endif %}
-{%- for call in message.tool_calls or [] %}
-<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}{% endfor %}"""
-_QWEN3_TOOLS = """\
-{%- if tools %}<|im_start|>system
-# Tools
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> \
-XML tags.<|im_end|>
-{% endif %}"""
-QWEN3 = _QWEN3_TOOLS + _QWEN3_TAIL + """
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% endif %}{% endif %}"""
+# Qwen3: the Hermes template of tool_models.py, with <think> reasoning (reasoning_content rendered back) and
+# enable_thinking.
+_GENERATION = "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+_CLOSED = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+_THINKING = TOOLS_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% if message.content %}",
+    "<|im_start|>assistant\n{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n\n"
+    "{% endif %}{% if message.content %}")
+assert _THINKING != TOOLS_TEMPLATE and TOOLS_TEMPLATE.endswith(_GENERATION)
+QWEN3 = _THINKING.replace(_GENERATION, "{%- if add_generation_prompt %}<|im_start|>assistant\n" + _CLOSED
+                          + "{% endif %}{% endif %}")
 
 # DeepSeek-R1 and the thinking-only models (Qwen3's Thinking-2507): the generation prompt opens <think>, so
 # the reply starts inside it (here closed instead with enable_thinking=False, as Qwen3's is).
-R1 = _QWEN3_TOOLS + _QWEN3_TAIL + """
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% else %}<think>
-{% endif %}{% endif %}"""
-
+R1 = _THINKING.replace(_GENERATION, "{%- if add_generation_prompt %}<|im_start|>assistant\n" + _CLOSED
+                       + "{% else %}<think>\n{% endif %}{% endif %}")
 
 def harmony_vocabulary() -> None:
     """Points openai-harmony at an o200k_base.tiktoken on this machine (it

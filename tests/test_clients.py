@@ -44,8 +44,8 @@ def test_langchain_tools_and_structured_output(server: str) -> None:
     from langchain_core.messages import AIMessage
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(model=MODEL, base_url=f"{server}/v1", api_key=KEY, temperature=1.0, seed=0,  # type: ignore[arg-type]
-                      max_tokens=200, max_retries=0, timeout=60)
+    chat = ChatOpenAI(model=MODEL, base_url=f"{server}/v1", api_key=KEY,  # type: ignore[arg-type]
+                      temperature=1.0, seed=0, max_tokens=200, max_retries=0, timeout=60)
     for choice in ("get_weather", "any"):
         reply = chat.bind_tools(TOOLS, tool_choice=choice).invoke("What is the weather in Paris?")
         assert isinstance(reply, AIMessage) and len(reply.tool_calls) >= 1, reply

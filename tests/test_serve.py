@@ -544,9 +544,10 @@ def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_
 
 
 @contextlib.contextmanager
-def _cli_server(package: Path, device: str, tmp_path: Path, name: str, stop: int) -> Iterator[httpx.Client]:
-    """``aoti-sessions serve`` on a free port (log: NAME.log), stopped with
-    ``stop`` sent to its process group."""
+def _cli_server(package: Path, device: str, tmp_path: Path, name: str, stop: int,
+                *extra: str) -> Iterator[httpx.Client]:
+    """``aoti-sessions serve`` on a free port (log: NAME.log; ``extra``: more
+    of its options), stopped with ``stop`` sent to its process group."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -555,7 +556,7 @@ def _cli_server(package: Path, device: str, tmp_path: Path, name: str, stop: int
     with (tmp_path / f"{name}.log").open("w") as log:
         process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
                                     "--device", device, "--max-sessions", "3", "--memory-budget", "64MiB",
-                                    "--session-dir", str(tmp_path / "sessions"), "--threads", "1"],
+                                    "--session-dir", str(tmp_path / "sessions"), "--threads", "1", *extra],
                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60) as http:

@@ -17,12 +17,10 @@ reply's start is text.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, Union
+from typing import Protocol, Union
 
-from ._tools import partial_end
+from ._tools import Markup, partial_end
 
 __all__ = ["Reasoning", "ReasoningFormat", "ReasoningScanner", "Think"]
 
@@ -44,19 +42,8 @@ class ReasoningScanner(Protocol):
     def scan(self, text: str, final: bool) -> tuple[list[Split], int]: ...
 
 
-class ReasoningFormat:
-    """A family's reasoning format. ``tokens``: the tokenizer's added tokens, text -> id."""
-
-    name: ClassVar[str]
-    markers: ClassVar[tuple[str, ...]] = ()  # (as ToolFormat.markers)
-
-    def __init__(self, template: str = "", tokens: Mapping[str, int] | None = None) -> None:
-        self.template = template
-        self.tokens = dict(tokens or {})
-
-    @classmethod
-    def detect(cls, template: str) -> bool:
-        return False
+class ReasoningFormat(Markup):
+    """A family's reasoning format."""
 
     def scanner(self, prompt: str) -> ReasoningScanner:
         """A reader of the reply to ``prompt`` (its text: whether it opened the reasoning)."""
@@ -67,10 +54,6 @@ class ReasoningFormat:
         reasoning, then ``@body`` (the grammar that holds the rest: the
         answer, or where ``calls``, tool calls)."""
         raise NotImplementedError
-
-    def marker(self, text: str) -> str:
-        token = self.tokens.get(text)
-        return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
 class Think(ReasoningFormat):

@@ -21,8 +21,8 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._tools import (NAME, Piece, Scanner, ToolCall, ToolFormat, any_of, call_of, decode_json, function_schemas,
-                     json_rule, parameters, partial_end)
+from ._tools import (NAME, Blocks, Piece, Scanner, ToolCall, ToolFormat, any_of, call_of, decode_json, function_schemas,
+                     json_rule, parameters)
 
 __all__ = ["Hermes", "Llama3Json", "Mistral"]
 
@@ -39,7 +39,7 @@ class Hermes(ToolFormat):
         return cls.OPEN in template and "tools" in template
 
     def scanner(self) -> Scanner:
-        return _HermesScanner()
+        return Blocks(self.OPEN, _hermes_block)
 
     def calls_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
         calls = 'call ("\\n" call)*' if parallel else "call"
@@ -48,29 +48,15 @@ class Hermes(ToolFormat):
                 f"body: {json_rule(any_of(function_schemas(tools)))}")
 
 
-class _HermesScanner:
-    def scan(self, text: str, final: bool) -> tuple[list[Piece], int]:
-        out: list[Piece] = []
-        at = 0
-        while True:
-            start = text.find(Hermes.OPEN, at)
-            if start < 0:
-                end = len(text) - (0 if final else partial_end(text[at:], Hermes.OPEN))
-                out.append(text[at:end])
-                return out, max(end, at)
-            out.append(text[at:start])
-            close = text.find(Hermes.CLOSE, start + len(Hermes.OPEN))
-            if close < 0:  # not closed yet; at the end, never: text
-                if final:
-                    out.append(text[start:])
-                    return out, len(text)
-                return out, start
-            end = close + len(Hermes.CLOSE)
-            body = text[start + len(Hermes.OPEN):close].strip()
-            value = decode_json(body, 0)
-            call = call_of(value[0]) if value is not None and value[1] == len(body) else None
-            out.append(call if call is not None else text[start:end])
-            at = end
+def _hermes_block(text: str, start: int, final: bool) -> tuple[list[Piece], int] | None:
+    close = text.find(Hermes.CLOSE, start + len(Hermes.OPEN))
+    if close < 0:  # not closed yet; at the end, never: text
+        return ([text[start:]], len(text)) if final else None
+    end = close + len(Hermes.CLOSE)
+    body = text[start + len(Hermes.OPEN):close].strip()
+    value = decode_json(body, 0)
+    call = call_of(value[0]) if value is not None and value[1] == len(body) else None
+    return [call if call is not None else text[start:end]], end
 
 
 class Llama3Json(ToolFormat):
@@ -151,7 +137,7 @@ class Mistral(ToolFormat):
         return cls.CALLS in template
 
     def scanner(self) -> Scanner:
-        return _MistralScanner()
+        return Blocks(self.CALLS, _mistral_block)
 
     def call_id(self) -> str:
         alphabet = string.ascii_letters + string.digits
@@ -160,56 +146,45 @@ class Mistral(ToolFormat):
     def calls_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
         if self.ARGS in self.template:  # v11 and later: [TOOL_CALLS]name[ARGS]{...} for each call
             calls = "call+" if parallel else "call"
-            each = [f'{json.dumps(t["function"]["name"])} {self.marker(self.ARGS)} {json_rule(parameters(t["function"]))}'
-                    for t in tools]
+            args = self.marker(self.ARGS)
+            each = [f'{json.dumps(t["function"]["name"])} {args} {json_rule(parameters(t["function"]))}' for t in tools]
             return f"start: {calls}\ncall: {self.marker(self.CALLS)} ({' | '.join(each)})"
         items = 'call (", " call)*' if parallel else "call"
         return (f'start: {self.marker(self.CALLS)} "[" {items} "]"\n'
                 f"call: {json_rule(any_of(function_schemas(tools)))}")
 
 
-class _MistralScanner:
-    def scan(self, text: str, final: bool) -> tuple[list[Piece], int]:
-        out: list[Piece] = []
-        at = 0
-        while True:
-            start = text.find(Mistral.CALLS, at)
-            if start < 0:
-                end = len(text) - (0 if final else partial_end(text[at:], Mistral.CALLS))
-                out.append(text[at:end])
-                return out, max(end, at)
-            out.append(text[at:start])
-            found = self._calls(text, start + len(Mistral.CALLS), final)
-            if found is None:  # not whole yet
-                return out, start
-            calls, end = found
-            out += calls if calls else [text[start:start + len(Mistral.CALLS)]]  # (no call: the marker is text)
-            at = end if calls else start + len(Mistral.CALLS)
+def _mistral_block(text: str, start: int, final: bool) -> tuple[list[Piece], int] | None:
+    found = _mistral_calls(text, start + len(Mistral.CALLS), final)
+    if found is None:  # not whole yet
+        return None
+    calls, end = found
+    return (list(calls), end) if calls else ([Mistral.CALLS], start + len(Mistral.CALLS))  # (no call: text)
 
-    @staticmethod
-    def _calls(text: str, at: int, final: bool) -> tuple[list[ToolCall], int] | None:
-        """The calls after a ``[TOOL_CALLS]`` ending before ``at``, and where
-        they end; ``([], at)`` for none; None where it cannot tell yet."""
-        p = _skip(text, at, " \t\r\n")
-        if p == len(text):
-            return None if not final else ([], at)
-        if text[p] == "[":
-            value = decode_json(text, p)
-            if value is None:
-                return None if not final else ([], at)
-            calls = [call_of(v) for v in value[0]] if isinstance(value[0], list) else []
-            return ([c for c in calls if c is not None], value[1]) if calls and None not in calls else ([], at)
-        args = text.find(Mistral.ARGS, p)
-        head = text[p:args if args >= 0 else len(text)]
-        name = head.split(Mistral.CALL_ID)[0].strip()
-        if args < 0:  # a name may still be coming
-            may_be = not final and "\n" not in head and len(head) < 200  # (a name has no line break)
-            return None if may_be else ([], at)
-        if not NAME.fullmatch(name):
-            return [], at
-        q = _skip(text, args + len(Mistral.ARGS), " \t\r\n")
-        value = decode_json(text, q) if q < len(text) else None
+
+def _mistral_calls(text: str, at: int, final: bool) -> tuple[list[ToolCall], int] | None:
+    """The calls after a ``[TOOL_CALLS]`` ending before ``at``, and where
+    they end; ``([], at)`` for none; None where it cannot tell yet."""
+    p = _skip(text, at, " \t\r\n")
+    if p == len(text):
+        return None if not final else ([], at)
+    if text[p] == "[":
+        value = decode_json(text, p)
         if value is None:
-            return None if not final and (q == len(text) or text[q] == "{") else ([], at)
-        call = call_of({"name": name, "arguments": value[0]})
-        return ([call], value[1]) if call is not None else ([], at)
+            return None if not final else ([], at)
+        calls = [call_of(v) for v in value[0]] if isinstance(value[0], list) else []
+        return ([c for c in calls if c is not None], value[1]) if calls and None not in calls else ([], at)
+    args = text.find(Mistral.ARGS, p)
+    head = text[p:args if args >= 0 else len(text)]
+    name = head.split(Mistral.CALL_ID)[0].strip()
+    if args < 0:  # a name may still be coming
+        may_be = not final and "\n" not in head and len(head) < 200  # (a name has no line break)
+        return None if may_be else ([], at)
+    if not NAME.fullmatch(name):
+        return [], at
+    q = _skip(text, args + len(Mistral.ARGS), " \t\r\n")
+    value = decode_json(text, q) if q < len(text) else None
+    if value is None:
+        return None if not final and (q == len(text) or text[q] == "{") else ([], at)
+    call = call_of({"name": name, "arguments": value[0]})
+    return ([call], value[1]) if call is not None else ([], at)

@@ -21,11 +21,12 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, Union
 
-__all__ = ["ToolCall", "ToolFormat", "Scanner", "Piece", "call_of", "decode_json", "partial_end", "NAME"]
+__all__ = ["ToolCall", "Markup", "ToolFormat", "Scanner", "Piece", "call_of", "decode_json", "partial_end",
+           "text_until", "Blocks", "NAME"]
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name as a reply writes it
 _JSON = json.JSONDecoder()
@@ -52,10 +53,11 @@ class Scanner(Protocol):
     def scan(self, text: str, final: bool) -> tuple[list[Piece], int]: ...
 
 
-class ToolFormat:
-    """A family's tool-call format. ``template``: the chat template (a form
-    of the format may depend on it); ``tokens``: the tokenizer's added
-    tokens, text -> id (its markup's tokens, for the grammar)."""
+class Markup:
+    """What a reply format shares: its markup, written in a grammar with the
+    tokenizer's tokens. ``template``: the chat template (a form of the
+    format may depend on it); ``tokens``: the tokenizer's added tokens,
+    text -> id."""
 
     name: ClassVar[str]
     # Its markup, where a tokenizer holds it as special tokens: kept in the reply's text.
@@ -67,8 +69,17 @@ class ToolFormat:
 
     @classmethod
     def detect(cls, template: str) -> bool:
-        """Whether ``template`` renders tools in this format."""
+        """Whether ``template`` teaches this format."""
         return False
+
+    def marker(self, text: str) -> str:
+        """``text`` in a grammar: its token where the tokenizer has it as one, else the string."""
+        token = self.tokens.get(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text)
+
+
+class ToolFormat(Markup):
+    """A family's tool-call format."""
 
     def scanner(self) -> Scanner:
         """A reader of one reply."""
@@ -83,11 +94,6 @@ class ToolFormat:
     def call_id(self) -> str:
         """A new call's id, as the family's template takes it back."""
         return "call_" + secrets.token_hex(12)
-
-    def marker(self, text: str) -> str:
-        """``text`` in a grammar: its token where the tokenizer has it as one, else the string."""
-        token = self.tokens.get(text)
-        return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
 def function_schemas(tools: Sequence[Mapping[str, Any]], arguments: str = "arguments") -> list[dict[str, Any]]:
@@ -151,3 +157,38 @@ def partial_end(text: str, *markers: str) -> int:
         if any(m.startswith(text[-n:]) for m in markers):
             return n
     return 0
+
+
+def text_until(text: str, at: int, marker: str, final: bool, out: list[Any]) -> tuple[int, int]:
+    """Puts the text from ``at`` to the next ``marker`` in ``out``: where the
+    marker starts (-1: none, and the text went in but for a tail that may
+    begin it, unless ``final``) and how much of ``text`` is used."""
+    start = text.find(marker, at)
+    if start < 0:
+        end = max(at, len(text) - (0 if final else partial_end(text[at:], marker)))
+        out.append(text[at:end])
+        return -1, end
+    out.append(text[at:start])
+    return start, start
+
+
+class Blocks:
+    """A scanner of text with blocks that each begin with ``marker``:
+    ``read(text, start, final)`` gives the pieces of the block at ``start``
+    and where it ends, or None while it cannot tell yet (``final``: it must)."""
+
+    def __init__(self, marker: str, read: Callable[[str, int, bool], tuple[list[Piece], int] | None]) -> None:
+        self._marker, self._read = marker, read
+
+    def scan(self, text: str, final: bool) -> tuple[list[Piece], int]:
+        out: list[Piece] = []
+        at = 0
+        while True:
+            start, used = text_until(text, at, self._marker, final, out)
+            if start < 0:
+                return out, used
+            found = self._read(text, start, final)
+            if found is None:
+                return out, start
+            pieces, at = found
+            out += pieces
