@@ -5,7 +5,9 @@ the family's own template does), for the tests' one model
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 from tool_models import TOOLS_TEMPLATE
 
@@ -105,16 +107,19 @@ QWEN3 = _THINKING.replace(_GENERATION, "{%- if add_generation_prompt %}<|im_star
 R1 = _THINKING.replace(_GENERATION, "{%- if add_generation_prompt %}<|im_start|>assistant\n" + _CLOSED
                        + "{% else %}<think>\n{% endif %}{% endif %}")
 
-def harmony_vocabulary() -> None:
-    """Points openai-harmony at an o200k_base.tiktoken on this machine (it
-    would download it on first use; tests have no internet): litellm ships
-    the very file (harmony checks its SHA-256), named by the SHA-1 of its URL
-    as harmony's cache folder names it. litellm is in the test extra."""
-    import importlib.util
-    from pathlib import Path
-
+def o200k_file() -> Path:
+    """An o200k_base.tiktoken on this machine: litellm (in the test extra)
+    ships the very file (harmony checks its SHA-256), named by the SHA-1 of
+    its URL, as harmony's cache folder names it."""
     spec = importlib.util.find_spec("litellm")
     assert spec is not None and spec.submodule_search_locations, "litellm (the test extra) is not installed"
-    folder = Path(list(spec.submodule_search_locations)[0]) / "litellm_core_utils" / "tokenizers"
-    assert (folder / "fb374d419588a4632f3f557e76b4b70aebbca790").is_file(), f"no o200k_base.tiktoken in {folder}"
-    os.environ.setdefault("TIKTOKEN_RS_CACHE_DIR", str(folder))
+    path = Path(list(spec.submodule_search_locations)[0]) / "litellm_core_utils" / "tokenizers" / \
+        "fb374d419588a4632f3f557e76b4b70aebbca790"
+    assert path.is_file(), f"no o200k_base.tiktoken at {path}"
+    return path
+
+
+def harmony_vocabulary() -> None:
+    """Points openai-harmony's cache at o200k_file()'s folder (it would
+    download the file on first use; tests have no internet)."""
+    os.environ.setdefault("TIKTOKEN_RS_CACHE_DIR", str(o200k_file().parent))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -19,6 +20,8 @@ import pytest
 
 import chat_templates as templates
 from aoti_sessions.llm import LLM, Constraint, Reasoning, ReplyFormat, SamplingParams, ToolCall
+from aoti_sessions.llm import _harmony as harmony_module
+from aoti_sessions.llm._harmony import vocabulary_file
 from aoti_sessions.llm._tool_formats import Llama3Json, Mistral
 from test_tools import ADD, PARAMETERS, QUESTION, TOOLS
 from tool_models import tools_package
@@ -105,6 +108,30 @@ def test_think_reasoning_then_calls() -> None:
     assert read(qwen3, "<think>never closed") == ("", "never closed", [])
     assert ReplyFormat(templates.QWEN3, reasoning_parser="none").parse("<think>x</think>y").content == \
         "<think>x</think>y"
+
+
+def test_harmony_vocabulary_from_the_models_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-OSS's tokenizer holds harmony's vocabulary: o200k_base.tiktoken
+    converted as transformers converts tiktoken files writes the very file
+    back (its SHA-256 as harmony checks it; another vocabulary writes none),
+    and with neither harmony's cache nor its folder variable, harmony loads
+    harmony from the model's vocabulary alone, offline."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocabulary = TikTokenConverter(vocab_file=str(templates.o200k_file()), additional_special_tokens=[]) \
+        .converted().get_vocab()
+    written = vocabulary_file(vocabulary, tmp_path / "written")
+    assert written is not None and written.read_bytes() == templates.o200k_file().read_bytes()
+    swapped = {**vocabulary, "a": vocabulary["b"], "b": vocabulary["a"]}  # (the same size, another vocabulary)
+    assert vocabulary_file(swapped, tmp_path / "other") is None and not (tmp_path / "other").exists()
+    # Harmony loaded anew, without its cache or folder variable: from the vocabulary alone.
+    monkeypatch.setattr(harmony_module, "_encoding", None)
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+    monkeypatch.setenv("TIKTOKEN_RS_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("AOTI_SESSIONS_CACHE", str(tmp_path / "cache"))
+    loaded = harmony_module.encoding(lambda: vocabulary)
+    assert loaded.decode([200005, 35644, 200008]) == "<|channel|>analysis<|message|>"
+    assert (tmp_path / "cache" / "harmony" / "o200k_base.tiktoken").is_file()
 
 
 def test_formats_by_name_and_their_refusals() -> None:

@@ -15,27 +15,38 @@ random model's text need not be harmony), what it has not given out, and
 everything after, is the answer's text, as written.
 
 openai-harmony loads its vocabulary, o200k_base.tiktoken, on first use:
-from the internet, once (cached), or offline from the folder named by
-``TIKTOKEN_ENCODINGS_BASE`` (or a cache folder of its own,
-``TIKTOKEN_RS_CACHE_DIR``, where the file is named by the SHA-1 of its URL);
-either way the file's SHA-256 is checked, so only the real file will do.
+from the folder named by ``TIKTOKEN_ENCODINGS_BASE``, else from the
+internet, once (cached in ``TIKTOKEN_RS_CACHE_DIR``, the file named by the
+SHA-1 of its URL); either way its SHA-256 is checked, so only the real file
+will do. GPT-OSS's own tokenizer holds that vocabulary (its first 199,998
+tokens, byte-level): where ``TIKTOKEN_ENCODINGS_BASE`` is not set and the
+model's tokenizer spells the file exactly (the same SHA-256), it is written
+from there (into aoti_sessions' cache folder) and harmony pointed at it, so
+a GPT-OSS package serves offline.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib
 import json
+import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ._reasoning import Reasoning, ReasoningFormat
 from ._tools import NAME, ToolCall, ToolFormat, json_rule, parameters, partial_end
 
-__all__ = ["Harmony", "HarmonyReasoning", "encoding"]
+__all__ = ["Harmony", "HarmonyReasoning", "encoding", "vocabulary_file"]
 
 SPECIAL = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 _FUNCTIONS = "functions."
+VOCABULARY = "o200k_base.tiktoken"
+VOCABULARY_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # (as harmony checks it)
+VOCABULARY_TOKENS = 199_998  # (harmony's special tokens follow them)
 
 _lock = threading.Lock()
 _encoding: Any = None
@@ -48,18 +59,50 @@ def _harmony() -> Any:
         raise ImportError("GPT-OSS's harmony format needs openai-harmony: pip install 'aoti-sessions[llm]'") from e
 
 
-def encoding() -> Any:
-    """harmony's GPT-OSS encoding, loaded once (its vocabulary: module docstring)."""
+def encoding(vocabulary: Callable[[], Mapping[str, int]] | None = None) -> Any:
+    """harmony's GPT-OSS encoding, loaded once; ``vocabulary``: the model's
+    tokenizer's (text -> id), which may hold harmony's (module docstring)."""
     global _encoding
     with _lock:
         if _encoding is None:
             harmony = _harmony()
+            if vocabulary is not None and not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+                from .._extraction import cache_dir
+
+                written = vocabulary_file(vocabulary(), cache_dir() / "harmony")
+                if written is not None:
+                    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(written.parent)
             try:
                 _encoding = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
             except harmony.HarmonyError as e:
                 raise RuntimeError(f"openai-harmony could not load its vocabulary (o200k_base.tiktoken): {e}; "
                                    "offline, set TIKTOKEN_ENCODINGS_BASE to a folder holding that file") from e
         return _encoding
+
+
+def vocabulary_file(vocabulary: Mapping[str, int], folder: Path) -> Path | None:
+    """``folder``/o200k_base.tiktoken written from a byte-level BPE
+    ``vocabulary`` (text -> id) where it is that file's vocabulary (the same
+    SHA-256), else None."""
+    target = folder / VOCABULARY
+    if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == VOCABULARY_SHA256:
+        return target
+    if len(vocabulary) < VOCABULARY_TOKENS:
+        return None
+    byte_level = importlib.import_module("transformers.convert_slow_tokenizer").bytes_to_unicode()
+    byte_of = {c: b for b, c in byte_level.items()}
+    ranked = sorted((i, text) for text, i in vocabulary.items() if i < VOCABULARY_TOKENS)
+    try:
+        data = b"".join(base64.b64encode(bytes(byte_of[c] for c in text)) + b" %d\n" % i for i, text in ranked)
+    except KeyError:  # not a byte-level vocabulary
+        return None
+    if len(ranked) != VOCABULARY_TOKENS or hashlib.sha256(data).hexdigest() != VOCABULARY_SHA256:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = folder / f".{VOCABULARY}.{os.getpid()}"
+    staging.write_bytes(data)
+    os.replace(staging, target)
+    return target
 
 
 class Harmony(ToolFormat):
@@ -73,7 +116,7 @@ class Harmony(ToolFormat):
         return "<|channel|>" in template and "<|message|>" in template
 
     def scanner(self) -> Any:
-        return HarmonyScanner(tools=True)
+        return HarmonyScanner(tools=True, vocabulary=self.vocabulary)
 
     def calls_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
         # One call: its <|call|> ends the reply (parallel calls are calls in turn).
@@ -103,10 +146,10 @@ class HarmonyReasoning(ReasoningFormat):
 class HarmonyScanner:
     """A reply in harmony split into the answer's text, reasoning and (``tools``) calls."""
 
-    def __init__(self, tools: bool) -> None:
+    def __init__(self, tools: bool, vocabulary: Callable[[], Mapping[str, int]] | None = None) -> None:
         harmony = _harmony()
         self._error = harmony.HarmonyError
-        self._encoding = encoding()
+        self._encoding = encoding(vocabulary)
         self._parser = harmony.StreamableParser(self._encoding, harmony.Role.ASSISTANT)
         self._tools = tools
         self._failed = False

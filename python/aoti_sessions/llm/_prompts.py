@@ -101,7 +101,7 @@ class Prompts:
         self.reply_format = ReplyFormat(getattr(self.tokenizer, "chat_template", None),
                                         {t.content: int(i) for i, t in added.items()},
                                         [t.content for t in added.values() if t.special], tool_parser,
-                                        reasoning_parser)
+                                        reasoning_parser, self.tokenizer.get_vocab)
         # Encodes a turn's new messages only (_encode.py), where that gives the same ids.
         self._pieces = PieceEncoder(self.tokenizer)
         # The most characters one token stands for (its vocabulary's longest

@@ -21,7 +21,7 @@ analysis channel is its reasoning). Reasoning (``--reasoning-parser``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -140,20 +140,23 @@ class ReplyFormat:
     (a reasoning format, or None). ``tool_parser`` / ``reasoning_parser``: a
     format's name, or ``"none"``; None reads it from ``template``.
     ``tokens``: the tokenizer's added tokens (text -> id), ``special``: the
-    ones it leaves out of decoded text unless kept (:meth:`keep`)."""
+    ones it leaves out of decoded text unless kept (:meth:`keep`);
+    ``vocabulary``: its whole vocabulary, on demand (GPT-OSS's holds
+    harmony's: _harmony.py)."""
 
     def __init__(self, template: str | None, tokens: Mapping[str, int] | None = None,
-                 special: Sequence[str] = (), tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 special: Sequence[str] = (), tool_parser: str | None = None, reasoning_parser: str | None = None,
+                 vocabulary: Callable[[], Mapping[str, int]] | None = None) -> None:
         template = template or ""
         tokens = dict(tokens or {})
+        self._vocabulary = vocabulary
         self._special = frozenset(special)
         self.tools: ToolFormat | None = None
         self.reasoning: ReasoningFormat | None = None
         if tool_parser is None:
-            self.tools = next((f(template, tokens) for f in _DETECTED if f.detect(template)), None)
+            self.tools = next((f(template, tokens, vocabulary) for f in _DETECTED if f.detect(template)), None)
         elif tool_parser != NONE:
-            self.tools = _named(TOOL_FORMATS, tool_parser, "tool_parser")(template, tokens)
+            self.tools = _named(TOOL_FORMATS, tool_parser, "tool_parser")(template, tokens, vocabulary)
         if reasoning_parser is None:
             if isinstance(self.tools, Harmony) or HarmonyReasoning.detect(template):
                 self.reasoning = HarmonyReasoning(template, tokens)
@@ -185,7 +188,7 @@ class ReplyFormat:
         """A reader of the reply to ``prompt`` (its text), with tool calls read where ``tools``."""
         scanner: Any = None
         if self.harmony:
-            scanner = HarmonyScanner(tools=tools and self.tools is not None)
+            scanner = HarmonyScanner(tools=tools and self.tools is not None, vocabulary=self._vocabulary)
         elif self.reasoning is not None:
             scanner = self.reasoning.scanner(prompt)
         return ReplyStream(scanner, self.tools if tools else None)

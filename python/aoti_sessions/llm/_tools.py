@@ -57,15 +57,18 @@ class Markup:
     """What a reply format shares: its markup, written in a grammar with the
     tokenizer's tokens. ``template``: the chat template (a form of the
     format may depend on it); ``tokens``: the tokenizer's added tokens,
-    text -> id."""
+    text -> id; ``vocabulary``: its whole vocabulary, on demand (harmony's
+    may come from it)."""
 
     name: ClassVar[str]
     # Its markup, where a tokenizer holds it as special tokens: kept in the reply's text.
     markers: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, template: str = "", tokens: Mapping[str, int] | None = None) -> None:
+    def __init__(self, template: str = "", tokens: Mapping[str, int] | None = None,
+                 vocabulary: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.template = template
         self.tokens = dict(tokens or {})
+        self.vocabulary = vocabulary
 
     @classmethod
     def detect(cls, template: str) -> bool:
