@@ -184,11 +184,16 @@ def test_templates_render_calls_results_and_variables(llms: dict[str, LLM]) -> N
             {**follow[1]["tool_calls"][0], "id": "call_0123456789"}]}], TOOLS)
 
 
-def test_a_chat_template_is_checked_at_start(package: Any) -> None:
+def test_a_chat_template_is_checked_at_start_and_its_variables_when_given(package: Any) -> None:
     with pytest.raises(ValueError, match="chat_template: cannot render a user's message"):
         LLM(package, "cpu", threads=1, chat_template="{% for m in messages %}{{ m.content }")
     with pytest.raises(ValueError, match="tool_parser: unknown format"):
         LLM(package, "cpu", threads=1, tool_parser="hermes2")
+    # A template's own errors on the variables a request gave it refuse the request (a 400), not the server.
+    with LLM(package, "cpu", threads=1, chat_template="{{ messages[0].content + (suffix or '') }}") as llm:
+        assert llm.chat_prompt(QUESTION, template_kwargs={"suffix": "!"}).text == QUESTION[0]["content"] + "!"
+        with pytest.raises(ValueError, match="refused the messages: TypeError"):
+            llm.chat_prompt(QUESTION, template_kwargs={"suffix": 5})
 
 
 def calls_of(llm: LLM, text: str, prompt: str) -> tuple[list[ToolCall], str | None]:

@@ -188,9 +188,11 @@ class Prompts:
                                                       add_generation_prompt=True, **extra,
                                                       **({"tools": [dict(t) for t in tools]} if tools else {}))
         except Exception as e:  # the template's own refusals (jinja2's TemplateError)
-            if type(e).__module__.split(".")[0] != "jinja2":
+            # (and what its code raises on variables it was not written for: template_kwargs are the caller's)
+            if type(e).__module__.split(".")[0] != "jinja2" and not (extra and isinstance(e, (TypeError, ValueError,
+                                                                                               KeyError, AttributeError))):
                 raise
-            raise ValueError(f"the chat template of {self.name} refused the messages: {e}") from e
+            raise ValueError(f"the chat template of {self.name} refused the messages: {type(e).__name__}: {e}") from e
         # As apply_chat_template(tokenize=True) encodes it (the template wrote the special tokens).
         starts: dict[int, int] = {}
         ids = self._pieces.encode(text, starts)
