@@ -59,8 +59,10 @@ def r1(request: pytest.FixtureRequest) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="module", params=["one-process", "engine-process"])
+@pytest.fixture(scope="module", params=["one-process", "engine-process", "two-front-ends"])
 def harmony(request: pytest.FixtureRequest) -> Iterator[str]:
+    """GPT-OSS's format (its markup special tokens, kept in the text: by the
+    engine process, or with front ends by each front end)."""
     with server_of(templates.HARMONY, request.param) as url:
         yield url
 
