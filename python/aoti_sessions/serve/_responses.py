@@ -224,11 +224,13 @@ class _Run:
 
     def feed(self, text: str | None) -> list[dict[str, Any]]:
         """The events for a piece of generated text (None: the end, what was held back)."""
-        calls = self.job.calls
-        if calls is None:
-            pieces: list[str | ToolCall] = [text] if text else []
-        else:
-            pieces = list(calls.push(text) if text is not None else calls.finish())
+        from ..llm import Reasoning
+
+        reply = self.job.reply  # (the reply read in pieces, llm/_replies.py; its reasoning is no output item yet)
+        pieces: list[str | ToolCall] = [text] if text and reply is None else []
+        if reply is not None:
+            read = reply.push(text) if text is not None else reply.finish()
+            pieces = [p for p in read if not isinstance(p, Reasoning)]
         events = []
         for piece in pieces:
             events += self.output.text(piece) if isinstance(piece, str) else self.output.call(piece)
