@@ -97,7 +97,7 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         response = await self._answer(request)
-        self.requests.inc(status=str(response.status_code))
+        self.requests.labels(status=str(response.status_code)).inc()
         return response
 
     async def _answer(self, request: Request) -> Response:

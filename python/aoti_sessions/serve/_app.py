@@ -420,4 +420,4 @@ class _Guard:
                     error = unexpected(f"on {scope['method']} {scope['path']}", exc)
                     await error_response(error.status, error.message, error.code)(scope, receive, send_counted)
         finally:
-            self.metrics.requests.inc(endpoint=self._endpoint(scope), status=str(status))
+            self.metrics.requests.labels(endpoint=self._endpoint(scope), status=str(status)).inc()

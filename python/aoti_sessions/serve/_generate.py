@@ -159,7 +159,7 @@ class Job:
                         self.metrics.ttft.observe(now - self.arrived)
                         self.metrics.start_to_first_token.observe(now - self.started)
                     else:
-                        self.metrics.itl.observe((now - last) / (count - tokens), count - tokens)
+                        self.metrics.token_gaps((now - last) / (count - tokens), count - tokens)
                     tokens, last = count, now
                 if event is None:
                     if text:
