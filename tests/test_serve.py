@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -526,13 +527,28 @@ def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_
     # with SIGTERM; the sessions it held are served on by the next start.
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "session_id": "cli",
             "temperature": 0}
-    with _cli_server(package, device, tmp_path, "first", signal.SIGINT) as http:
-        reply = http.post("/v1/chat/completions", json=body).json()
+    log = tmp_path / "first.log"
+    with _cli_server(package, device, tmp_path, "first", signal.SIGINT, "--stats-interval", "0.5",
+                     "--served-model-name", "cli-model", "--allowed-origins", "https://app.example") as http:
+        reply = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "cli-req-1"}).json()
         assert reply["usage"]["completion_tokens"] <= 3 and reply["session_id"] == "cli"
+        assert reply["model"] == "cli-model"
         assert http.post("/v1/sessions/cli/save", json={"name": "cli"}).status_code == 200
         assert (tmp_path / "sessions" / "cli").is_file()
         assert http.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
-    started = (tmp_path / "first.log").read_text()
+        made = http.get("/v1/models", headers={"X-Request-Id": "bad id 7q"}).headers["x-request-id"]
+        assert http.options("/v1/models", headers={"Origin": "https://app.example", "Authorization": "",
+                                                   "Access-Control-Request-Method": "GET"}).status_code == 200
+        # Each line with its time and level; a request's with its id (the one it sent, or one made for it).
+        stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
+        wait_until(lambda: re.search(stamp + r"INFO aoti_sessions\.serve: stats: [1-9]\d* requests", log.read_text(),
+                                     re.M), what="a stats line")
+        wait_until(lambda: re.search(stamp + rf'INFO uvicorn\.access \[{made}\]: \S+ - "GET /v1/models HTTP/1\.1" 200',
+                                     log.read_text(), re.M), what="the access line")
+    started = log.read_text()
+    assert re.search(stamp + r'INFO uvicorn\.access \[cli-req-1\]: \S+ - "POST /v1/chat/completions HTTP/1\.1" 200',
+                     started, re.M), started
+    assert "bad id 7q" not in started and "[" + made + "]" in started
     assert f" on {device}" in started and ", 1 CPU thread for its kernels" in started, started
     assert "limits: sessions 3, session state 0.1 GiB" in started, started
     assert "parked 1 sessions in" in started and (tmp_path / "sessions" / ".live" / "cli").is_file(), started
@@ -544,7 +560,7 @@ def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_
 
 
 @contextlib.contextmanager
-def _cli_server(package: Path, device: str, tmp_path: Path, name: str, stop: int) -> Iterator[httpx.Client]:
+def _cli_server(package: Path, device: str, tmp_path: Path, name: str, stop: int, *extra: str) -> Iterator[httpx.Client]:
     """``aoti-sessions serve`` on a free port (log: NAME.log), stopped with
     ``stop`` sent to its process group."""
     import socket
@@ -555,7 +571,7 @@ def _cli_server(package: Path, device: str, tmp_path: Path, name: str, stop: int
     with (tmp_path / f"{name}.log").open("w") as log:
         process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
                                     "--device", device, "--max-sessions", "3", "--memory-budget", "64MiB",
-                                    "--session-dir", str(tmp_path / "sessions"), "--threads", "1"],
+                                    "--session-dir", str(tmp_path / "sessions"), "--threads", "1", *extra],
                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60) as http:

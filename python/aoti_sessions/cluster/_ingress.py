@@ -24,7 +24,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..serve._app import unauthorized
+from ..serve._middleware import unauthorized
 from ..serve._errors import APIError, error_response, sse_error, unexpected
 from ..serve._http import OnceAMinute
 from ..serve._metrics import CONTENT_TYPE, Registry

@@ -180,7 +180,8 @@ class LLM(Prompts, Closable):
         rest it waited for the GIL other threads held, or for a lock);
         for recurrent state, the turns that rewound to a checkpoint
         (``checkpoint_rewinds``) and checkpoints not kept for want of room
-        (``checkpoints_skipped``)."""
+        (``checkpoints_skipped``); ``prefilling``: generations in the step
+        loop still reading their prompt."""
         return {**self.engine.stats(), **self._scheduler.stats(), "checkpoint_rewinds": self._rewinds,
                 "checkpoints_skipped": self._checkpoints_skipped}
 

@@ -140,8 +140,12 @@ class Scheduler:
         self.before_wait: list[Callable[[], None]] = []
 
     def stats(self) -> dict[str, float]:
-        """The step loop's counters (LLM.stats())."""
-        return {"steps": self.steps, "decode_rows": self.decode_rows, "prefill_calls": self.prefill_calls,
+        """The step loop's counters (LLM.stats()), and how many of its
+        generations are still reading their prompt (``prefilling``: no
+        token generated yet)."""
+        with self._cond:
+            prefilling = sum(1 for g in (*self._waiting, *self._active) if not g.token_ids and not g.finished)
+        return {"prefilling": prefilling, "steps": self.steps, "decode_rows": self.decode_rows, "prefill_calls": self.prefill_calls,
                 "prefill_rows": self.prefill_rows_fed, "prefill_tokens": self.prefill_tokens,
                 "step_wait_seconds": self.wait_seconds, "step_queue_seconds": self.queue_seconds,
                 "step_text_seconds": self.text_seconds, "step_engine_seconds": self.engine_seconds,

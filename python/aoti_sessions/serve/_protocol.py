@@ -12,13 +12,17 @@ is a 400 saying it is not supported. ``response_format`` (chat): text,
 json_object or json_schema, held to by the grammar engine (llm/_grammar.py);
 ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls``
 and ``tool`` messages (llm/_tools.py).
+Fields that ask for nothing of this server are accepted, checked as OpenAI
+checks them, and ignored (:class:`NoOpFields`: ``metadata``, ``store``,
+``service_tier``, ``safety_identifier``, ``modalities: ["text"]``;
+``stream_options.include_obfuscation``).
 Extensions: ``top_k``, ``ignore_eos`` and ``session_id``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -32,6 +36,22 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # (OpenAI's padding against size side channels: none is added)
+
+
+class NoOpFields(_Strict):
+    """OpenAI's request fields that change nothing here, accepted (and
+    checked as OpenAI checks them) so that clients that send them work:
+    ``metadata`` (tags for OpenAI's dashboard), ``store`` (keep the
+    completion for OpenAI's evals), ``service_tier``, ``safety_identifier``
+    (who the end user is, for abuse detection), ``modalities`` (text only)."""
+
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = Field(default=None, max_length=64)
+    safety_identifier: str | None = Field(default=None, max_length=64)
+    modalities: list[Literal["text"]] | None = Field(default=None, max_length=1)
 
 
 class TextPart(_Strict):
@@ -191,7 +211,7 @@ class _Generate(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatRequest(_Generate):
+class ChatRequest(_Generate, NoOpFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
