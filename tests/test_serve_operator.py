@@ -1,6 +1,7 @@
 """What an operator needs of the server (issue 36, item 7): CORS for
 browsers, X-Request-Id, served model names, OpenAI's no-op fields, the
-Prometheus exposition and the stats log line. Each test holds in every server mode (in this process, with
+Prometheus exposition, the stats log line, and idle named sessions parked
+to make room. Each test holds in every server mode (in this process, with
 an engine process, two front ends over one), on a tiny Qwen3 whose engine
 takes two sessions at most."""
 
@@ -188,7 +189,7 @@ def test_metrics_are_prometheus_exposition(http: httpx.Client) -> None:
     kinds = {"aoti_sessions_requests": "counter", "aoti_sessions_generated_tokens": "counter",
              "aoti_sessions_active_generations": "gauge", "aoti_sessions_time_to_first_token_seconds": "histogram",
              "aoti_sessions_sessions": "gauge", "aoti_sessions_evictions": "counter",
-             "aoti_sessions_step_seconds": "counter"}
+             "aoti_sessions_sessions_parked_for_room": "counter", "aoti_sessions_step_seconds": "counter"}
     assert {name: families[name].type for name in kinds} == kinds
     assert {tuple(sorted(s.labels)) for s in families["aoti_sessions_requests"].samples} == {("endpoint", "status")}
     assert {s.labels["state"] for s in families["aoti_sessions_sessions"].samples} == {"resident", "offloaded"}
@@ -217,3 +218,40 @@ def test_stats_log_line(http: httpx.Client, caplog: pytest.LogCaptureFixture) ->
     count = len(lines())
     time.sleep(1.0)
     assert len(lines()) <= count + 1
+
+
+def test_idle_named_sessions_are_parked_to_make_room(served: LLM | RemoteLLM, mode: str, tmp_path: Path) -> None:
+    """Two idle named sessions fill the engine (max_sessions 2): with a
+    session dir, the least recently used is parked to make room for another
+    request and comes back, with its cache, when named; without, 429 says why."""
+    def turn(http: httpx.Client, session: str | None, content: str = "Hello there",
+             history: tuple[dict[str, str], ...] = ()) -> httpx.Response:
+        body = {**ask(), "messages": [*history, {"role": "user", "content": content}]}
+        del body["model"]  # (these servers have the package's name only)
+        return http.post("/v1/chat/completions", json={**body, **({"session_id": session} if session else {})})
+
+    parked = tmp_path / ".live"
+    with serving(served, mode, session_dir=tmp_path) as url, client(url) as http:
+        first = {sid: reply_of(turn(http, sid)) for sid in ("a", "b")}
+        assert reply_of(turn(http, None)) == first["a"]  # a stateless request finds room: "a" parked
+        seen = metrics(http)
+        assert seen["aoti_sessions_sessions_parked_for_room_total"] == 1 and (parked / "a").is_file()
+        assert {s["id"] for s in http.get("/v1/sessions").json()["data"]} == {"b"}
+        reply_of(turn(http, "c"))  # (the stateless one's room, free again)
+        history = ({"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first["a"]})
+        back = turn(http, "a", "Go on", history)  # "a" comes back from its file, parking "b"
+        assert back.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, back.json()
+        seen = metrics(http)
+        assert seen["aoti_sessions_sessions_parked_for_room_total"] == 2
+        assert seen["aoti_sessions_sessions_unparked_total"] == 1
+        assert (parked / "b").is_file() and not (parked / "a").exists()
+        assert {s["id"] for s in http.get("/v1/sessions").json()["data"]} == {"a", "c"}
+        assert reply_of(back) == reply_of(turn(http, None, "Go on", history))  # (as from scratch; parks "c")
+    with serving(served, mode) as url, client(url) as http:  # no session dir: nowhere to park them
+        for sid in ("x", "y"):
+            reply_of(turn(http, sid))
+        for session in (None, "z"):
+            refused = turn(http, session)
+            assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "capacity" and "--session-dir" in error["message"], error

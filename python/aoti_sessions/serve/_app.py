@@ -141,6 +141,9 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
              lambda: registry.figure("expired")),
             ("sessions_unparked_total", "Parked sessions brought back by a request naming them.",
              lambda: registry.figure("unparked")),
+            ("sessions_parked_for_room_total", "Idle sessions parked (saved with persistence on, then closed) to make "
+             "room for another: a stored response's, or with persistence any named one.",
+             lambda: registry.figure("parked_for_room")),
             ("session_park_failures_total", "Parks that failed (a full disk): the session stays in memory, or is "
              "lost when the server stops.", lambda: registry.figure("park_failures")),
             ("checkpoints_total", "Checkpoint writes of named sessions (with checkpoints on).",
