@@ -21,9 +21,11 @@ from ._generation import Completion, Generation
 from ._grammar import Constraint
 from ._llm import LLM, ChatSession, ContextLengthError, Prompt
 from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteGeneration, RemoteLLM, RemoteSession
-from ._sampling import SamplingParams
+from ._logprobs import TokenLogprob
+from ._params import ParamError, SamplingParams
 from ._tools import ToolCall, ToolCallStream, parse_tool_calls, tool_call_constraint
 
-__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "Constraint",
+__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "ParamError", "TokenLogprob",
+           "Constraint",
            "ContextLengthError", "ToolCall", "ToolCallStream", "parse_tool_calls", "tool_call_constraint",
            "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]

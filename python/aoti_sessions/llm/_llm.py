@@ -32,7 +32,7 @@ from .._session import Closable, Session
 from ..errors import CapacityError, PackageError, SessionBusyError, SessionClosedError, SessionFileError
 from ._generation import Completion, Generation
 from ._grammar import Grammars
-from ._sampling import SamplingParams, sampling_params
+from ._params import SamplingParams, sampling_params
 from ._scheduler import Scheduler
 from ._prompts import ChatPrompt, ContextLengthError, Prompt, Prompts, Spelling
 
