@@ -17,8 +17,9 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from . import _errors, _middleware, _responses, _stats_log
+from ._bodies import DONE
 from ._errors import APIError, runtime_error, sse_error, unexpected
-from ._generate import DONE, Job
+from ._generate import Job
 from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES,
                       DEFAULT_SESSION_TTL, default_body_limit)
 from ._metrics import CONTENT_TYPE, ServerMetrics
@@ -237,10 +238,11 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         headers = {"X-Session-ID": session_id} if session_id else {}
 
         async def whole() -> Response:
-            text = "".join([piece async for piece in job.pieces(request.is_disconnected)])
+            async for choice, piece in job.pieces(request.is_disconnected):
+                choice.text.append(piece)
             if job.cancelled:
                 return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-            return JSONResponse(job.response(text), headers=headers)
+            return JSONResponse(job.response(), headers=headers)
 
         return await answer(job, entry, registry, bool(body.stream), whole,
                             lambda release: _events(job, request, retry_after, release), headers)
@@ -326,13 +328,15 @@ async def _events(job: Job, request: Request, retry_after: int,
     the last event goes: a client's next turn, sent once it has read it (to
     any front end), finds the session free."""
     if job.chat:
-        yield job.chunk(None, first=True)
+        for choice in job.choices:
+            yield job.chunk(choice, None, first=True)
     try:
-        async for piece in job.pieces(request.is_disconnected):
-            for chunk in job.stream_chunks(piece):
+        async for choice, piece in job.pieces(request.is_disconnected):
+            for chunk in job.stream_chunks(choice, piece):
                 yield chunk
-        for chunk in job.stream_chunks(None):
-            yield chunk
+        for choice in job.choices:
+            for chunk in job.stream_chunks(choice, None):
+                yield chunk
     except Exception as e:  # the stream has begun: the error goes in it
         error = e if isinstance(e, APIError) else runtime_error(e, retry_after)
         if error is None:
@@ -345,8 +349,8 @@ async def _events(job: Job, request: Request, retry_after: int,
         return
     with anyio.CancelScope(shield=True):
         await release()
-    assert job.generation is not None
-    yield job.chunk(None, finish_reason=job.finish_reason())
+    for choice in job.choices:
+        yield job.chunk(choice, None, finish_reason=job.finish_reason(choice))
     if job.request.include_usage():
         yield job.usage_chunk()
     yield DONE

@@ -181,6 +181,22 @@ def describe_limits(args: argparse.Namespace, memory_budget: int | None, host_bu
     ])
 
 
+def describe_defaults(config: dict[str, Any]) -> str:
+    """The sampling defaults a generation config gives requests that leave
+    them unset, as the start line names them."""
+    from ..llm._params import generation_defaults
+
+    d = generation_defaults(config)
+    sampling = d["temperature"] > 0
+    named = [f"temperature {d['temperature']:g}"] if sampling else ["greedy (do_sample is not set)"]
+    for name, neutral in (("top_k", 0.0), ("top_p", 1.0), ("min_p", 0.0)):
+        if sampling and d[name] != neutral:
+            named.append(f"{name} {d[name]:g}")
+    if d["repetition_penalty"] != 1.0:
+        named.append(f"repetition_penalty {d['repetition_penalty']:g}")
+    return ", ".join(named)
+
+
 def compute_threads(requested: int | None, device: str) -> int | None:
     """The model's CPU thread count for ``serve`` (None: leave torch's)."""
     if requested is not None:
@@ -245,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
     print(f"aoti-sessions serve: limits: {describe_limits(args, memory_budget, host_budget)}", file=sys.stderr,
           flush=True)
+    print(f"aoti-sessions serve: sampling defaults from the package's generation config (a request's own values "
+          f"take precedence): {describe_defaults(llm.generation_config)}", file=sys.stderr, flush=True)
     try:
         from ._http import server_config, stop_when_the_engine_dies
 

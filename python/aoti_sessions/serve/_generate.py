@@ -1,14 +1,22 @@
 """One generation request from start to end: its sampling parameters, its
-pieces (handed to the event loop by the LLM's step loop, which batches every
-request's steps; the loop sends each piece while the next step runs and
-notices a client that left within DISCONNECT_CHECK_S, a streaming one at once
-as Starlette cancels its response), and the OpenAI response bodies and stream
-chunks."""
+choices' pieces (handed to the event loop by the LLM's step loop, which
+batches every request's steps; the loop sends each piece while the next step
+runs and notices a client that left within DISCONNECT_CHECK_S, a streaming
+one at once as Starlette cancels its response), and the OpenAI response
+bodies and stream chunks, logprobs included (_logprobs.py).
+
+``n`` choices: the prompt is prefilled once on the request's session (a
+generation of one token, dropped), then the first choice runs on that
+session and each other on a fork of it, each feeding the prompt's last token
+again; all in the same batched steps, each with its own random stream (a
+seeded request's choice i draws with seed + i, so it stays reproducible, and
+equals a request of n=1 with that seed). Usage counts the prompt once; a
+named session keeps the first choice's reply, as with n=1."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import time
 import uuid
 import weakref
@@ -16,7 +24,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from ._bodies import Bodies, Choice
 from ._errors import APIError
+from ._logprobs import TokenTexts, token_texts
 from ._metrics import ServerMetrics
 from ._protocol import ChatRequest, CompletionRequest
 from ._sessions import Entry
@@ -33,8 +43,13 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_CHECK_S = 0.05
 
 
-class Job:
-    """A generation request: its session, its generation, and what it reports."""
+# The prefill of a prompt that several choices fork from: one token drawn
+# (greedy), never fed, so the session holds the prompt and nothing after it.
+_PREFILL_ONLY: dict[str, Any] = {"max_tokens": 1, "temperature": 0}
+
+
+class Job(Bodies):
+    """A generation request: its session, its choices' generations, and what it reports."""
 
     def __init__(self, llm: LLM | RemoteLLM, request: ChatRequest | CompletionRequest, model: str,
                  metrics: ServerMetrics) -> None:
@@ -45,23 +60,28 @@ class Job:
         self.created = int(time.time())
         self.arrived = time.perf_counter()
         self.started = self.arrived  # when its generation joined the step loop (start())
-        self.generation: Generation | RemoteGeneration | None = None
+        self.choices: list[Choice] = []
+        # n > 1: the generation that prefilled the prompt once, and the forks of its session (one a choice after
+        # the first, which keeps the request's session).
+        self.prefill: Generation | RemoteGeneration | None = None
+        self.forks: list[Any] = []
         self.cancelled = False
         self._counted = False
+        self._active = False  # counted in metrics.active (start() succeeded)
         # Checked before any session is touched: a bad request changes nothing.
         self.params = self._params()
+        self.texts: TokenTexts | None = None  # the tokens' text for logprobs (tokenize())
         self.prompt: list[int] | ChatPrompt = []  # token ids (chat: with the text), from tokenize()
-        self._piece_frame: tuple[bytes, bytes] | None = None  # piece_chunk's bytes around the text
-        # The reply's tool calls, parsed from its text where tools were offered (llm/_tools.py).
-        self.calls: ToolCallStream | None = None
-        if isinstance(request, ChatRequest) and request.tools_offered():
-            from ..llm import ToolCallStream
+        self._piece_frames: dict[int, tuple[bytes, bytes]] = {}  # piece_chunk's bytes around the text, by choice
 
-            self.calls = ToolCallStream()
+    @property
+    def generation(self) -> Generation | RemoteGeneration | None:
+        """The first choice's generation (None before start())."""
+        return self.choices[0].generation if self.choices else None
 
     # -- start -----------------------------------------------------------
     def _params(self) -> Any:
-        from ..llm._sampling import ParamError, SamplingParams
+        from ..llm._params import ParamError, SamplingParams
 
         r = self.request
         field, limit = r.limit()
@@ -71,10 +91,19 @@ class Job:
             raise APIError(400, f"{field}: {limit} is more than the model's context of {self.llm.max_context} "
                                 "tokens", "invalid_value", field)
         # No limit: until a stop or the end of the context.
-        options: dict[str, Any] = {"max_tokens": limit, "stop": r.stops(), "ignore_eos": r.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "seed"):
+        options: dict[str, Any] = {"max_tokens": limit, "stop": r.stops(), "ignore_eos": r.ignore_eos,
+                                   "logprobs": r.top_logprobs_asked()}
+        for name in ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "stop_token_ids"):
             if getattr(r, name) is not None:
                 options[name] = getattr(r, name)
+        if r.logit_bias:
+            vocab = self.llm.spec.vocab_size
+            bias = {int(k): v for k, v in r.logit_bias.items()}
+            if (outside := max(bias)) >= vocab:
+                raise APIError(400, f"logit_bias: token id {outside} is not in the model's vocabulary of {vocab} "
+                                    "tokens", "invalid_value", "logit_bias")
+            options["logit_bias"] = bias
         if isinstance(r, ChatRequest):
             options["constraint"] = self._constraint(r)
         try:
@@ -115,185 +144,144 @@ class Job:
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
             raise APIError(400, str(e), code, "messages" if self.chat else "prompt") from e
+        if self.params.logprobs is not None:
+            self.texts = await in_thread(lambda: token_texts(self.llm))
 
     async def start(self, entry: Entry) -> None:
-        """Starts the generation on ``entry``'s session, held by this request."""
+        """Starts the generations on ``entry``'s session, held by this
+        request: one, or for ``n`` choices, a prefill of the prompt, then the
+        first choice on the session and each other on a fork of it (the
+        prompt read once: each choice feeds its last token again). A named
+        session keeps the first choice's reply."""
         self.entry, session, params, prompt = entry, entry.session, self.params, self.prompt
         assert session is not None
-        self.generation = await in_thread(lambda: session.start(prompt, params))
-        self.started = self.generation.submitted
+        n = self.request.choices()
+        if n == 1:
+            self.choices = [self._choice(0, await in_thread(lambda: session.start(prompt, params)), session)]
+        else:
+            await self._start_choices(session, n)
+        self.started = self.choices[0].generation.submitted
         self.metrics.time_to_start.observe(self.started - self.arrived)
         self.metrics.active += 1
+        self._active = True
+
+    async def _start_choices(self, session: Any, n: int) -> None:
+        prefill = await in_thread(lambda: session.start(self.prompt, **_PREFILL_ONLY))
+        self.prefill = prefill
+
+        def fork_and_start() -> None:  # (what it made is kept as it goes: finish() closes it, however this ends)
+            while prefill.step() is not None:
+                pass
+            for _ in range(n - 1):
+                self.forks.append(session.fork())
+            for i, on in enumerate([session, *self.forks]):
+                self.choices.append(self._choice(i, on.start(self.prompt, self._choice_params(i)), on))
+
+        await in_thread(fork_and_start)
+
+    def _choice_params(self, index: int) -> Any:
+        """Choice ``index``'s parameters: a seeded request's choices draw from seeds in a row, seed + index."""
+        seed = self.params.seed
+        if index == 0 or seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=(seed + index) % (1 << 64))
+
+    def _choice(self, index: int, generation: Generation | RemoteGeneration, session: Any) -> Choice:
+        calls = None
+        if isinstance(self.request, ChatRequest) and self.request.tools_offered():
+            from ..llm import ToolCallStream
+
+            calls = ToolCallStream()
+        return Choice(index, generation, session, calls)
 
     # -- steps -----------------------------------------------------------
-    async def pieces(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
-        """The generated text until the generation ends or ``disconnected()``
-        says the client left (then ``cancelled``).
+    async def pieces(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[tuple[Choice, str]]:
+        """Each choice's generated text until every one ends or
+        ``disconnected()`` says the client left (then ``cancelled``).
 
         The LLM's step loop runs every request's generation in one batched
         step and hands each piece to the event loop (one wake-up a step for
         every request, _Relay), which sends it while the next step runs. A
-        request that fell behind sends what piled up as one piece."""
-        g, entry = self.generation, self.entry
-        assert g is not None and entry is not None and entry.session is not None
-        session = entry.session
+        choice that fell behind sends what piled up as one piece (with the
+        logprobs of its tokens: :meth:`Choice.logprobs_since`)."""
+        entry = self.entry
+        assert self.choices and entry is not None
         relay = _Relay.of(asyncio.get_running_loop())
-        queue: asyncio.Queue[tuple[Any, int, float, int]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[Choice, Any, int, float, int]] = asyncio.Queue()
+        for c in self.choices:
+            def sink(event: Any, c: Choice = c, g: Any = c.generation, session: Any = c.session) -> None:
+                # On the step loop's thread: the counts are read here, not waited for.
+                relay.put(queue, (c, event, g.completion_tokens, time.perf_counter(), session.token_count))
 
-        def sink(event: Any) -> None:
-            # On the step loop's thread: the counts are read here, not waited for.
-            relay.put(queue, (event, g.completion_tokens, time.perf_counter(), session.token_count))
-
-        g.on_event(sink)
+            c.generation.on_event(sink)
+        first, running = self.choices[0], len(self.choices)
         tokens, last, checked = 0, self.arrived, time.perf_counter()
         while True:
             items = [await queue.get()]
             while not queue.empty():
                 items.append(queue.get_nowait())
-            text: list[str] = []
-            for event, count, now, entry.tokens in items:
+            woken: list[Choice] = []
+            for c, event, count, now, held in items:
                 if isinstance(event, BaseException):
                     raise event
-                if count > tokens:
-                    if tokens == 0:
-                        self.metrics.ttft.observe(now - self.arrived)
-                        self.metrics.start_to_first_token.observe(now - self.started)
-                    else:
-                        self.metrics.token_gaps((now - last) / (count - tokens), count - tokens)
-                    tokens, last = count, now
+                c.count = count
+                if c is first:
+                    entry.tokens = held
+                    if count > tokens:
+                        if tokens == 0:
+                            self.metrics.ttft.observe(now - self.arrived)
+                            self.metrics.start_to_first_token.observe(now - self.started)
+                        else:
+                            self.metrics.token_gaps((now - last) / (count - tokens), count - tokens)
+                        tokens, last = count, now
+                if c not in woken:
+                    woken.append(c)
                 if event is None:
-                    if text:
-                        yield "".join(text)
-                    return
-                text.append(event)
-            if now - checked >= DISCONNECT_CHECK_S:
+                    c.done = True
+                    running -= 1
+                else:
+                    c.pending.append(event)
+            if running and now - checked >= DISCONNECT_CHECK_S:
                 checked = now
                 if await disconnected():
                     self.cancelled = True
                     return
-            if any(text):
-                yield "".join(text)
+            for c in woken:
+                text = "".join(c.pending)
+                c.pending.clear()
+                # (At its end, its last text, and the logprobs not yet sent with text, if any.)
+                if text or (c.done and c.sent < c.count and c.generation.logprobs is not None):
+                    yield c, text
+            if not running:
+                return
 
     async def finish(self) -> None:
-        """Cancels the generation if still running and counts its tokens;
-        idempotent."""
-        g = self.generation
-        if g is None or self._counted:
+        """Cancels the generations still running and counts their tokens;
+        closes the forks; idempotent."""
+        if (not self.choices and self.prefill is None) or self._counted:
+            await self._close_forks()
             return
         self._counted = True
-        if g.finish_reason is None:  # the client left, or a step failed
-            self.cancelled = True
-            await in_thread(g.close)
-        m = self.metrics
-        m.prompt_tokens.inc(g.prompt_tokens)
-        m.prefilled_tokens.inc(g.prefilled_tokens)
-        m.cached_tokens.inc(g.cached_tokens)
-        m.generated_tokens.inc(g.completion_tokens)
+        generations = [*([self.prefill] if self.prefill is not None else []), *(c.generation for c in self.choices)]
+        for g in generations:
+            if g.finish_reason is None:  # the client left, or a step failed
+                self.cancelled = True
+                await in_thread(g.close)
+        await self._close_forks()
+        m, read = self.metrics, generations[0]  # (the prompt's counts: the prefill's, for n choices)
+        m.prompt_tokens.inc(read.prompt_tokens)
+        m.prefilled_tokens.inc(sum(g.prefilled_tokens for g in generations))
+        m.cached_tokens.inc(read.cached_tokens)
+        m.generated_tokens.inc(sum(c.generation.completion_tokens for c in self.choices))
         if self.cancelled:
             m.cancelled.inc()
-        m.active -= 1
+        if self._active:
+            m.active -= 1
 
-    # -- bodies ----------------------------------------------------------
-    def usage(self) -> dict[str, Any]:
-        g = self.generation
-        assert g is not None
-        return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                "total_tokens": g.prompt_tokens + g.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": g.cached_tokens}}
-
-    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                                "choices": choices}
-        if self.entry is not None and self.entry.id is not None:
-            body["session_id"] = self.entry.id
-        return body
-
-    def finish_reason(self) -> str | None:
-        """The generation's, or "tool_calls" where it stopped after calling tools."""
-        g = self.generation
-        assert g is not None
-        return "tool_calls" if g.finish_reason == "stop" and self.calls is not None and self.calls.calls else \
-            g.finish_reason
-
-    def response(self, text: str) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.calls is not None:
-                pieces = [*self.calls.push(text), *self.calls.finish()]
-                content = "".join(p for p in pieces if isinstance(p, str))
-                calls = [self._call(p) for p in pieces if not isinstance(p, str)]
-                message = {"role": "assistant", "content": content if content.strip() or not calls else None}
-                if calls:
-                    message["tool_calls"] = calls
-            choice["message"] = message
-        else:
-            choice["text"] = text
-        choice["finish_reason"] = self.finish_reason()
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = self.usage()
-        return body
-
-    @staticmethod
-    def _call(call: ToolCall) -> dict[str, Any]:
-        return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}
-
-    def stream_chunks(self, piece: str | None) -> list[bytes]:
-        """The stream's chunks for a piece of text (None: the end, what is
-        held back): the piece itself, or where tools were offered its text
-        and calls (a call as one ``tool_calls`` delta, once its block closes)."""
-        if self.calls is None:
-            return [self.piece_chunk(piece)] if piece is not None else []
-        out = []
-        index = self.calls.calls
-        for p in self.calls.push(piece) if piece is not None else self.calls.finish():
-            if isinstance(p, str):
-                out.append(self.piece_chunk(p))
-                continue
-            call = {"index": index, **self._call(p)}
-            index += 1
-            body = self._envelope(self._chunk_kind, [{"index": 0, "finish_reason": None, "logprobs": None,
-                                                      "delta": {"tool_calls": [call]}}])
-            if self.request.include_usage():
-                body["usage"] = None
-            out.append(_event(body))
-        return out
-
-    def piece_chunk(self, text: str) -> bytes:
-        """``chunk(text)``, from the event's bytes around the text, made once
-        (the hot path: one a generated piece)."""
-        if self._piece_frame is None:
-            sentinel = "\x00piece\x00"
-            # The text is the last field that can hold it (a session id cannot; a model name before it can).
-            head, _, tail = self.chunk(sentinel).rpartition(json.dumps(sentinel).encode())
-            self._piece_frame = (head, tail)
-        head, tail = self._piece_frame
-        return head + json.dumps(text).encode() + tail
-
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        body = self._envelope(self._chunk_kind, [choice])
-        if self.request.include_usage():
-            body["usage"] = None
-        return _event(body)
-
-    def usage_chunk(self) -> bytes:
-        body = self._envelope(self._chunk_kind, [])
-        body["usage"] = self.usage()
-        return _event(body)
-
-    @property
-    def _chunk_kind(self) -> str:
-        """The ``object`` of a stream chunk (OpenAI streams completions as ``text_completion``)."""
-        return "chat.completion.chunk" if self.chat else "text_completion"
+    async def _close_forks(self) -> None:
+        forks, self.forks = self.forks, []
+        for session in forks:
+            await in_thread(session.close)
 
 
 class _Relay:
@@ -328,10 +316,3 @@ class _Relay:
         while self._items:
             queue, item = self._items.popleft()
             queue.put_nowait(item)
-
-
-def _event(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-DONE = b"data: [DONE]\n\n"

@@ -139,7 +139,7 @@ class _Responses:
         entry = await self._hold(tenant, body, previous, run.id)
 
         async def whole() -> Response:
-            async for piece in job.pieces(request.is_disconnected):
+            async for _, piece in job.pieces(request.is_disconnected):
                 run.feed(piece)
             if job.cancelled:
                 return Response(status_code=499)
@@ -193,7 +193,7 @@ class _Responses:
             yield event({"type": kind, "response": run.body("in_progress")})
         job = run.job
         try:
-            async for piece in job.pieces(request.is_disconnected):
+            async for _, piece in job.pieces(request.is_disconnected):
                 for e in run.feed(piece):
                     yield event(e)
             for e in run.feed(None):
@@ -226,7 +226,7 @@ class _Run:
 
     def feed(self, text: str | None) -> list[dict[str, Any]]:
         """The events for a piece of generated text (None: the end, what was held back)."""
-        calls = self.job.calls
+        calls = self.job.choices[0].calls
         if calls is None:
             pieces: list[str | ToolCall] = [text] if text else []
         else:
