@@ -115,13 +115,15 @@ class Penalties:
 
     def adjusted(self, scores: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, repetition: torch.Tensor,
                  frequency: torch.Tensor, presence: torch.Tensor, temperature: torch.Tensor | None,
-                 penalized: bool) -> torch.Tensor:
+                 kinds: tuple[bool, bool]) -> torch.Tensor:
         """Rows ``rows`` of ``scores`` (``[P]`` indices; their generations'
         ``slots``) biased and penalized, as a new float32 ``[P, V]`` tensor.
         ``temperature`` (``[P]``): the scores are the logits divided by it,
         so the bias and the subtracted penalties are too (the repetition
         penalty's division keeps each sign: it commutes with the scaling);
-        ``penalized``: whether any row has a penalty (else only biases)."""
+        ``kinds``: whether any row has a repetition penalty, and whether any
+        has a frequency or presence penalty (each a pass over [P, V] skipped
+        where none has)."""
         sub = scores.index_select(0, rows).float()
         if self._biased:
             assert self._bias_ids is not None and self._bias_values is not None
@@ -129,11 +131,13 @@ class Penalties:
             if temperature is not None:
                 values = values.div_(temperature[:, None])
             sub.scatter_add_(1, self._bias_ids.index_select(0, slots), values)
-        if penalized:
-            assert self._counts is not None and self._seen is not None
-            counts = self._counts.index_select(0, slots)
+        repeated, counted = kinds
+        assert self._counts is not None and self._seen is not None
+        if repeated:
             factor = repetition[:, None]
             sub = torch.where(self._seen.index_select(0, slots), torch.where(sub > 0, sub / factor, sub * factor), sub)
+        if counted:
+            counts = self._counts.index_select(0, slots)
             penalty = counts.mul(frequency[:, None]).add_((counts > 0) * presence[:, None])
             if temperature is not None:
                 penalty.div_(temperature[:, None])

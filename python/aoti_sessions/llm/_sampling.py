@@ -1,7 +1,8 @@
-"""Sampling parameters and the sampler: greedy, or temperature with top-k,
-top-p and min-p, seeded per request; logit bias and the repetition,
-frequency and presence penalties (_penalties.py); logprobs (_logprobs.py);
-many rows, each with its own settings, sampled at once on the device."""
+"""The sampler: greedy, or temperature with min-p, top-k and top-p, seeded
+per request; logit bias and the repetition, frequency and presence
+penalties (_penalties.py); logprobs (_logprobs.py); many rows, each with its
+own settings (:class:`SamplingParams`, _params.py), sampled at once on the
+device."""
 
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ _MIX_2 = -2073254261  # 0x846CA68B as an int32 (int32 products wrap)
 
 
 class Sampler:
-    """One generation's sampling settings and its random stream. Greedy is
-    argmax; sampling scales by the temperature, keeps the top-k (every token
-    tied with the k-th too), then the smallest set whose probability reaches
-    top-p, and draws from the softmax of what is left.
+    """One generation's sampling settings and its random stream. The logits
+    are biased and penalized first (if asked); greedy is then argmax;
+    sampling scales by the temperature, keeps the tokens at least min-p times
+    as likely as the most likely, then the top-k (every token tied with the
+    k-th too), then the smallest set whose probability reaches top-p, and
+    draws from the softmax of what is left.
 
     Draws are keyed by (seed, step, token id), never by a generator's state:
     the token drawn at ``step`` n depends only on the seed, n, this row's
@@ -44,7 +47,8 @@ class Sampler:
     A bias or a penalty keeps state on the device: a slot of ``penalties``
     (the step loop's; without one, its own), taken at the first draw, given
     back with :meth:`release`; ``prompt``: the tokens the repetition penalty
-    counts as seen. The draws need no state on the device."""
+    counts as seen. The draws need no state on the device; ``device`` is not
+    used (a slot of its own is on the logits' device)."""
 
     def __init__(self, params: SamplingParams, generation_config: Mapping[str, Any], device: torch.device,
                  prompt: Sequence[int] = (), penalties: Penalties | None = None) -> None:
@@ -278,7 +282,7 @@ class _Extras:
         self.greedy_count = sum(1 for i in adjusted if i < greedy)
         self.adjusted = len(adjusted)
         self.penalties: Penalties | None = None
-        self.penalized = False
+        self.kinds = (False, False)  # whether any row has a repetition penalty; a frequency or presence one
         if adjusted:
             self.at = len(values)
             slots = []
@@ -290,8 +294,9 @@ class _Extras:
                 elif penalties is not self.penalties:
                     raise ValueError("rows with penalties of different step loops in one batch")
                 slots.append(slot)
-                self.penalized = self.penalized or s.penalized
             chosen = [samplers[order[i]] for i in adjusted]
+            self.kinds = (any(s.repetition_penalty != 1.0 for s in chosen),
+                          any(s.frequency_penalty or s.presence_penalty for s in chosen))
             values.extend(adjusted)
             values.extend(slots)
             for name in ("repetition_penalty", "frequency_penalty", "presence_penalty", "temperature"):
@@ -315,7 +320,7 @@ class _Extras:
         where, slots, repetition, frequency, presence, _ = self._adjusted(params, 0, self.greedy_count)
         where = where.long()
         sub = self.penalties.adjusted(logits, where, slots.long(), repetition.float(), frequency.float(),
-                                      presence.float(), None, self.penalized)
+                                      presence.float(), None, self.kinds)
         chosen.index_copy_(0, where, sub.argmax(dim=-1))
 
     def drawn_adjusted(self, scores: torch.Tensor, params: torch.Tensor) -> None:
@@ -328,7 +333,7 @@ class _Extras:
                 self._adjusted(params, self.greedy_count, self.adjusted)
             where = where.long() - greedy
             sub = self.penalties.adjusted(scores, where, slots.long(), repetition.float(), frequency.float(),
-                                          presence.float(), temperature.float(), self.penalized)
+                                          presence.float(), temperature.float(), self.kinds)
             scores.index_copy_(0, where, sub)
         if self.min_p >= 0:
             floor = params[self.min_p:self.min_p + scores.shape[0], None].float()
@@ -336,7 +341,7 @@ class _Extras:
 
     def count(self, tokens: torch.Tensor, params: torch.Tensor) -> None:
         """The penalized rows' counts take their tokens (``tokens`` in path order)."""
-        if self.penalized:
+        if any(self.kinds):
             assert self.penalties is not None
             where, slots = self._adjusted(params, 0, self.adjusted)[:2]
             self.penalties.count(slots.long(), tokens.index_select(0, where.long()))
