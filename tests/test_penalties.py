@@ -92,7 +92,7 @@ def random_settings(rng: random.Random) -> dict[str, Any]:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_mixed_batches_equal_the_definitions_and_each_rows_solo_sample(device: str, seed: int) -> None:
-    """12 rows of random mixes (more than a Penalties' first 8 slots), 24
+    """12 rows of random mixes (more than a Penalties' first 8 slots), 16
     steps: every row's token is its reference's and its solo sampler's,
     whatever the others use; the penalties count what each row drew."""
     rng = random.Random(seed)
@@ -108,7 +108,7 @@ def test_mixed_batches_equal_the_definitions_and_each_rows_solo_sample(device: s
     alone = [Sampler(SamplingParams(**p), {}, torch.device(device), prompt) for p, prompt in zip(settings, prompts)]
     keys = [Sampler(SamplingParams(**p), {}, torch.device(device)) for p in settings]  # (the draws' keys)
     generated: list[list[int]] = [[] for _ in range(rows)]
-    for step in range(24):
+    for step in range(16):
         # (Flat logits, where penalties and biases decide, and spread ones, where they rarely do.)
         logits = (torch.randn(rows, VOCAB, generator=gen) * (0.5 if step % 2 else 4.0)).to(device)
         tokens, logprobs = draw(logits, batched)
