@@ -11,7 +11,9 @@ session and each other on a fork of it, each feeding the prompt's last token
 again; all in the same batched steps, each with its own random stream (a
 seeded request's choice i draws with seed + i, so it stays reproducible, and
 equals a request of n=1 with that seed). Usage counts the prompt once; a
-named session keeps the first choice's reply, as with n=1."""
+named session keeps the first choice's reply, as with n=1. (Recurrent state
+cannot rewind by one position: a hybrid model's choices feed the prompt
+again from the turn's checkpoint, llm/_llm.py.)"""
 
 from __future__ import annotations
 
