@@ -7,7 +7,7 @@
 # 4 front ends; STAGE=targets: issue 35's table in one call (bench_pool, the engine alone, at 1, 16
 # and 64 rows; the server at 1, 16, 64 chats against transformers at B = chats); STAGE=targets256: the
 # server at 256 chats against transformers at B = 256; STAGE=grammar: 16 chats with and without
-# structured output (--response-format json). Results under $OUT.
+# structured output (--response-format json; PASSES, ROUNDS). Results under $OUT.
 set -uo pipefail
 stage=${STAGE:-ab}
 turns=${TURNS:-4}; tokens=${TOKENS:-64}
@@ -68,9 +68,9 @@ if [ "$stage" = targets256 ]; then
 fi
 if [ "$stage" = grammar ]; then
   # Structured output's cost: 16 chats with every turn held to a JSON schema (masks) against the same bench
-  # without, in turn, twice each.
-  for pass in 1 2; do
-    run text-p$pass 16 --rounds 1 --no-anchor --server-arg=--api-workers=4
-    run json-p$pass 16 --rounds 1 --no-anchor --server-arg=--api-workers=4 --response-format json
+  # without, in turn, PASSES times each (default 2), ROUNDS rounds a server (default 1).
+  for pass in $(seq "${PASSES:-2}"); do
+    run text-p$pass 16 --rounds "${ROUNDS:-1}" --no-anchor --server-arg=--api-workers=4
+    run json-p$pass 16 --rounds "${ROUNDS:-1}" --no-anchor --server-arg=--api-workers=4 --response-format json
   done
 fi

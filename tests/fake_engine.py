@@ -105,7 +105,8 @@ class FakeLLM:
 
     def __init__(self, *, max_rows: int, limits: Limits, engine: FakeEngine | None = None) -> None:
         self.engine = engine or FakeEngine(max_rows)
-        self.spec = SimpleNamespace(prefill_rows=limits.prefill_rows, max_prefill=limits.max_prefill, recurrent=False)
+        self.spec = SimpleNamespace(prefill_rows=limits.prefill_rows, max_prefill=limits.max_prefill, recurrent=False,
+                                    vocab_size=VOCAB)
         self.max_context = CONTEXT
         self.tokenizer = Tokenizer()
         self.generation_config: dict[str, Any] = {}

@@ -205,7 +205,8 @@ def running_front_ends(owner: Any, count: int, registry: Any = None, **options: 
     from aoti_sessions.serve._shared import SharedRegistry
 
     folder = tempfile.mkdtemp(prefix="aoti-sessions-test-hub-")
-    hub = Hub(registry if registry is not None else new_registry(owner, **options), os.path.join(folder, "hub.sock"))
+    hub = Hub(registry if registry is not None else new_registry(owner, **options), os.path.join(folder, "hub.sock"),
+              options.get("stats_interval"))  # (the hub writes the stats log of all the front ends)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="hub", daemon=True)
     thread.start()

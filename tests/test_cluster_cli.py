@@ -64,7 +64,10 @@ def test_cli_replicas_serve_and_keep_sessions_across_restarts(tmp_path: Path) ->
                     again = http.post("/v1/chat/completions", json=follow).json()
                     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again
                 assert [s["id"] for s in http.get("/v1/sessions").json()["data"]] == ["cli"]
-                assert http.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
+                refused = http.get("/v1/models", headers={"Authorization": "Bearer no", "X-Request-Id": "cli-1"})
+                assert refused.status_code == 401 and refused.headers.get_list("x-request-id") == ["cli-1"]
+                made = http.get("/v1/models", headers={"X-Request-Id": "bad id"}).headers.get_list("x-request-id")
+                assert len(made) == 1 and len(made[0]) == 32 and made[0] != "bad id", made
         finally:
             os.killpg(process.pid, stop)
             assert process.wait(120) == 0, log.read_text()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -400,9 +401,19 @@ BAD_BODIES: list[tuple[str, Any, str | None]] = [  # (what, body or raw bytes, t
     ("zero max_completion_tokens", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("huge max_tokens", {"max_tokens": 10**9}, "max_tokens"),
     ("temperature out of range", {"temperature": 3}, "temperature"),
-    ("two choices", {"n": 2}, "n"),
-    ("logprobs", {"logprobs": True}, "logprobs"),
-    ("a penalty", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("no choices", {"n": 0}, "n"),
+    ("17 choices", {"n": 17}, "n"),
+    ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
+    ("21 top_logprobs", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("logprobs as a number", {"logprobs": 3}, "logprobs"),
+    ("a presence penalty past 2", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("a frequency penalty below -2", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("a repetition penalty of 0", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("min_p past 1", {"min_p": 1.5}, "min_p"),
+    ("a logit_bias keyed by a word", {"logit_bias": {"hello": 1}}, "logit_bias"),
+    ("a logit_bias past 100", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("a logit_bias token outside the vocabulary", {"logit_bias": {"100000": 1}}, "logit_bias"),
+    ("a negative stop token id", {"stop_token_ids": [-1]}, "stop_token_ids"),
     ("seed past 64 bits", {"seed": 2**64}, "seed"),
     ("huge top_k", {"top_k": 2**40}, "top_k"),
     ("17 stop strings", {"stop": [f"s{i}" for i in range(17)]}, "stop"),
@@ -526,15 +537,32 @@ def test_cli_serves_and_import_needs_no_fastapi(package: Path, device: str, tmp_
     # with SIGTERM; the sessions it held are served on by the next start.
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "session_id": "cli",
             "temperature": 0}
-    with _cli_server(package, device, tmp_path, "first", signal.SIGINT) as http:
-        reply = http.post("/v1/chat/completions", json=body).json()
+    log = tmp_path / "first.log"
+    with _cli_server(package, device, tmp_path, "first", signal.SIGINT, "--stats-interval", "0.5",
+                     "--served-model-name", "cli-model", "--allowed-origins", "https://app.example") as http:
+        reply = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "cli-req-1"}).json()
         assert reply["usage"]["completion_tokens"] <= 3 and reply["session_id"] == "cli"
+        assert reply["model"] == "cli-model"
         assert http.post("/v1/sessions/cli/save", json={"name": "cli"}).status_code == 200
         assert (tmp_path / "sessions" / "cli").is_file()
         assert http.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
-    started = (tmp_path / "first.log").read_text()
+        made = http.get("/v1/models", headers={"X-Request-Id": "bad id 7q"}).headers["x-request-id"]
+        assert http.options("/v1/models", headers={"Origin": "https://app.example", "Authorization": "",
+                                                   "Access-Control-Request-Method": "GET"}).status_code == 200
+        # Each line with its time and level; a request's with its id (the one it sent, or one made for it).
+        stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
+        wait_until(lambda: re.search(stamp + r"INFO aoti_sessions\.serve: stats: [1-9]\d* requests", log.read_text(),
+                                     re.M), what="a stats line")
+        wait_until(lambda: re.search(stamp + rf'INFO uvicorn\.access \[{made}\]: \S+ - "GET /v1/models HTTP/1\.1" 200',
+                                     log.read_text(), re.M), what="the access line")
+    started = log.read_text()
+    assert re.search(stamp + r'INFO uvicorn\.access \[cli-req-1\]: \S+ - "POST /v1/chat/completions HTTP/1\.1" 200',
+                     started, re.M), started
+    assert "bad id 7q" not in started and "[" + made + "]" in started
     assert f" on {device}" in started and ", 1 CPU thread for its kernels" in started, started
     assert "limits: sessions 3, session state 0.1 GiB" in started, started
+    assert "sampling defaults from the package's generation config (a request's own values take precedence): " \
+           "greedy (do_sample is not set)\n" in started, started
     assert "parked 1 sessions in" in started and (tmp_path / "sessions" / ".live" / "cli").is_file(), started
     follow = {**body, "messages": [*body["messages"], reply["choices"][0]["message"], {"role": "user", "content": "Go on"}]}
     with _cli_server(package, device, tmp_path, "second", signal.SIGTERM) as http:
@@ -687,3 +715,91 @@ def test_structured_output_holds_to_the_schema(client: openai.OpenAI, http: http
                               constraint=Constraint.json_object())
         assert reply["message"]["content"] == want.text and reply["message"]["content"].startswith("{"), reply
         assert reply["finish_reason"] == want.finish_reason
+
+
+def test_logprobs_sampling_fields_and_choices(client: openai.OpenAI, http: httpx.Client, llm: LLM) -> None:
+    """Logprobs in the openai SDK's own types (chat and completions, streamed
+    and not), equal to the LLM's own, each token's bytes its text's; the
+    penalties, min_p, logit_bias and stop_token_ids as the LLM runs them; n
+    choices (forks of the prompt's session) that differ when sampling and
+    each equal their solo runs with seed + index, greedy ones equal, the
+    prompt counted once, no session left open, a named session keeping the
+    first choice."""
+    messages = [{"role": "user", "content": "Hello, how are you today?"}]
+    with llm.new_session() as s:
+        want = s.generate(messages, max_tokens=6, temperature=0, logprobs=3)
+    assert want.logprobs is not None
+    done = chat(client, llm, messages, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = done.choices[0].logprobs.content
+    assert all(isinstance(c, openai.types.chat.ChatCompletionTokenLogprob) for c in content)
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+    assert [t.logprob for c in content for t in c.top_logprobs] == pytest.approx(
+        [v for e in want.logprobs for _, v in e.top], abs=1e-5)
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.token == bytes(c.bytes).decode(errors="replace") for c in content)
+    assert b"".join(bytes(c.bytes) for c in content).decode(errors="replace") == done.choices[0].message.content
+    stream = chat(client, llm, messages, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+    prompt = "The quick brown fox"
+    with llm.new_session() as s:
+        text_want = s.generate(prompt, max_tokens=6, temperature=0, logprobs=2)
+    assert text_want.logprobs is not None
+    completion = client.completions.create(model=llm.name, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in text_want.logprobs], abs=1e-5)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    assert all(t in top and 2 <= len(top) <= 3 for t, top in zip(logprobs.tokens, logprobs.top_logprobs))
+    pieces = list(client.completions.create(model=llm.name, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                            stream=True))
+    assert [t for p in pieces if p.choices and p.choices[0].logprobs for t in p.choices[0].logprobs.tokens or []] \
+        == logprobs.tokens
+    assert [o for p in pieces if p.choices and p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset or []] \
+        == logprobs.text_offset
+
+    # The sampling fields, as the LLM runs them; a stop token id ends the reply before it.
+    fields = {"min_p": 0.05, "presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.3,
+              "logit_bias": {str(want.token_ids[1]): 4.0, "7": -100}}
+    reply = http.post("/v1/chat/completions", json={"model": llm.name, "messages": messages, "max_tokens": 8,
+                                                    "temperature": 0.9, "seed": 3, **fields}).json()
+    with llm.new_session() as s:
+        same = s.generate(messages, max_tokens=8, temperature=0.9, seed=3, **{
+            **fields, "logit_bias": {int(k): v for k, v in fields["logit_bias"].items()}})
+    assert reply["choices"][0]["message"]["content"] == same.text, reply
+    stopped = http.post("/v1/chat/completions", json={"model": llm.name, "messages": messages, "max_tokens": 8,
+                                                      "temperature": 0, "stop_token_ids": [want.token_ids[2]]}).json()
+    assert stopped["usage"]["completion_tokens"] == 2 and stopped["choices"][0]["finish_reason"] == "stop", stopped
+
+    # n choices.
+    def resident() -> float:
+        counts = metrics(http)
+        return sum(v for k, v in counts.items() if k.startswith("aoti_sessions_sessions{"))
+
+    open_before = resident()
+    sampled = chat(client, llm, messages, n=3, temperature=1.0, seed=11, max_tokens=8)
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    texts = [c.message.content for c in sampled.choices]
+    assert len(set(texts)) > 1, texts
+    solos = [chat(client, llm, messages, temperature=1.0, seed=11 + i, max_tokens=8) for i in range(3)]
+    assert texts == [solo.choices[0].message.content for solo in solos]
+    assert sampled.usage.prompt_tokens == solos[0].usage.prompt_tokens
+    assert sampled.usage.completion_tokens == sum(solo.usage.completion_tokens for solo in solos)
+    greedy = chat(client, llm, messages, n=2, max_tokens=8)
+    one = chat(client, llm, messages, max_tokens=8).choices[0].message.content
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content == one
+    stream = chat(client, llm, messages, n=2, temperature=1.0, seed=11, max_tokens=8, stream=True)
+    by_index: dict[int, list[str]] = {0: [], 1: []}
+    finished: dict[int, str | None] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            by_index[choice.index].append(choice.delta.content or "")
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert ["".join(by_index[i]) for i in (0, 1)] == texts[:2] and set(finished) == {0, 1}
+    named = chat(client, llm, messages, "choices", n=2, temperature=1.0, seed=11, max_tokens=8)
+    alone = chat(client, llm, messages, "one-choice", temperature=1.0, seed=11, max_tokens=8)
+    assert named.choices[0].message.content == alone.choices[0].message.content
+    assert http.get("/v1/sessions/choices").json()["tokens"] == http.get("/v1/sessions/one-choice").json()["tokens"]
+    wait_until(lambda: resident() == open_before + 2, what="the forks to close")  # (the two named sessions)

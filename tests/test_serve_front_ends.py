@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -286,7 +287,7 @@ def test_cli_front_ends_serve_concurrent_chats_as_alone(package: Path, device: s
     with log_path.open("w") as log:
         process = subprocess.Popen([sys.executable, "-m", "aoti_sessions", "serve", str(package), "--port", str(port),
                                     "--device", device, "--api-workers", "2", "--threads", "1",
-                                    "--session-dir", str(tmp_path / "sessions")],
+                                    "--session-dir", str(tmp_path / "sessions"), "--stats-interval", "0.5"],
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -324,10 +325,21 @@ def test_cli_front_ends_serve_concurrent_chats_as_alone(package: Path, device: s
         with ThreadPoolExecutor(len(chats)) as pool:
             got = dict(zip(chats, pool.map(converse, chats)))
         assert got == want
+        # The front ends' lines carry each request's id; the hub's stats line counts every front end's requests.
+        for i in range(4):  # (fresh connections: both front ends, most likely)
+            with httpx.Client(base_url=base, timeout=60) as fresh:
+                assert fresh.get("/v1/models", headers={"X-Request-Id": f"fleet-{i}"}).headers["x-request-id"] \
+                    == f"fleet-{i}"
+        stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO "
+        sent = sum(len(turns) for turns in chats.values())
+        wait_until(lambda: sum(int(n) for n in re.findall(stamp + r"aoti_sessions\.serve: stats: (\d+) requests",
+                                                          log_path.read_text(), re.M)) >= sent, timeout=30,
+                   what="stats lines of every front end's requests")
+        assert all(re.search(stamp + rf'uvicorn\.access \[fleet-{i}\]: \S+ - "GET /v1/models', log_path.read_text(),
+                             re.M) for i in range(4)), log_path.read_text()
         ok = 'aoti_sessions_requests_total{endpoint="/v1/chat/completions",status="200"}'
         with httpx.Client(base_url=base, timeout=60) as http:
             counts = metrics(http)
-        sent = sum(len(turns) for turns in chats.values())
         assert counts[ok] == sent, counts
         assert counts["aoti_sessions_named_sessions"] == len(chats)
         # A second server with several front ends on the port is refused (not spread beside this one).

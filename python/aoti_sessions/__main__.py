@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "export":
         return run_export(args)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from ._logs import configure
+
+    configure(logging.INFO)  # (time, level, logger, and the request's id where there is one)
 
     from .errors import Error
 

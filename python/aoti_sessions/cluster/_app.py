@@ -50,7 +50,8 @@ def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, devi
         threads: int | None = None, api_key: str | None = None, api_keys: Sequence[str] = (),
         engine: dict[str, Any] | None = None,
         server: dict[str, Any] | None = None, cpus_per_replica: float = 1.0, max_ongoing_requests: int = 1024,
-        max_body_bytes: int = 64 << 20, engine_process: bool = True, loopback: bool = False) -> Any:
+        max_body_bytes: int = 64 << 20, engine_process: bool = True, loopback: bool = False,
+        allowed_origins: Sequence[str] = ()) -> Any:
     """The application of ``replicas`` engines of ``package`` behind an
     ingress deployment (Serve's HTTP proxy in front).
 
@@ -66,23 +67,30 @@ def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, devi
             and every replica check them).
         engine: the engine's options (``max_sessions``, ``memory_budget``,
             ``host_budget``, ``idle_timeout``, ``rewind_checkpoints``).
-        server: :func:`aoti_sessions.serve.create_app`'s options.
+        server: :func:`aoti_sessions.serve.create_app`'s options (its
+            ``allowed_origins`` are the ingress's: below).
         engine_process: each replica's engine in a process of its own (as
             ``aoti-sessions serve`` runs it; False: in the replica's).
         loopback: the cluster is local and talks on 127.0.0.1 only (see
             :mod:`aoti_sessions.cluster._local`).
+        allowed_origins: origins whose pages may call the cluster from a
+            browser (CORS, answered by the ingress).
     """
     from ray import serve
 
+    from ..serve._middleware import check_origins
+
     api_keys = list(api_keys)
     Keys(api_key, api_keys)  # (refused here, not in each replica)
+    check_origins(allowed_origins)
     server = {**(server or {}), "api_key": api_key, "api_keys": api_keys}
     bound = engines(package, replicas=replicas, session_dir=session_dir, device=device, threads=threads,
                     engine=engine, server=server, cpus_per_replica=cpus_per_replica,
                     max_ongoing_requests=max_ongoing_requests, engine_process=engine_process, loopback=loopback)
     front = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=100_000,
                              ray_actor_options={"num_cpus": 0, "runtime_env": _env.runtime_env()})(Ingress)
-    return front.bind(bound, api_key=api_key, api_keys=api_keys, max_body_bytes=max_body_bytes, loopback=loopback)
+    return front.bind(bound, api_key=api_key, api_keys=api_keys, max_body_bytes=max_body_bytes, loopback=loopback,
+                      allowed_origins=list(allowed_origins))
 
 
 def build_app(args: dict[str, Any]) -> Any:
@@ -96,6 +104,8 @@ def build_app(args: dict[str, Any]) -> Any:
                        ("max_ongoing_requests", int), ("max_body_bytes", int)):
         if name in options:
             options[name] = kind(options[name])
+    if isinstance(options.get("allowed_origins"), str):  # (origins separated by commas)
+        options["allowed_origins"] = [o.strip() for o in options["allowed_origins"].split(",") if o.strip()]
     for name in ("engine_process", "loopback"):
         if isinstance(options.get(name), str):
             options[name] = _flag(name, options[name])

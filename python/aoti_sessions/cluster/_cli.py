@@ -46,6 +46,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("aoti-sessions serve --replicas needs Ray Serve: pip install 'aoti-sessions[cluster]'", file=sys.stderr)
         return 2
+    from ..serve._app import served_names
+    from ..serve._middleware import check_origins
+
+    check_origins(args.allowed_origins or ())  # (refused before any cluster starts: exit status 2)
+    if args.served_model_name is not None:
+        served_names(args.served_model_name, "")
     local = args.ray_address is None
     if not local and args.session_dir is None:
         print("aoti-sessions serve: --ray-address needs --session-dir, a folder every replica's machine reaches "
@@ -68,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or (max(1, (usable_cpus() - 1) // replicas) if cpu and local else None)
     server = {"session_ttl": args.session_ttl, "body_timeout": args.body_timeout,
               "max_body_bytes": args.max_body_bytes, "max_session_files": args.max_session_files,
-              "max_session_files_bytes": args.max_session_files_bytes,
+              "max_session_files_bytes": args.max_session_files_bytes, "model_name": args.served_model_name,
+              "stats_interval": args.stats_interval,  # (each replica's line, in its Ray log)
               "api_key": args.api_key, "api_keys": api_keys}  # (each replica checks the keys too)
     cpus_per_replica = 1.0
     if local and cpu:  # a local cluster's CPUs shared by its replicas (each runs `threads` kernels)
@@ -98,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
               f"http://{args.host}:{args.port}; sessions checkpointed to {session_dir}"
               + ("; Ray dashboard http://127.0.0.1:8265" if local else ""), file=sys.stderr, flush=True)
         serve_front(replicas_handle, args.host, args.port, api_key=args.api_key, api_keys=api_keys,
+                    allowed_origins=args.allowed_origins or (),
                     max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES, max_connections=args.max_connections,
                     header_timeout=args.header_timeout)
         print("aoti-sessions serve: stopping: every replica parks its sessions in the session dir", file=sys.stderr,

@@ -36,7 +36,8 @@ def front_app(ingress: Ingress) -> Starlette:
 
 
 def serve_front(replicas: Any, host: str, port: int, *, api_key: str | None, max_body_bytes: int,
-                max_connections: int, header_timeout: float, api_keys: Sequence[str] = ()) -> None:
+                max_connections: int, header_timeout: float, api_keys: Sequence[str] = (),
+                allowed_origins: Sequence[str] = ()) -> None:
     """Serves the cluster on ``host:port`` until SIGINT or SIGTERM."""
     import uvicorn
 
@@ -48,9 +49,10 @@ def serve_front(replicas: Any, host: str, port: int, *, api_key: str | None, max
     # GIL, up to the switch interval (5 ms by default) while the other runs.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
-    app = front_app(Ingress(replicas, api_key=api_key, api_keys=api_keys, max_body_bytes=max_body_bytes))
+    app = front_app(Ingress(replicas, api_key=api_key, api_keys=api_keys, max_body_bytes=max_body_bytes,
+                            allowed_origins=allowed_origins, answer_request_ids=True))
     server = uvicorn.Server(server_config(app, host, port, max_connections=max_connections,
-                                          header_timeout=header_timeout, log_level="warning"))
+                                          header_timeout=header_timeout, log_level="warning", log_config=None))
     # uvicorn stops on SIGINT or SIGTERM, then raises the signal again for
     # the handler it found: here that ends the wait, and the caller goes on
     # to stop the cluster.

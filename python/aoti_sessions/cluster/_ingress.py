@@ -6,10 +6,16 @@ A request names its session as one server reads it: an ``X-Session-ID``
 header, ``session_id`` in a generation's or a load's JSON body, or the path
 of a ``/v1/sessions/{id}`` endpoint. ``GET /v1/sessions`` and ``/metrics``
 are the whole cluster's (every replica asked); ``/health`` is the
-ingress's own. When a replica dies with a request on its way, or its engine
-process had ended before the request came, the request goes to another
-replica (which brings the session back from its checkpoint); a stream cut
-midway ends with an error event, as one server's does when its engine ends.
+ingress's own. The request's ``X-Request-Id`` is checked or made as one
+server does it, and the replica is handed the same; the answer carries it
+(with ``answer_request_ids``: the command's HTTP front; Serve's HTTP proxy
+adds its own, the client's as sent or one it made). With
+``allowed_origins``, the CORS headers (a browser's preflight is answered
+here, before the API key is asked for). When a replica dies with a request
+on its way, or its engine process had ended before the request came, the
+request goes to another replica (which brings the session back from its
+checkpoint); a stream cut midway ends with an error event, as one server's
+does when its engine ends.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..serve._app import unauthorized
+from .._logs import REQUEST_ID
+from ..serve._middleware import Cors, request_id, unauthorized
 from ..serve._errors import APIError, error_response, sse_error, unexpected
 from ..serve._http import OnceAMinute
 from ..serve._metrics import CONTENT_TYPE, Registry
@@ -78,7 +85,8 @@ def _replica_gone(error: BaseException) -> bool:
 
 class Ingress:
     def __init__(self, replicas: Any, *, api_key: str | None = None, retry_for: float = 60.0,
-                 max_body_bytes: int = 64 << 20, loopback: bool = False, api_keys: Sequence[str] = ()) -> None:
+                 max_body_bytes: int = 64 << 20, loopback: bool = False, api_keys: Sequence[str] = (),
+                 allowed_origins: Sequence[str] = (), answer_request_ids: bool = False) -> None:
         if loopback:
             _local.keep_replica_on_loopback()
         self.replicas = replicas  # the engine replicas' deployment handle
@@ -87,6 +95,8 @@ class Ingress:
         # again, and serves the tenant's sessions only.
         self.keys = Keys(api_key, api_keys)
         self.retry_for, self.max_body_bytes = retry_for, max_body_bytes
+        self.cors = Cors(allowed_origins) if allowed_origins else None
+        self.answer_request_ids = answer_request_ids
         self.metrics = Registry()
         self.requests = self.metrics.counter("aoti_sessions_cluster_requests_total",
                                              "Requests the ingress answered, by status.", ("status",))
@@ -96,16 +106,31 @@ class Ingress:
                            lambda: float(len(AFFINITY.replicas())))
 
     async def __call__(self, request: Request) -> Response:
-        response = await self._answer(request)
-        self.requests.inc(status=str(response.status_code))
+        rid = request_id(request.headers.raw)
+        token = REQUEST_ID.set(rid)
+        try:
+            preflight = self.cors.preflight(request.method, request.headers) if self.cors is not None else None
+            response = preflight or await self._answer(request, rid)
+        finally:
+            REQUEST_ID.reset(token)
+        # (The replica's answer has the id too: one header, or none where Serve's proxy adds its own.)
+        headers = [h for h in response.raw_headers if h[0] != b"x-request-id"]
+        if self.answer_request_ids:
+            headers.append((b"x-request-id", rid.encode()))
+        if self.cors is not None and preflight is None:
+            headers = await self.cors.answer_headers(request.headers, headers)
+        response.raw_headers = headers
+        self.requests.labels(status=str(response.status_code)).inc()
         return response
 
-    async def _answer(self, request: Request) -> Response:
+    async def _answer(self, request: Request, rid: str) -> Response:
         method, path = request.method, request.scope["path"]
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):  # (an application under a route prefix)
             path = path[len(root):] or "/"
-        headers = [(k.lower(), v) for k, v in request.headers.raw]
+        # (The replica is handed the request's id as checked here: it answers and logs with the same.)
+        headers = [(k.lower(), v) for k, v in request.headers.raw if k.lower() != b"x-request-id"]
+        headers.append((b"x-request-id", rid.encode()))
         if path == "/health":
             return await self._health()
         tenant = self.keys.tenant(headers)

@@ -21,13 +21,15 @@ from ._export import export
 from ._generation import Completion, Generation
 from ._grammar import Constraint
 from ._llm import LLM, ChatSession, ContextLengthError, Prompt
-from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteGeneration, RemoteLLM, RemoteSession
+from ._logprobs import TokenLogprob
+from ._params import ParamError, SamplingParams
 from ._reasoning import Reasoning
+from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteGeneration, RemoteLLM, RemoteSession
 from ._replies import Reply, ReplyFormat, ReplyStream, ToolCallStream, parse_tool_calls, tool_call_constraint
-from ._sampling import SamplingParams
 from ._tools import ToolCall
 
-__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "Constraint",
+__all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "ParamError",
+           "TokenLogprob", "Constraint",
            "ContextLengthError", "ToolCall", "ToolCallStream", "parse_tool_calls", "tool_call_constraint",
            "Reasoning", "Reply", "ReplyFormat", "ReplyStream",
            "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]

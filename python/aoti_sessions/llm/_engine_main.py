@@ -5,7 +5,9 @@ names its classes there), not as __main__."""
 
 import sys
 
+from aoti_sessions._logs import configure_here
 from aoti_sessions.llm._remote_engine import main
 
 if __name__ == "__main__":
+    configure_here()  # (its lines as the server's, where a server started it)
     main(sys.argv[1:])

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Union
 
 from .._session import Closable
 from ..errors import SessionClosedError
-from ._sampling import SamplingParams, Sampler
+from ._logprobs import TokenLogprob
+from ._params import ParamError, SamplingParams
+from ._sampling import Sampler
 from ._text import TextStream, decoded
 
 if TYPE_CHECKING:
@@ -47,6 +49,8 @@ class Completion:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens already in the session's cache (not prefilled again)
     completion_tokens: int
+    # Each token's logprob and the top ones at its step (SamplingParams.logprobs; else None).
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Pieces(Closable):
@@ -164,6 +168,10 @@ class Generation(Pieces):
 
     def __init__(self, session: ChatSession, prompt: list[int], params: SamplingParams) -> None:
         llm = session.llm
+        vocab = llm.spec.vocab_size
+        if params.biases and params.biases[-1][0] >= vocab:  # (in id order)
+            raise ParamError("logit_bias", f"logit_bias: token id {params.biases[-1][0]} is not in the "
+                                           f"vocabulary of {vocab} tokens")
         # A constraint's grammar is compiled (or copied) first: one the vocabulary cannot spell changes nothing.
         self._guide = llm._grammars.guide(params.constraint) if params.constraint is not None else None
         self._guided: tuple[int, str | ValueError] | None = None  # (token, what the guide said of it), not handed out
@@ -187,7 +195,9 @@ class Generation(Pieces):
         # The step queued last fed this generation's unread sampled token
         # (the scheduler holds the session's lock until it is read).
         self._fed_ahead = False
-        self._sampler = Sampler(params, llm.generation_config, llm.device)
+        self._sampler = Sampler(params, llm.generation_config, llm.device, prompt, llm._scheduler.penalties)
+        # Each generated token's logprob and the top ones at its step (SamplingParams.logprobs).
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # Stop strings end the reply in the step loop: its text is made there too (else only where it is read).
         self._stops = TextStream(llm.tokenizer, params.stop, params.keep_special_tokens) if params.stop else None
         self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else llm.eos_token_ids)
@@ -255,9 +265,9 @@ class Generation(Pieces):
         read, as a one-token chunk)."""
         return not self._recurrent and self._room_for_next()
 
-    def _take_token(self, token: int) -> None:
-        """A sampled token, read (the next step was queued): recorded, then
-        handed out. Where the step queued since fed it, the session settles
+    def _take_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """A sampled token, read (the next step was queued): recorded (with
+        its ``logprob``, where asked), then handed out. Where the step queued since fed it, the session settles
         it (ChatSession._settle: its token list gains it, or, for a stop
         token or a generation that ended meanwhile, its cache forgets it;
         then its lock goes). With stop strings, the generation ends where
@@ -299,6 +309,8 @@ class Generation(Pieces):
                 self._pending.append(token)
             else:  # at max_tokens or the context's end
                 self._ending = "length"
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs.append(logprob)
         self.token_ids.append(token)
         if self._ended:  # (closed meanwhile, on another thread)
             return
@@ -350,7 +362,8 @@ class Generation(Pieces):
         """What was generated (``finish_reason`` is ``"stop"`` if closed early)."""
         return Completion(text=self.text, token_ids=list(self.token_ids), finish_reason=self.finish_reason or "stop",
                           prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                          completion_tokens=self.completion_tokens)
+                          completion_tokens=self.completion_tokens,
+                          logprobs=list(self.logprobs) if self.logprobs is not None else None)
 
     def close(self) -> None:
         """Stops generating (after the step in flight); the session keeps

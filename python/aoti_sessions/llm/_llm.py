@@ -32,7 +32,7 @@ from .._session import Closable, Session
 from ..errors import CapacityError, PackageError, SessionBusyError, SessionClosedError, SessionFileError
 from ._generation import Completion, Generation
 from ._grammar import Grammars
-from ._sampling import SamplingParams, sampling_params
+from ._params import SamplingParams, sampling_params
 from ._scheduler import Scheduler
 from ._prompts import ChatPrompt, ContextLengthError, Prompt, Prompts, Spelling
 
@@ -185,7 +185,8 @@ class LLM(Prompts, Closable):
         rest it waited for the GIL other threads held, or for a lock);
         for recurrent state, the turns that rewound to a checkpoint
         (``checkpoint_rewinds``) and checkpoints not kept for want of room
-        (``checkpoints_skipped``)."""
+        (``checkpoints_skipped``); ``prefilling``: generations in the step
+        loop still reading their prompt."""
         return {**self.engine.stats(), **self._scheduler.stats(), "checkpoint_rewinds": self._rewinds,
                 "checkpoints_skipped": self._checkpoints_skipped}
 

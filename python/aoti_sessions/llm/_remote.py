@@ -18,8 +18,9 @@ Other processes may attach to the same engine process (:meth:`RemoteLLM.share`,
 
 One pipe carries both ways (pickled): calls ``(call_id, op, args)`` to the
 child; lists of ``("reply", call_id, ok, value)`` and ``("event", gen_id,
-event, completion_tokens, token_count, finals)`` back, read by one thread
-here. If the child dies, every pending and later call raises
+event, completion_tokens, token_count, finals, logprobs)`` back (logprobs:
+those of the event's tokens, where the generation asked), read by one
+thread here. If the child dies, every pending and later call raises
 :class:`EngineProcessError` and every running generation ends with it.
 
 Liveness: calls go out through an outbox (a child that stopped reading holds
@@ -57,9 +58,10 @@ import torch
 from .._session import Closable
 from ..errors import EngineProcessError, EngineUnresponsiveError, Error, SessionBusyError, SessionClosedError
 from ._generation import Pieces, TokenEvent
+from ._logprobs import TokenLogprob
 from ._prompts import Prompt, Prompts
 from ._remote_engine import EngineAddress, Finals, Outbox, Started
-from ._sampling import SamplingParams, sampling_params
+from ._params import SamplingParams, sampling_params
 from ._text import TextStream
 
 __all__ = ["RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineAddress", "EngineProcessError",
@@ -390,11 +392,11 @@ class RemoteLLM(Prompts, Closable):
                      Finals(None, g.prefilled_tokens, g.completion_tokens))
 
     def _event(self, gid: int, event: TokenEvent, completion_tokens: int, token_count: int,
-               finals: Finals | None) -> None:
+               finals: Finals | None, logprobs: list[TokenLogprob] | None) -> None:
         with self._lock:
             g = self._generations.get(gid) if finals is None else self._generations.pop(gid, None)
         if g is not None:
-            g._event(event, completion_tokens, token_count, finals)
+            g._event(event, completion_tokens, token_count, finals, logprobs)
 
     def _death(self) -> Error:
         if self._closing:
@@ -519,12 +521,17 @@ class RemoteGeneration(Pieces):
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._error: BaseException | None = None
+        # Each generated token's logprob and the top ones at its step (SamplingParams.logprobs; else None).
+        self.logprobs: list[TokenLogprob] | None = [] if started.logprobs else None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self._closed or self._error is not None
 
-    def _event(self, event: TokenEvent, completion_tokens: int, token_count: int, finals: Finals | None) -> None:
+    def _event(self, event: TokenEvent, completion_tokens: int, token_count: int, finals: Finals | None,
+               logprobs: list[TokenLogprob] | None = None) -> None:
+        if logprobs and self.logprobs is not None:
+            self.logprobs.extend(logprobs)  # (before the count: a reader that sees the count sees them)
         self.completion_tokens = completion_tokens
         self._session._tokens = token_count
         if finals is not None:

@@ -63,6 +63,7 @@ class Started(NamedTuple):
     cached_tokens: int
     stop: tuple[str, ...]  # its stop strings (for a connection that makes the text of its token ids)
     keep: tuple[int, ...] = ()  # the special tokens its text keeps (likewise)
+    logprobs: bool = False  # its events carry the logprobs of their tokens
 
 
 class EngineAddress(NamedTuple):
@@ -411,17 +412,21 @@ class _Engine:
             g.close()
             return
         peer.put(("reply", cid, True, Started(gid, sid, g.submitted, g.prompt_tokens, g.cached_tokens,
-                                              tuple(g.params.stop), tuple(g.params.keep_special_tokens))))
+                                              tuple(g.params.stop), tuple(g.params.keep_special_tokens),
+                                              g.logprobs is not None)))
+        sent = 0  # logprobs sent (of g.logprobs: each event carries those of the tokens since the one before)
 
         def sink(event: TokenEvent) -> None:  # on the step loop's thread
+            nonlocal sent
             finals = None
             if event is None or isinstance(event, BaseException):
                 peer.generations.pop(gid, None)
                 finals = _finals(g)
                 if event is not None:
                     event = portable(event)
+            logprobs, sent = (g.logprobs[sent:], len(g.logprobs)) if g.logprobs is not None else (None, 0)
             # (on the step loop's thread: sent once it waits, _flush; else now)
-            peer.put(("event", gid, event, g.completion_tokens, session.token_count, finals),
+            peer.put(("event", gid, event, g.completion_tokens, session.token_count, finals, logprobs),
                      later=scheduler.on_loop())
 
         if peer.tokens:

@@ -47,7 +47,9 @@ from ..errors import SessionClosedError
 from ._generation import Held
 from ._grammar import Masks
 from ._plan import Limits, Plan, Row, plan_step, prefill_width
-from ._sampling import sample
+from ._logprobs import StepLogprobs, TokenLogprob
+from ._penalties import Penalties
+from ._sampling import draw
 from ._spec import PAD_ID
 
 if TYPE_CHECKING:
@@ -84,6 +86,9 @@ class _Step:
     # Logits whose sampling waits for the step before to be handed out: a
     # constrained row's mask needs the token before (_grammar.py).
     logits: torch.Tensor | None = None
+    # The logprobs of the rows that ask (on the device; copied with the tokens), then read: by row.
+    logprobs: StepLogprobs | None = None
+    read: dict[int, TokenLogprob] | None = None
 
 
 class Scheduler:
@@ -117,6 +122,7 @@ class Scheduler:
         self._landing: list[tuple[torch.Tensor, Any] | None] = [None, None]
         self._landed = 1
         self._masks = Masks()  # structured output's (_grammar.py)
+        self.penalties = Penalties(self._engine.device)  # the token counts of rows with penalties (_penalties.py)
         self.steps = 0  # steps run (for tests and metrics)
         self.decode_rows = 0  # rows of the batched decode calls
         self.prefill_calls = 0  # prefill calls made, the rows and tokens they fed
@@ -140,8 +146,12 @@ class Scheduler:
         self.before_wait: list[Callable[[], None]] = []
 
     def stats(self) -> dict[str, float]:
-        """The step loop's counters (LLM.stats())."""
-        return {"steps": self.steps, "decode_rows": self.decode_rows, "prefill_calls": self.prefill_calls,
+        """The step loop's counters (LLM.stats()), and how many of its
+        generations are still reading their prompt (``prefilling``: no
+        token generated yet)."""
+        with self._cond:
+            prefilling = sum(1 for g in (*self._waiting, *self._active) if not g.token_ids and not g.finished)
+        return {"prefilling": prefilling, "steps": self.steps, "decode_rows": self.decode_rows, "prefill_calls": self.prefill_calls,
                 "prefill_rows": self.prefill_rows_fed, "prefill_tokens": self.prefill_tokens,
                 "step_wait_seconds": self.wait_seconds, "step_queue_seconds": self.queue_seconds,
                 "step_text_seconds": self.text_seconds, "step_engine_seconds": self.engine_seconds,
@@ -242,21 +252,33 @@ class Scheduler:
         if step.done is not None:
             step.done.synchronize()  # releases the GIL while the device finishes
             assert step.host is not None
-            return step.host[: len(step.sampled)].tolist()
-        return step.tokens.tolist()
+            tokens: list[int] = step.host[: len(step.sampled)].tolist()
+            if step.logprobs is not None:
+                step.read = step.logprobs.read(step.host, tokens)
+            return tokens
+        tokens = step.tokens.tolist()
+        if step.logprobs is not None:
+            step.read = step.logprobs.here(tokens)
+        return tokens
 
     def _hand_out(self, step: _Step, tokens: list[int]) -> None:
         """Records each sampled token (the step after was queued: where it fed
         the token, this settles it and frees the session's lock), then hands
-        it out (Generation._take_token)."""
-        for g, token in zip(step.sampled, tokens):
-            g._take_token(token)
+        it out (Generation._take_token), with its logprobs where asked."""
+        if step.read is None:
+            for g, token in zip(step.sampled, tokens):
+                g._take_token(token)
+            return
+        logprobs = step.read
+        for i, (g, token) in enumerate(zip(step.sampled, tokens)):
+            g._take_token(token, logprobs.get(i))
 
     def _drop_finished(self) -> None:
         with self._cond:
             kept = []
             for g in self._active:
                 if g.finished:
+                    g._sampler.release()  # (its slot of penalties, if any: the steps queued so far used it)
                     g._released.set()
                 else:
                     kept.append(g)
@@ -302,13 +324,15 @@ class Scheduler:
         logits, step.logits = step.logits, None
         if guided:
             self._masks.apply(logits, [g._guide if not g.finished else None for g in step.sampled])
-        step.tokens = sample(logits, [g._sampler for g in step.sampled])
+        step.tokens, step.logprobs = draw(logits, [g._sampler for g in step.sampled])
         if self._cuda:
-            step.host, step.done = self._land(step.tokens)
+            step.host, step.done = self._land(step.tokens if step.logprobs is None
+                                              else step.logprobs.packed(step.tokens))
 
     def _land(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Queues the copy of a step's sampled ``tokens`` to the host: the
-        pinned buffer they land in and the event recorded after the copy."""
+        """Queues the copy of a step's sampled ``tokens`` (and the logprobs
+        packed after them) to the host: the pinned buffer they land in and
+        the event recorded after the copy."""
         slot = self._landed = 1 - self._landed
         count = tokens.numel()
         landing = self._landing[slot]
@@ -411,6 +435,7 @@ class Scheduler:
         for g in everyone:
             if not g.finished:
                 g._fail(error)
+            g._sampler.release()
             g._released.set()
 
 

@@ -8,27 +8,27 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import _errors, _responses
-from ._errors import APIError, error_response, runtime_error, sse_error, unexpected
-from ._generate import DONE, Job
+from . import _errors, _middleware, _responses, _stats_log
+from ._bodies import DONE
+from ._errors import APIError, runtime_error, sse_error, unexpected
+from ._generate import Job
 from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES,
                       DEFAULT_SESSION_TTL, default_body_limit)
 from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._protocol import (SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ErrorBody, ForkRequest, LoadRequest,
                         SaveRequest)
-from ._routes import GENERATED, TENANT, answer, check_model, tenant_of
+from ._middleware import check_origins
+from ._routes import GENERATED, answer, check_model, tenant_of
 from ._sessions import Registry, described_one
-from ._tenants import DEFAULT_TENANT, Keys
+from ._tenants import Keys
 from ._threads import in_thread
 
 if TYPE_CHECKING:
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aoti_sessions.serve")
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
-OPEN_PATHS = ("/health",)  # answered without the API key
 def new_registry(llm: LLM | RemoteLLM, *, session_dir: str | os.PathLike[str] | None = None,
                  session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
                  checkpoint_sessions: bool = False, max_session_files: int = DEFAULT_MAX_SESSION_FILES,
@@ -52,12 +51,13 @@ def new_registry(llm: LLM | RemoteLLM, *, session_dir: str | os.PathLike[str] | 
 
 
 def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
-               model_name: str | None = None, retry_after: int = 1, max_body_bytes: int | None = None,
+               model_name: str | Sequence[str] | None = None, retry_after: int = 1, max_body_bytes: int | None = None,
                session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
                body_timeout: float = DEFAULT_BODY_TIMEOUT, checkpoint_sessions: bool = False,
                api_keys: Iterable[str] = (), max_session_files: int = DEFAULT_MAX_SESSION_FILES,
                max_session_files_bytes: int = DEFAULT_MAX_SESSION_FILES_BYTES,
-               shared: SharedRegistry | None = None) -> FastAPI:
+               shared: SharedRegistry | None = None, allowed_origins: Iterable[str] = (),
+               stats_interval: float | None = None) -> FastAPI:
     """An OpenAI-compatible server of ``llm``'s sessions.
 
     Args:
@@ -71,7 +71,9 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             ``/health`` wants one of them or ``api_key``.
         session_dir: the folder ``save`` and ``load`` read and write; without
             it they answer 400.
-        model_name: the model id clients name (default ``llm.name``).
+        model_name: the model id clients name (default ``llm.name``), or
+            several (``--served-model-name``): a request may name any, each is
+            in ``/v1/models``, and answers report the first.
         retry_after: seconds a 429 (no room for a session) tells clients to wait.
         max_body_bytes: a request body longer than this is answered 413
             before it is read whole (default: :func:`default_body_limit` of
@@ -94,6 +96,17 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             (``aoti-sessions serve --api-workers N``, serve/_fleet.py): the
             registry they share (its hub keeps the sessions, with the options
             above), in place of one of this app's own.
+        allowed_origins: the origins (``https://app.example``, or ``*``)
+            whose pages may call the server from a browser (CORS): a
+            preflight ``OPTIONS`` from one is answered without the API key;
+            every other request still needs it. None by default.
+        stats_interval: seconds between the stats log lines
+            (serve/_stats_log.py); None: none. (With several front ends the
+            hub writes them, for all.)
+
+    Every answer carries an ``X-Request-Id``: the request's own where it
+    sent a usable one (1-128 letters, digits and ``._:/+=-``), else a new
+    one; the log lines written while answering it carry it too.
 
     A generation request names its session with ``session_id`` in the body or
     an ``X-Session-ID`` header; an id the server does not know yet is created
@@ -112,6 +125,12 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
     for name, limit in (("max_session_files", max_session_files), ("max_session_files_bytes", max_session_files_bytes)):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"{name} must be an int >= 1, got {limit!r}")
+    if stats_interval is not None and (isinstance(stats_interval, bool) or not isinstance(stats_interval, (int, float))
+                                       or not 0 < stats_interval < 1e9):
+        raise ValueError(f"stats_interval must be a number of seconds > 0 (or None: no stats log), got "
+                         f"{stats_interval!r}")
+    origins = check_origins(allowed_origins)
+    names = served_names(model_name, llm.name)
     keys = Keys(api_key, api_keys)
     registry: Registry | SharedRegistry = shared if shared is not None else new_registry(
         llm, session_dir=session_dir, session_ttl=session_ttl, persist_sessions=persist_sessions,
@@ -123,6 +142,9 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
              lambda: registry.figure("expired")),
             ("sessions_unparked_total", "Parked sessions brought back by a request naming them.",
              lambda: registry.figure("unparked")),
+            ("sessions_parked_for_room_total", "Idle sessions parked (saved with persistence on, then closed) to make "
+             "room for another: a stored response's, or with persistence any named one.",
+             lambda: registry.figure("parked_for_room")),
             ("session_park_failures_total", "Parks that failed (a full disk): the session stays in memory, or is "
              "lost when the server stops.", lambda: registry.figure("park_failures")),
             ("checkpoints_total", "Checkpoint writes of named sessions (with checkpoints on).",
@@ -137,7 +159,7 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
              lambda: registry.figure("superseded")))
     for name, what, read in counters:
         metrics.registry.gauge(f"aoti_sessions_{name}", what, read, kind="counter")
-    model = model_name or llm.name
+    model = names[0]  # (what answers report)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -145,6 +167,8 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         async with anyio.create_task_group() as tasks:
             if registry.sweeps:
                 tasks.start_soon(registry.sweep)
+            if stats_interval is not None and shared is None:  # (the hub's, with several front ends)
+                tasks.start_soon(_stats_log.run, stats_interval, stats_figures)
             yield
             tasks.cancel_scope.cancel()
         await registry.close()
@@ -163,8 +187,8 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
     app = FastAPI(title="aoti-sessions", lifespan=lifespan, strict_content_type=False, responses=errors)
     app.state.registry, app.state.metrics, app.state.llm = registry, metrics, llm
     _errors.install(app, retry_after)
-    app.add_middleware(_BodyLimit, limit=body_limit, timeout=body_timeout)  # inside the guard: a client without the key sends no body
-    app.add_middleware(_Guard, keys=keys, metrics=metrics, routes=app.router)
+    _middleware.install(app, keys=keys, metrics=metrics, body_limit=body_limit, body_timeout=body_timeout,
+                        allowed_origins=origins)
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
@@ -186,34 +210,39 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
 
     started = int(time.time())
 
-    def model_card() -> dict[str, Any]:
-        return {"id": model, "object": "model", "created": started, "owned_by": "aoti-sessions",
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": started, "owned_by": "aoti-sessions",
                 "max_model_len": llm.max_context}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str) -> dict[str, Any]:
-        check_model(model_id, model)
-        return model_card()
+        check_model(model_id, names)
+        return model_card(model_id)
+
+    async def stats_figures() -> _stats_log.Figures:
+        engine = await in_thread(llm.stats)
+        return _stats_log.figures([metrics.snapshot()], engine, len(registry), int(registry.figure("throwaway")))
 
     async def generate(request: Request, body: ChatRequest | CompletionRequest, header_id: str | None,
                        tenant: str) -> Response:
         session_id = _session_id(body.session_id, header_id)
         if body.model is not None:
-            check_model(body.model, model)
+            check_model(body.model, names)
         job = Job(llm, body, model, metrics)
         await job.tokenize()
         entry = await registry.acquire(tenant, session_id, create=True)
         headers = {"X-Session-ID": session_id} if session_id else {}
 
         async def whole() -> Response:
-            text = "".join([piece async for piece in job.pieces(request.is_disconnected)])
+            async for choice, piece in job.pieces(request.is_disconnected):
+                choice.text.append(piece)
             if job.cancelled:
                 return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-            return JSONResponse(job.response(text), headers=headers)
+            return JSONResponse(job.response(), headers=headers)
 
         return await answer(job, entry, registry, bool(body.stream), whole,
                             lambda release: _events(job, request, retry_after, release), headers)
@@ -269,8 +298,17 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
         await registry.delete_file(tenant, name)
         return {"name": name, "object": "session_file.deleted", "deleted": True}
 
-    _responses.install(app, llm, registry, metrics, model, retry_after)  # /v1/responses (serve/_responses.py)
+    _responses.install(app, llm, registry, metrics, names, retry_after)  # /v1/responses (serve/_responses.py)
     return app
+
+
+def served_names(model_name: str | Sequence[str] | None, default: str) -> list[str]:
+    """The model ids the server answers to (``model_name``: one, several, or None: ``default``)."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name or [default])
+    if not names or not all(isinstance(n, str) and n and n.strip() == n and len(n) <= 256 for n in names):
+        raise ValueError(f"model_name must be one or more non-empty names (at most 256 characters, no spaces "
+                         f"around them), got {model_name!r}")
+    return list(dict.fromkeys(names))
 
 
 def _session_id(in_body: str | None, in_header: str | None) -> str | None:
@@ -290,13 +328,15 @@ async def _events(job: Job, request: Request, retry_after: int,
     the last event goes: a client's next turn, sent once it has read it (to
     any front end), finds the session free."""
     if job.chat:
-        yield job.chunk(None, first=True)
+        for choice in job.choices:
+            yield job.chunk(choice, None, first=True)
     try:
-        async for piece in job.pieces(request.is_disconnected):
-            for chunk in job.stream_chunks(piece):
+        async for choice, piece in job.pieces(request.is_disconnected):
+            for chunk in job.stream_chunks(choice, piece):
                 yield chunk
-        for chunk in job.stream_chunks(None):
-            yield chunk
+        for choice in job.choices:
+            for chunk in job.stream_chunks(choice, None):
+                yield chunk
     except Exception as e:  # the stream has begun: the error goes in it
         error = e if isinstance(e, APIError) else runtime_error(e, retry_after)
         if error is None:
@@ -309,115 +349,8 @@ async def _events(job: Job, request: Request, retry_after: int,
         return
     with anyio.CancelScope(shield=True):
         await release()
-    assert job.generation is not None
-    yield job.chunk(None, finish_reason=job.finish_reason())
+    for choice in job.choices:
+        yield job.chunk(choice, None, finish_reason=job.finish_reason(choice))
     if job.request.include_usage():
         yield job.usage_chunk()
     yield DONE
-
-
-class _BodyLimit:
-    """Reads each request's body, up to ``limit`` bytes, before the app sees
-    it: one declared longer (Content-Length) or found longer as it arrives is
-    answered 413 at once, never held whole; one not whole within ``timeout``
-    seconds, 408."""
-
-    def __init__(self, app: ASGIApp, limit: int, timeout: float) -> None:
-        self.app, self.limit, self.timeout = app, limit, timeout
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        with anyio.move_on_after(self.timeout) as deadline:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return  # the client left before its body was whole: nothing to answer
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > self.limit:
-                    await self._refuse(scope, receive, send)
-                    return
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        if deadline.cancelled_caught:
-            response = error_response(408, f"the request body did not arrive whole within {self.timeout:g} s",
-                                      "request_timeout", headers={"Connection": "close"})
-            await response(scope, receive, send)
-            return
-        body, handed = b"".join(chunks), False
-
-        async def replay() -> Message:
-            nonlocal handed
-            if handed:
-                return await receive()  # (a disconnect, which streaming answers watch for)
-            handed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(413, f"the request body is over the server's limit of {self.limit} bytes "
-                                       "(aoti-sessions serve --max-body-bytes)", "request_too_large",
-                                  headers={"Connection": "close"})
-        await response(scope, receive, send)
-
-
-def unauthorized(headers: Iterable[tuple[bytes, bytes]]) -> JSONResponse:
-    """The 401 of a request without the right API key."""
-    missing = not any(k == b"authorization" for k, _ in headers)
-    message = "no API key: send it as 'Authorization: Bearer KEY'" if missing else "incorrect API key"
-    return error_response(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-
-class _Guard:
-    """Outermost layer: the API key check (the request's tenant, for the
-    routes: :func:`tenant_of`), and the request count by route and status."""
-
-    def __init__(self, app: ASGIApp, keys: Keys, metrics: ServerMetrics, routes: Any) -> None:
-        self.app, self.keys, self.metrics, self.routes = app, keys, metrics, routes
-
-    def _endpoint(self, scope: Scope) -> str:
-        for route in self.routes.routes:
-            match, _ = route.matches(scope)
-            if match != Match.NONE:
-                return str(getattr(route, "path_format", route.path))
-        return "other"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status, started = 500, False
-
-        async def send_counted(message: Message) -> None:
-            nonlocal status, started
-            if message["type"] == "http.response.start":
-                status, started = message["status"], True
-            await send(message)
-
-        try:
-            tenant = DEFAULT_TENANT if scope["path"] in OPEN_PATHS else self.keys.tenant(scope["headers"])
-            if tenant is None:
-                await unauthorized(scope["headers"])(scope, receive, send_counted)
-            else:
-                scope[TENANT] = tenant
-                try:
-                    await self.app(scope, receive, send_counted)
-                except Exception as exc:  # noqa: BLE001 - every request gets an answer, every error one log line
-                    if started:
-                        log.error("unexpected error on %s %s after its answer began", scope["method"],
-                                  scope["path"], exc_info=exc)
-                        return
-                    error = unexpected(f"on {scope['method']} {scope['path']}", exc)
-                    await error_response(error.status, error.message, error.code)(scope, receive, send_counted)
-        finally:
-            self.metrics.requests.inc(endpoint=self._endpoint(scope), status=str(status))

@@ -14,7 +14,8 @@ from typing import Any
 
 from ..llm._remote import ENGINE_TIMEOUT_S, STEP_TIMEOUT_S
 from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_SESSION_FILES,
-                      DEFAULT_MAX_SESSION_FILES_BYTES, DEFAULT_SESSION_TTL, available_memory, default_budgets)
+                      DEFAULT_MAX_SESSION_FILES_BYTES, DEFAULT_SESSION_TTL, DEFAULT_STATS_INTERVAL, available_memory,
+                      default_budgets)
 from ._tenants import Keys, read_api_keys
 
 log = logging.getLogger("aoti_sessions.serve")
@@ -156,6 +157,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the format of the model's reasoning, returned as reasoning_content: think (<think>, "
                              "as Qwen3 and DeepSeek-R1; also named qwen3, deepseek_r1), harmony (GPT-OSS's analysis "
                              "channel), or none (default: read from the chat template)")
+    parser.add_argument("--served-model-name", nargs="+", action="extend", metavar="NAME",
+                        help="the model ids the server answers to (requests may name any; /v1/models lists them; "
+                             "answers report the first; default: the package's model name)")
+    parser.add_argument("--allowed-origins", nargs="+", action="extend", metavar="ORIGIN",
+                        help="origins whose web pages may call the server from a browser (CORS): "
+                             "https://app.example:8443, or '*' for any; their preflight OPTIONS needs no API key, "
+                             "every other request still does (default: none)")
+    parser.add_argument("--stats-interval", type=_seconds_or_none, default=DEFAULT_STATS_INTERVAL, metavar="SECONDS",
+                        help="seconds between the stats lines of the log (requests, tokens/s, sessions, KV pages), "
+                             "written while the server is busy; 'none': none (default %(default)g)")
     parser.add_argument("--threads", type=_positive,
                         help="threads for the model's CPU kernels (torch.set_num_threads); default on a CPU "
                              "device: one fewer than the CPUs this process may use (at least 1), leaving one to "
@@ -192,6 +203,22 @@ def describe_limits(args: argparse.Namespace, memory_budget: int | None, host_bu
     ])
 
 
+def describe_defaults(config: dict[str, Any]) -> str:
+    """The sampling defaults a generation config gives requests that leave
+    them unset, as the start line names them."""
+    from ..llm._params import generation_defaults
+
+    d = generation_defaults(config)
+    sampling = d["temperature"] > 0
+    named = [f"temperature {d['temperature']:g}"] if sampling else ["greedy (do_sample is not set)"]
+    for name, neutral in (("top_k", 0.0), ("top_p", 1.0), ("min_p", 0.0)):
+        if sampling and d[name] != neutral:
+            named.append(f"{name} {d[name]:g}")
+    if d["repetition_penalty"] != 1.0:
+        named.append(f"repetition_penalty {d['repetition_penalty']:g}")
+    return ", ".join(named)
+
+
 def compute_threads(requested: int | None, device: str) -> int | None:
     """The model's CPU thread count for ``serve`` (None: leave torch's)."""
     if requested is not None:
@@ -213,8 +240,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"aoti-sessions serve needs FastAPI and uvicorn (missing: {e.name}): "
               "pip install 'aoti-sessions[serve]'", file=sys.stderr)
         return 2
-    from ._app import create_app
+    from ._app import create_app, served_names
     from ._engine import open_llm
+    from ._middleware import check_origins
+
+    check_origins(args.allowed_origins or ())  # (refused at once: ValueError, exit status 2)
+    if args.served_model_name is not None:
+        served_names(args.served_model_name, "")
 
     if args.session_dir is not None:
         Path(args.session_dir).mkdir(parents=True, exist_ok=True)
@@ -252,13 +284,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"aoti-sessions serve: {llm.name} on {llm.device}{kernels}", file=sys.stderr, flush=True)
     print(f"aoti-sessions serve: limits: {describe_limits(args, memory_budget, host_budget)}", file=sys.stderr,
           flush=True)
+    print(f"aoti-sessions serve: sampling defaults from the package's generation config (a request's own values "
+          f"take precedence): {describe_defaults(llm.generation_config)}", file=sys.stderr, flush=True)
     try:
         from ._http import server_config, stop_when_the_engine_dies
 
         options = dict(api_key=args.api_key, session_dir=args.session_dir, max_body_bytes=args.max_body_bytes,
                        session_ttl=args.session_ttl, persist_sessions=args.persist_sessions,
                        body_timeout=args.body_timeout, api_keys=api_keys, max_session_files=args.max_session_files,
-                       max_session_files_bytes=args.max_session_files_bytes)
+                       max_session_files_bytes=args.max_session_files_bytes, model_name=args.served_model_name,
+                       allowed_origins=args.allowed_origins or (), stats_interval=args.stats_interval)
         if workers > 1:
             from ._fleet import ServeError, serve
 
@@ -271,7 +306,8 @@ def run(args: argparse.Namespace) -> int:
             return _exit_status(llm)
         app = create_app(llm, **options)
         server = uvicorn.Server(server_config(app, args.host, args.port, max_connections=args.max_connections,
-                                              header_timeout=args.header_timeout, log_level="info"))
+                                              header_timeout=args.header_timeout, log_level="info",
+                                              log_config=None))  # (uvicorn's lines through the command's logs)
         if args.engine_process:
             stop_when_the_engine_dies(llm, server)
         server.run()

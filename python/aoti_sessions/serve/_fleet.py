@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import _stats_log
 from ._response_store import ResponseStore
 from ._sessions import Entry, Registry, described_one
 from ._shared import METRICS_TIMEOUT_S, Link
@@ -82,11 +83,13 @@ class FrontEnd:
 class Hub:
     """The registry of named sessions, served to the front ends over their
     links; from start to close its sweep parks the sessions idle past their
-    TTL (the front ends' registries do not sweep: SharedRegistry)."""
+    TTL (the front ends' registries do not sweep: SharedRegistry), and with
+    ``stats_interval`` it writes the stats log line of all the front ends."""
 
-    def __init__(self, registry: Registry, path: str) -> None:
+    def __init__(self, registry: Registry, path: str, stats_interval: float | None = None) -> None:
         self.registry = registry
         self.path = path
+        self.stats_interval = stats_interval
         # A request's session, by its front end's link and the handle the front end gave it.
         self._held: dict[tuple[Link, int], Entry] = {}
         self._acquiring: set[tuple[Link, int]] = set()
@@ -95,17 +98,20 @@ class Hub:
         self._last: dict[Link, dict[str, Any]] = {}  # each front end's counts as last read
         self._retired: list[dict[str, Any]] = []  # the last counts of front ends that ended
         self._server: asyncio.AbstractServer | None = None
-        self._sweeping: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []  # its sweep, its stats log
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._connected, self.path)
-        self._sweeping = asyncio.get_running_loop().create_task(self.registry.sweep())
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self.registry.sweep()))
+        if self.stats_interval is not None:
+            self._tasks.append(loop.create_task(_stats_log.run(self.stats_interval, self._stats)))
 
     async def close(self) -> None:
-        if self._sweeping is not None:
-            self._sweeping.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeping
+                await task
         if self._server is not None:
             self._server.close()
         for link in list(self._links):
@@ -203,14 +209,23 @@ class Hub:
         """The registry's figures, and every other front end's counts (as last read, if it does not answer in time)."""
         figures = {name: self.registry.figure(name) for name in Registry.FIGURES}
         self._last[link] = own  # (the asking front end's counts, as it shows them: kept, should it end)
-        others = [other for other in self._links if other is not link]
+        return figures, await self._counts(link)
+
+    async def _counts(self, asking: Link | None = None) -> list[dict[str, Any]]:
+        """The front ends' counts (but ``asking``'s), each asked now: one that
+        does not answer in time counts as last read; one that ended as it last was."""
+        others = [other for other in self._links if other is not asking]
         answers = await asyncio.gather(*(other.call("snapshot", timeout=METRICS_TIMEOUT_S) for other in others),
                                        return_exceptions=True)
         for other, answer in zip(others, answers):
             if isinstance(answer, dict):
                 self._last[other] = answer
-        # One that did not answer in time counts as last read; one that ended as it last was.
-        return figures, [self._last[o] for o in others if o in self._last] + self._retired
+        return [self._last[o] for o in others if o in self._last] + self._retired
+
+    async def _stats(self) -> _stats_log.Figures:
+        engine = await in_thread(self.registry.llm.stats)
+        return _stats_log.figures(await self._counts(), engine, len(self.registry),
+                                  int(self.registry.figure("throwaway")))
 
 
 def port_socket(host: str, port: int, *, listen: bool) -> socket.socket:
@@ -280,7 +295,7 @@ def _port_guard(port: int) -> Any:
 
 
 async def _run(llm: RemoteLLM, front: FrontEnd, workers: int, sock: socket.socket, registry: Registry) -> None:
-    hub = Hub(registry, front.hub)
+    hub = Hub(registry, front.hub, front.app_options.get("stats_interval"))
     await hub.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -348,6 +363,7 @@ def front_end_main() -> int:
     uvicorn server on a listening socket of its own at the server's address."""
     import uvicorn
 
+    from .._logs import configure_here
     from ..llm import RemoteLLM
     from ._app import create_app
     from ..llm._remote_engine import SWITCH_INTERVAL_S
@@ -355,6 +371,7 @@ def front_end_main() -> int:
     from ._shared import SharedRegistry
 
     front: FrontEnd = pickle.loads(sys.stdin.buffer.read())
+    configure_here(logging.INFO)  # (as the command's own: uvicorn's loggers write through it)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Bound, not listening: uvicorn listens once the app has started (connected to the hub), so the
     # kernel hands this front end no connection before it can serve one.
@@ -369,7 +386,8 @@ def front_end_main() -> int:
                 server.should_exit = True
 
         app = create_app(llm, shared=SharedRegistry(llm, front.hub, on_lost=lost), **front.app_options)
-        server = uvicorn.Server(server_config(app, "127.0.0.1", 0, log_level="info", **front.server_options))
+        server = uvicorn.Server(server_config(app, "127.0.0.1", 0, log_level="info", log_config=None,
+                                              **front.server_options))
         servers.append(server)
         stop_when_the_engine_dies(llm, server)
         server.run(sockets=[sock])

@@ -1,15 +1,24 @@
 """One generation request from start to end: its sampling parameters, its
-pieces (handed to the event loop by the LLM's step loop, which batches every
-request's steps; the loop sends each piece while the next step runs and
-notices a client that left within DISCONNECT_CHECK_S, a streaming one at once
-as Starlette cancels its response), and the OpenAI response bodies and stream
-chunks."""
+choices' pieces (handed to the event loop by the LLM's step loop, which
+batches every request's steps; the loop sends each piece while the next step
+runs and notices a client that left within DISCONNECT_CHECK_S, a streaming
+one at once as Starlette cancels its response), and the OpenAI response
+bodies and stream chunks, logprobs included (_logprobs.py).
+
+``n`` choices: the prompt is prefilled once on the request's session (a
+generation of one token, dropped), then the first choice runs on that
+session and each other on a fork of it, each feeding the prompt's last token
+again; all in the same batched steps, each with its own random stream (a
+seeded request's choice i draws with seed + i, so it stays reproducible, and
+equals a request of n=1 with that seed). Usage counts the prompt once; a
+named session keeps the first choice's reply, as with n=1. (Recurrent state
+cannot rewind by one position: a hybrid model's choices feed the prompt
+again from the turn's checkpoint, llm/_llm.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 import weakref
@@ -17,14 +26,16 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from ._bodies import Bodies, Choice
 from ._errors import APIError
+from ._logprobs import TokenTexts, token_texts
 from ._metrics import ServerMetrics
 from ._protocol import ChatRequest, CompletionRequest
 from ._sessions import Entry
 from ._threads import in_thread
 
 if TYPE_CHECKING:
-    from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM, ReplyStream, ToolCall
+    from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM
     from ..llm._prompts import ChatPrompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -34,8 +45,13 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_CHECK_S = 0.05
 
 
-class Job:
-    """A generation request: its session, its generation, and what it reports."""
+# The prefill of a prompt that several choices fork from: one token drawn
+# (greedy), never fed, so the session holds the prompt and nothing after it.
+_PREFILL_ONLY: dict[str, Any] = {"max_tokens": 1, "temperature": 0}
+
+
+class Job(Bodies):
+    """A generation request: its session, its choices' generations, and what it reports."""
 
     def __init__(self, llm: LLM | RemoteLLM, request: ChatRequest | CompletionRequest, model: str,
                  metrics: ServerMetrics) -> None:
@@ -46,23 +62,33 @@ class Job:
         self.created = int(time.time())
         self.arrived = time.perf_counter()
         self.started = self.arrived  # when its generation joined the step loop (start())
-        self.generation: Generation | RemoteGeneration | None = None
+        self.choices: list[Choice] = []
+        # n > 1: the generation that prefilled the prompt once, and the forks of its session (one a choice after
+        # the first, which keeps the request's session).
+        self.prefill: Generation | RemoteGeneration | None = None
+        self.forks: list[Any] = []
         self.cancelled = False
         self._counted = False
         self._tools = request.tools_offered() if isinstance(request, ChatRequest) else None
         self._holds_calls = False  # the constraint holds the reply to tool calls (tool_choice)
+        # The prompt's text where the model's reply format reads the reply (its reasoning, its tool calls:
+        # llm/_replies.py), from tokenize(): each choice reads its reply in pieces after it. None: not read.
+        self._reply_after: str | None = None
+        self._active = False  # counted in metrics.active (start() succeeded)
         # Checked before any session is touched: a bad request changes nothing.
         self.params = self._params()
+        self.texts: TokenTexts | None = None  # the tokens' text for logprobs (tokenize())
         self.prompt: list[int] | ChatPrompt = []  # token ids (chat: with the text), from tokenize()
-        self._piece_frame: tuple[bytes, bytes] | None = None  # piece_chunk's bytes around the text
-        # The reply read in pieces (its reasoning, its tool calls) where the model's reply format reads any
-        # (llm/_replies.py), from tokenize(); ``calls`` given out so far.
-        self.reply: ReplyStream | None = None
-        self._calls_out = 0
+        self._piece_frames: dict[int, tuple[bytes, bytes]] = {}  # piece_chunk's bytes around the text, by choice
+
+    @property
+    def generation(self) -> Generation | RemoteGeneration | None:
+        """The first choice's generation (None before start())."""
+        return self.choices[0].generation if self.choices else None
 
     # -- start -----------------------------------------------------------
     def _params(self) -> Any:
-        from ..llm._sampling import ParamError, SamplingParams
+        from ..llm._params import ParamError, SamplingParams
 
         r = self.request
         field, limit = r.limit()
@@ -72,10 +98,19 @@ class Job:
             raise APIError(400, f"{field}: {limit} is more than the model's context of {self.llm.max_context} "
                                 "tokens", "invalid_value", field)
         # No limit: until a stop or the end of the context.
-        options: dict[str, Any] = {"max_tokens": limit, "stop": r.stops(), "ignore_eos": r.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "seed"):
+        options: dict[str, Any] = {"max_tokens": limit, "stop": r.stops(), "ignore_eos": r.ignore_eos,
+                                   "logprobs": r.top_logprobs_asked()}
+        for name in ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "stop_token_ids"):
             if getattr(r, name) is not None:
                 options[name] = getattr(r, name)
+        if r.logit_bias:
+            vocab = self.llm.spec.vocab_size
+            bias = {int(k): v for k, v in r.logit_bias.items()}
+            if (outside := max(bias)) >= vocab:
+                raise APIError(400, f"logit_bias: token id {outside} is not in the model's vocabulary of {vocab} "
+                                    "tokens", "invalid_value", "logit_bias")
+            options["logit_bias"] = bias
         if isinstance(r, ChatRequest):
             options["constraint"] = self._constraint(r)
             options["keep_special_tokens"] = self.llm.reply_format.keep(self._tools is not None)
@@ -123,8 +158,7 @@ class Job:
             raise APIError(400, str(e), code, "messages" if self.chat else "prompt") from e
         formats = self.llm.reply_format
         if isinstance(r, ChatRequest) and formats.reads(self._tools is not None):
-            text = getattr(self.prompt, "text", "")
-            self.reply = formats.stream(text, tools=self._tools is not None)
+            text = self._reply_after = getattr(self.prompt, "text", "")
             try:
                 held = formats.after_reasoning(self.params.constraint, text, calls=self._holds_calls)
             except ValueError as e:
@@ -132,196 +166,142 @@ class Job:
                 raise APIError(400, f"{field}: {e}", "invalid_value", field) from e
             if held is not self.params.constraint:
                 self.params = dataclasses.replace(self.params, constraint=held)
+        if self.params.logprobs is not None:
+            self.texts = await in_thread(lambda: token_texts(self.llm))
 
     async def start(self, entry: Entry) -> None:
-        """Starts the generation on ``entry``'s session, held by this request."""
+        """Starts the generations on ``entry``'s session, held by this
+        request: one, or for ``n`` choices, a prefill of the prompt, then the
+        first choice on the session and each other on a fork of it (the
+        prompt read once: each choice feeds its last token again). A named
+        session keeps the first choice's reply."""
         self.entry, session, params, prompt = entry, entry.session, self.params, self.prompt
         assert session is not None
-        self.generation = await in_thread(lambda: session.start(prompt, params))
-        self.started = self.generation.submitted
+        n = self.request.choices()
+        if n == 1:
+            self.choices = [self._choice(0, await in_thread(lambda: session.start(prompt, params)), session)]
+        else:
+            await self._start_choices(session, n)
+        self.started = self.choices[0].generation.submitted
         self.metrics.time_to_start.observe(self.started - self.arrived)
         self.metrics.active += 1
+        self._active = True
+
+    async def _start_choices(self, session: Any, n: int) -> None:
+        prefill = await in_thread(lambda: session.start(self.prompt, **_PREFILL_ONLY))
+        self.prefill = prefill
+
+        def fork_and_start() -> None:  # (what it made is kept as it goes: finish() closes it, however this ends)
+            while prefill.step() is not None:
+                pass
+            for _ in range(n - 1):
+                self.forks.append(session.fork())
+            for i, on in enumerate([session, *self.forks]):
+                self.choices.append(self._choice(i, on.start(self.prompt, self._choice_params(i)), on))
+
+        await in_thread(fork_and_start)
+
+    def _choice_params(self, index: int) -> Any:
+        """Choice ``index``'s parameters: a seeded request's choices draw from seeds in a row, seed + index."""
+        seed = self.params.seed
+        if index == 0 or seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=(seed + index) % (1 << 64))
+
+    def _choice(self, index: int, generation: Generation | RemoteGeneration, session: Any) -> Choice:
+        reply = None
+        if self._reply_after is not None:
+            reply = self.llm.reply_format.stream(self._reply_after, tools=self._tools is not None)
+        return Choice(index, generation, session, reply)
 
     # -- steps -----------------------------------------------------------
-    async def pieces(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
-        """The generated text until the generation ends or ``disconnected()``
-        says the client left (then ``cancelled``).
+    async def pieces(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[tuple[Choice, str]]:
+        """Each choice's generated text until every one ends or
+        ``disconnected()`` says the client left (then ``cancelled``).
 
         The LLM's step loop runs every request's generation in one batched
         step and hands each piece to the event loop (one wake-up a step for
         every request, _Relay), which sends it while the next step runs. A
-        request that fell behind sends what piled up as one piece."""
-        g, entry = self.generation, self.entry
-        assert g is not None and entry is not None and entry.session is not None
-        session = entry.session
+        choice that fell behind sends what piled up as one piece (with the
+        logprobs of its tokens: :meth:`Choice.logprobs_since`)."""
+        entry = self.entry
+        assert self.choices and entry is not None
         relay = _Relay.of(asyncio.get_running_loop())
-        queue: asyncio.Queue[tuple[Any, int, float, int]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[Choice, Any, int, float, int]] = asyncio.Queue()
+        for c in self.choices:
+            def sink(event: Any, c: Choice = c, g: Any = c.generation, session: Any = c.session) -> None:
+                # On the step loop's thread: the counts are read here, not waited for.
+                relay.put(queue, (c, event, g.completion_tokens, time.perf_counter(), session.token_count))
 
-        def sink(event: Any) -> None:
-            # On the step loop's thread: the counts are read here, not waited for.
-            relay.put(queue, (event, g.completion_tokens, time.perf_counter(), session.token_count))
-
-        g.on_event(sink)
+            c.generation.on_event(sink)
+        first, running = self.choices[0], len(self.choices)
         tokens, last, checked = 0, self.arrived, time.perf_counter()
         while True:
             items = [await queue.get()]
             while not queue.empty():
                 items.append(queue.get_nowait())
-            text: list[str] = []
-            for event, count, now, entry.tokens in items:
+            woken: list[Choice] = []
+            for c, event, count, now, held in items:
                 if isinstance(event, BaseException):
                     raise event
-                if count > tokens:
-                    if tokens == 0:
-                        self.metrics.ttft.observe(now - self.arrived)
-                        self.metrics.start_to_first_token.observe(now - self.started)
-                    else:
-                        self.metrics.itl.observe((now - last) / (count - tokens), count - tokens)
-                    tokens, last = count, now
+                c.count = count
+                if c is first:
+                    entry.tokens = held
+                    if count > tokens:
+                        if tokens == 0:
+                            self.metrics.ttft.observe(now - self.arrived)
+                            self.metrics.start_to_first_token.observe(now - self.started)
+                        else:
+                            self.metrics.token_gaps((now - last) / (count - tokens), count - tokens)
+                        tokens, last = count, now
+                if c not in woken:
+                    woken.append(c)
                 if event is None:
-                    if text:
-                        yield "".join(text)
-                    return
-                text.append(event)
-            if now - checked >= DISCONNECT_CHECK_S:
+                    c.done = True
+                    running -= 1
+                else:
+                    c.pending.append(event)
+            if running and now - checked >= DISCONNECT_CHECK_S:
                 checked = now
                 if await disconnected():
                     self.cancelled = True
                     return
-            if any(text):
-                yield "".join(text)
+            for c in woken:
+                text = "".join(c.pending)
+                c.pending.clear()
+                # (At its end, its last text, and the logprobs not yet sent with text, if any.)
+                if text or (c.done and c.sent < c.count and c.generation.logprobs is not None):
+                    yield c, text
+            if not running:
+                return
 
     async def finish(self) -> None:
-        """Cancels the generation if still running and counts its tokens;
-        idempotent."""
-        g = self.generation
-        if g is None or self._counted:
+        """Cancels the generations still running and counts their tokens;
+        closes the forks; idempotent."""
+        if (not self.choices and self.prefill is None) or self._counted:
+            await self._close_forks()
             return
         self._counted = True
-        if g.finish_reason is None:  # the client left, or a step failed
-            self.cancelled = True
-            await in_thread(g.close)
-        m = self.metrics
-        m.prompt_tokens.inc(g.prompt_tokens)
-        m.prefilled_tokens.inc(g.prefilled_tokens)
-        m.cached_tokens.inc(g.cached_tokens)
-        m.generated_tokens.inc(g.completion_tokens)
+        generations = [*([self.prefill] if self.prefill is not None else []), *(c.generation for c in self.choices)]
+        for g in generations:
+            if g.finish_reason is None:  # the client left, or a step failed
+                self.cancelled = True
+                await in_thread(g.close)
+        await self._close_forks()
+        m, read = self.metrics, generations[0]  # (the prompt's counts: the prefill's, for n choices)
+        m.prompt_tokens.inc(read.prompt_tokens)
+        m.prefilled_tokens.inc(sum(g.prefilled_tokens for g in generations))
+        m.cached_tokens.inc(read.cached_tokens)
+        m.generated_tokens.inc(sum(c.generation.completion_tokens for c in self.choices))
         if self.cancelled:
             m.cancelled.inc()
-        m.active -= 1
+        if self._active:
+            m.active -= 1
 
-    # -- bodies ----------------------------------------------------------
-    def usage(self) -> dict[str, Any]:
-        g = self.generation
-        assert g is not None
-        return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                "total_tokens": g.prompt_tokens + g.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": g.cached_tokens}}
-
-    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                                "choices": choices}
-        if self.entry is not None and self.entry.id is not None:
-            body["session_id"] = self.entry.id
-        return body
-
-    def finish_reason(self) -> str | None:
-        """The generation's, or "tool_calls" where it stopped after calling tools."""
-        g = self.generation
-        assert g is not None
-        return "tool_calls" if g.finish_reason == "stop" and self.reply is not None and self.reply.calls else \
-            g.finish_reason
-
-    def response(self, text: str) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.reply is not None:
-                from ..llm import Reasoning
-
-                pieces = [*self.reply.push(text), *self.reply.finish()]
-                content = "".join(p for p in pieces if isinstance(p, str))
-                calls = [self._call(p) for p in pieces if not isinstance(p, (str, Reasoning))]
-                message = {"role": "assistant", "content": content if content.strip() or not calls else None}
-                if self.llm.reply_format.reasoning is not None:
-                    thoughts = [p.text for p in pieces if isinstance(p, Reasoning)]
-                    message["reasoning_content"] = "".join(thoughts) if thoughts else None
-                if calls:
-                    message["tool_calls"] = calls
-            choice["message"] = message
-        else:
-            choice["text"] = text
-        choice["finish_reason"] = self.finish_reason()
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = self.usage()
-        return body
-
-    def _call(self, call: ToolCall) -> dict[str, Any]:
-        tools = self.llm.reply_format.tools  # (its ids are the kind its template takes back)
-        return {"id": tools.call_id() if tools is not None else "call_" + uuid.uuid4().hex[:24], "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}
-
-    def stream_chunks(self, piece: str | None) -> list[bytes]:
-        """The stream's chunks for a piece of text (None: the end, what is
-        held back): the piece itself, or where the reply is read its text,
-        reasoning (``reasoning_content`` deltas) and calls (a call as one
-        ``tool_calls`` delta, once it is whole)."""
-        if self.reply is None:
-            return [self.piece_chunk(piece)] if piece is not None else []
-        from ..llm import Reasoning
-
-        out = []
-        for p in self.reply.push(piece) if piece is not None else self.reply.finish():
-            if isinstance(p, str):
-                out.append(self.piece_chunk(p))
-            elif isinstance(p, Reasoning):
-                out.append(self._delta({"reasoning_content": p.text}))
-            else:
-                out.append(self._delta({"tool_calls": [{"index": self._calls_out, **self._call(p)}]}))
-                self._calls_out += 1
-        return out
-
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        body = self._envelope(self._chunk_kind, [{"index": 0, "finish_reason": None, "logprobs": None,
-                                                  "delta": delta}])
-        if self.request.include_usage():
-            body["usage"] = None
-        return _event(body)
-
-    def piece_chunk(self, text: str) -> bytes:
-        """``chunk(text)``, from the event's bytes around the text, made once
-        (the hot path: one a generated piece)."""
-        if self._piece_frame is None:
-            sentinel = "\x00piece\x00"
-            # The text is the last field that can hold it (a session id cannot; a model name before it can).
-            head, _, tail = self.chunk(sentinel).rpartition(json.dumps(sentinel).encode())
-            self._piece_frame = (head, tail)
-        head, tail = self._piece_frame
-        return head + json.dumps(text).encode() + tail
-
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        body = self._envelope(self._chunk_kind, [choice])
-        if self.request.include_usage():
-            body["usage"] = None
-        return _event(body)
-
-    def usage_chunk(self) -> bytes:
-        body = self._envelope(self._chunk_kind, [])
-        body["usage"] = self.usage()
-        return _event(body)
-
-    @property
-    def _chunk_kind(self) -> str:
-        """The ``object`` of a stream chunk (OpenAI streams completions as ``text_completion``)."""
-        return "chat.completion.chunk" if self.chat else "text_completion"
+    async def _close_forks(self) -> None:
+        forks, self.forks = self.forks, []
+        for session in forks:
+            await in_thread(session.close)
 
 
 class _Relay:
@@ -356,10 +336,3 @@ class _Relay:
         while self._items:
             queue, item = self._items.popleft()
             queue.put_nowait(item)
-
-
-def _event(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-DONE = b"data: [DONE]\n\n"

@@ -21,6 +21,7 @@ DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request's body to arrive whole (408
 # own size); past either, 403 until the key deletes some.
 DEFAULT_MAX_SESSION_FILES = 100
 DEFAULT_MAX_SESSION_FILES_BYTES = 16 << 30
+DEFAULT_STATS_INTERVAL = 10.0  # seconds between the command line's stats log lines (serve/_stats_log.py)
 
 
 def default_body_limit(max_context: int) -> int:

@@ -1,197 +1,146 @@
-"""The server's metrics, written in Prometheus' text exposition format (0.0.4)
-by hand: counters, gauges and histograms are a few lines each, not worth a
-dependency."""
+"""The server's metrics, kept and written by ``prometheus_client``.
+
+Two kinds: counts this process keeps (requests, tokens, latencies, the
+generations it runs: prometheus_client's Counter, Histogram and Gauge), and
+figures read when scraped (the engine's and the session registry's, the same
+from every front end). A server with several front ends (serve/_shared.py)
+shows the sums over all of them from any one: each front end's counts
+(:meth:`Registry.snapshot`, plain tuples that cross processes) are added
+to this one's, sample by sample, when it is scraped (:meth:`Registry.render`).
+"""
 
 from __future__ import annotations
 
-import math
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..errors import EngineProcessError, SessionClosedError
 
+# The text exposition format generate_latest writes.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds: token latencies of a CPU model are milliseconds, of a GPU one less.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 Labels = tuple[str, ...]
+# One sample: its name, its labels (sorted pairs), its value.
+Sample = tuple[str, tuple[tuple[str, str], ...], float]
+# What a process counted: each family's samples, by family name.
+Snapshot = dict[str, list[Sample]]
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def samples_of(family: Metric) -> list[Sample]:
+    # (prometheus_client's _created samples, the time a series began, are left out: a sum has no such time.)
+    return [(s.name, tuple(sorted(s.labels.items())), float(s.value)) for s in family.samples
+            if not s.name.endswith("_created")]
 
 
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    pairs = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        pairs.append(extra)
-    return "{" + ",".join(pairs) + "}" if pairs else ""
+def summed(family: Metric, samples: Iterable[Iterable[Sample]]) -> Metric:
+    """``family`` with each of ``samples``' values added to its sample of the
+    same name and labels (a series only they have is added as it is)."""
+    totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for group in samples:
+        for name, labels, value in group:
+            totals[(name, labels)] = totals.get((name, labels), 0.0) + value
+    out = Metric(family.name, family.documentation, family.type)
+    for (name, labels), value in totals.items():
+        out.add_sample(name, dict(labels), value)
+    return out
 
 
-def format_number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        self.name, self.help, self.label_names = name, help, tuple(labels)
-        self._lock = threading.Lock()
-
-    def _key(self, labels: dict[str, str]) -> Labels:
-        if set(labels) != set(self.label_names):
-            raise ValueError(f"{self.name} takes labels {self.label_names}, got {sorted(labels)}")
-        return tuple(str(labels[n]) for n in self.label_names)
-
-    def state(self) -> Any:
-        """What this process counted, to sum with other front ends' (None: a
-        figure read from the engine or the registry, the same from every one)."""
-        return None
-
-    def samples(self, others: Sequence[Any] = ()) -> Iterable[str]:
-        """Its lines; ``others``: other front ends' :meth:`state`, summed in."""
-        raise NotImplementedError
-
-    def render(self, others: Sequence[Any] = ()) -> str:
-        head = f"# HELP {self.name} {self.help}\n# TYPE {self.name} {self.kind}\n"
-        return head + "".join(line + "\n" for line in self.samples(others))
-
-
-class Counter(_Metric):
-    """A count that only goes up; its name ends in ``_total``."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labels)
-        self._values: dict[Labels, float] = {} if labels else {(): 0.0}
-
-    def inc(self, amount: float = 1, **labels: str) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: a counter cannot go down ({amount})")
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def value(self, **labels: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def state(self) -> dict[Labels, float]:
-        with self._lock:
-            return dict(self._values)
-
-    def samples(self, others: Sequence[Any] = ()) -> Iterable[str]:
-        values = self.state()
-        for other in others:
-            for key, value in other.items():
-                values[key] = values.get(key, 0.0) + value
-        return [f"{self.name}{_labels(self.label_names, k)} {format_number(v)}" for k, v in sorted(values.items())]
-
-
-class Gauge(_Metric):
-    """A value read when scraped, from a function returning {label values: value}
-    (or one number for a gauge without labels). ``kind="counter"`` for a count
-    kept elsewhere (the engine's evictions)."""
+class _Figure:
+    """A value read when scraped: a number, or {label values: number}."""
 
     def __init__(self, name: str, help: str, read: Callable[[], float | dict[Labels, float]],
-                 labels: Sequence[str] = (), kind: str = "gauge", *, summed: bool = False) -> None:
-        super().__init__(name, help, labels)
-        self._read = read
-        self.kind = kind
-        self.summed = summed  # a figure of this process's (its generations running): front ends' add up
+                 labels: Sequence[str], kind: str) -> None:
+        if kind not in ("gauge", "counter"):
+            raise ValueError(f"{name}: a figure is a gauge or a counter, not {kind!r}")
+        self.name, self.help, self.read, self.labels, self.kind = name, help, read, tuple(labels), kind
 
-    def state(self) -> float | None:
-        value = self._read() if self.summed else None
-        return float(value) if isinstance(value, (int, float)) else None
-
-    def samples(self, others: Sequence[Any] = ()) -> Iterable[str]:
-        values = self._read()
-        if self.summed and isinstance(values, (int, float)):
-            values = values + sum(others)
+    def family(self) -> Metric:
+        values = self.read()
         items = sorted(values.items()) if isinstance(values, dict) else [((), values)]
-        return [f"{self.name}{_labels(self.label_names, k)} {format_number(v)}" for k, v in items]
-
-
-class Histogram(_Metric):
-    """Observations counted into cumulative buckets, with their sum and count."""
-
-    kind = "histogram"
-
-    def __init__(self, name: str, help: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        super().__init__(name, help)
-        self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self._sum = 0.0
-
-    def observe(self, value: float, times: int = 1) -> None:
-        """Counts ``value`` ``times`` times (tokens that arrived together, each at the mean gap)."""
-        i = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
-        with self._lock:
-            self._counts[i] += times
-            self._sum += value * times
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return sum(self._counts)
-
-    def state(self) -> tuple[list[int], float]:
-        with self._lock:
-            return list(self._counts), self._sum
-
-    def samples(self, others: Sequence[Any] = ()) -> Iterable[str]:
-        counts, total = self.state()
-        for other_counts, other_sum in others:
-            counts = [a + b for a, b in zip(counts, other_counts)]
-            total += other_sum
-        lines, running = [], 0
-        for bound, n in zip((*self.buckets, math.inf), counts):
-            running += n
-            lines.append(f'{self.name}_bucket{{le="{format_number(bound)}"}} {running}')
-        lines += [f"{self.name}_sum {format_number(total)}", f"{self.name}_count {running}"]
-        return lines
+        family = (CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily)(
+            self.name, self.help, labels=self.labels)
+        for key, value in items:
+            family.add_metric(list(key), float(value))
+        return family
 
 
 class Registry:
-    """The metrics of one server, rendered in the order they were added."""
+    """One server's metrics, written in the order they were added: the
+    counts this process keeps first, then the figures read when scraped."""
 
     def __init__(self) -> None:
-        self._metrics: list[_Metric] = []
+        self._own = CollectorRegistry()
+        self._figures: list[_Figure] = []
+        self._names: set[str] = set()
 
-    def add(self, metric: _Metric) -> None:
-        if any(m.name == metric.name for m in self._metrics):
-            raise ValueError(f"metric {metric.name} added twice")
-        self._metrics.append(metric)
+    def _named(self, name: str) -> str:
+        if name in self._names:
+            raise ValueError(f"metric {name} added twice")
+        self._names.add(name)
+        return name
 
     def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
-        metric = Counter(name, help, labels)
-        self.add(metric)
-        return metric
+        """A count this process keeps (its name ends in ``_total``)."""
+        return Counter(self._named(name), help, labels, registry=self._own)
 
     def histogram(self, name: str, help: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
-        metric = Histogram(name, help, buckets)
-        self.add(metric)
-        return metric
+        return Histogram(self._named(name), help, buckets=buckets, registry=self._own)
 
     def gauge(self, name: str, help: str, read: Callable[[], float | dict[Labels, float]],
-              labels: Sequence[str] = (), kind: str = "gauge", *, summed: bool = False) -> Gauge:
-        metric = Gauge(name, help, read, labels, kind, summed=summed)
-        self.add(metric)
-        return metric
+              labels: Sequence[str] = (), kind: str = "gauge", *, summed: bool = False) -> None:
+        """A value read when scraped, from a function returning {label values:
+        value} (or one number without labels): the engine's or the
+        registry's, the same from every front end. ``kind="counter"`` for a
+        count kept elsewhere (the engine's evictions). ``summed``: a figure
+        of this process's own (the generations it runs), added up over front ends."""
+        self._named(name)
+        if summed:
+            if labels or kind != "gauge":
+                raise ValueError(f"{name}: a summed figure is a gauge without labels")
+            Gauge(name, help, registry=self._own).set_function(lambda: float(read()))  # type: ignore[arg-type]
+            return
+        self._figures.append(_Figure(name, help, read, labels, kind))
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         """What this process counted, by metric (to sum into another front end's render)."""
-        return {m.name: state for m in self._metrics if (state := m.state()) is not None}
+        return {family.name: samples_of(family) for family in self._own.collect()}
 
-    def render(self, others: Sequence[dict[str, Any]] = ()) -> str:
+    def collect(self, others: Sequence[Snapshot] = ()) -> Iterator[Metric]:
+        """The metric families, ``others``' counts summed in."""
+        for family in self._own.collect():
+            yield summed(family, [samples_of(family), *(o.get(family.name, []) for o in others)])
+        for figure in self._figures:
+            yield figure.family()
+
+    def render(self, others: Sequence[Snapshot] = ()) -> str:
         """The exposition text, other front ends' :meth:`snapshot` summed in."""
-        return "".join(m.render([o[m.name] for o in others if m.name in o]) for m in self._metrics)
+        return exposition(self.collect(others))
+
+
+class _Families:
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def exposition(families: Iterable[Metric]) -> str:
+    """``families`` in the text exposition format (CONTENT_TYPE)."""
+    return generate_latest(_Families(families)).decode()
+
+
+def total(snapshots: Iterable[Snapshot], family: str, sample: str | None = None) -> float:
+    """The sum over ``snapshots`` of ``family``'s samples (named ``sample``
+    only, if given: a counter's ``NAME_total``), over every label."""
+    return sum(value for s in snapshots for name, _, value in s.get(family, [])
+               if sample is None or name == sample)
 
 
 class ServerMetrics:
@@ -201,7 +150,7 @@ class ServerMetrics:
     def __init__(self, engine_stats: Callable[[], dict[str, Any]], named_sessions: Callable[[], int],
                  throwaway_sessions: Callable[[], int], prefix: str = "aoti_sessions") -> None:
         self.registry = r = Registry()
-        p = prefix + "_"
+        self.prefix = p = prefix + "_"
         self.requests = r.counter(p + "requests_total", "HTTP requests answered, by endpoint (route) and status.",
                                   ("endpoint", "status"))
         self.prompt_tokens = r.counter(p + "prompt_tokens_total", "Prompt tokens of generation requests.")
@@ -287,9 +236,14 @@ class ServerMetrics:
                 "Time the C++ core spent in batched runs (their rows' bookkeeping, pages, inputs and launches), "
                 "without the GIL.", read("batch_seconds"), kind="counter")
 
-    def snapshot(self) -> dict[str, Any]:
+    def token_gaps(self, gap: float, count: int) -> None:
+        """``count`` tokens that arrived together, each ``gap`` seconds after the one before (the mean gap)."""
+        for _ in range(count):
+            self.itl.observe(gap)
+
+    def snapshot(self) -> Snapshot:
         """This front end's counts (serve/_shared.py: a scrape of another sums them in)."""
         return self.registry.snapshot()
 
-    def render(self, others: Sequence[dict[str, Any]] = ()) -> str:
+    def render(self, others: Sequence[Snapshot] = ()) -> str:
         return self.registry.render(others)

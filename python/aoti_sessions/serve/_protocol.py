@@ -4,9 +4,7 @@ a 400 naming the field.
 
 Fields OpenAI's clients send on their own, or that callers commonly pass, are
 accepted where their value asks for nothing this server does not do:
-``user`` (ignored), ``stream_options`` (``include_usage`` honoured), ``n``: 1,
-``logprobs``: false / null (completions: null or 0), ``top_logprobs``: null
-or 0, ``presence_penalty`` / ``frequency_penalty``: 0, ``logit_bias``: {},
+``user`` (ignored), ``stream_options`` (``include_usage`` honoured),
 ``echo``: false, ``best_of``: 1, ``suffix``: null. Any other value of these
 is a 400 saying it is not supported. ``response_format`` (chat): text,
 json_object or json_schema, held to by the grammar engine (llm/_grammar.py);
@@ -14,14 +12,23 @@ json_object or json_schema, held to by the grammar engine (llm/_grammar.py);
 and ``tool`` messages (llm/_replies.py); ``reasoning_effort``,
 ``chat_template_kwargs`` (the chat template's variables, as vLLM takes them)
 and assistant ``reasoning_content`` (given to the template, which may render
-it).
-Extensions: ``top_k``, ``ignore_eos`` and ``session_id``.
+it). Sampling (llm/_params.py):
+``presence_penalty`` / ``frequency_penalty``, ``logit_bias`` (token ids as
+strings, OpenAI's), ``n`` (forks of the prompt's session: _generate.py),
+logprobs (chat: ``logprobs`` and ``top_logprobs``; completions:
+``logprobs`` N).
+Fields that ask for nothing of this server are accepted, checked as OpenAI
+checks them, and ignored (:class:`NoOpFields`: ``metadata``, ``store``,
+``service_tier``, ``safety_identifier``, ``modalities: ["text"]``;
+``stream_options.include_obfuscation``).
+Extensions (vLLM's): ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``; and ``session_id``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -35,6 +42,22 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # (OpenAI's padding against size side channels: none is added)
+
+
+class NoOpFields(_Strict):
+    """OpenAI's request fields that change nothing here, accepted (and
+    checked as OpenAI checks them) so that clients that send them work:
+    ``metadata`` (tags for OpenAI's dashboard), ``store`` (keep the
+    completion for OpenAI's evals), ``service_tier``, ``safety_identifier``
+    (who the end user is, for abuse detection), ``modalities`` (text only)."""
+
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = Field(default=None, max_length=64)
+    safety_identifier: str | None = Field(default=None, max_length=64)
+    modalities: list[Literal["text"]] | None = Field(default=None, max_length=1)
 
 
 class TextPart(_Strict):
@@ -156,6 +179,12 @@ def _unsupported(value: Any, allowed: str) -> ValueError:
     return ValueError(f"only {allowed} is supported, got {value!r}")
 
 
+MAX_CHOICES = 16  # n at most (each choice a fork of the prompt's session: room for them is the engine's)
+MAX_LOGPROBS = 20  # top_logprobs (completions: logprobs) at most, OpenAI's limit
+MAX_LOGIT_BIAS = 1024  # logit_bias entries at most (llm/_params.py's)
+MAX_STOP_TOKEN_IDS = 64
+
+
 class _Generate(_Strict):
     """What chat and completion requests share."""
 
@@ -169,20 +198,20 @@ class _Generate(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    min_p: float | None = Field(default=None, ge=0, le=1)  # extension
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)  # extension
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)  # extension
 
     # Fields OpenAI's clients send on their own, accepted while their value asks
     # for nothing this server does not do: null, or the value here (with how
     # the error says it).
-    HARMLESS: ClassVar[dict[str, tuple[object, str]]] = {
-        "n": (1, "n=1"), "presence_penalty": (0, "0"), "frequency_penalty": (0, "0"),
-        "logit_bias": ({}, "an empty logit_bias"),
-    }
+    HARMLESS: ClassVar[dict[str, tuple[object, str]]] = {}
 
     @field_validator("*")
     @classmethod
@@ -192,25 +221,49 @@ class _Generate(_Strict):
             raise _unsupported(value, allowed[1])
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"logit_bias maps token ids (as strings of digits) to biases, got the key {key!r:.40}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: a bias is in [-100, 100], got {value} for token {key}")
+        return bias
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if any(not 0 <= t < 1 << 31 for t in ids or ()):
+            raise ValueError("stop_token_ids are token ids (integers >= 0)")
+        return ids
+
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def choices(self) -> int:
+        return self.n or 1
+
+    def top_logprobs_asked(self) -> int | None:
+        """How many top tokens' logprobs each token reports (0: its own
+        only), or None for no logprobs."""
+        raise NotImplementedError
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatRequest(_Generate):
+class ChatRequest(_Generate, NoOpFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    HARMLESS = {**_Generate.HARMLESS, "logprobs": (False, "logprobs=false"), "top_logprobs": (0, "0")}
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:
@@ -218,6 +271,16 @@ class ChatRequest(_Generate):
                 and self.max_tokens != self.max_completion_tokens):
             raise ValueError("max_tokens and max_completion_tokens differ: give one")
         return self
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod
@@ -284,12 +347,15 @@ class ChatRequest(_Generate):
 
 class CompletionRequest(_Generate):
     prompt: str | list[int] | list[str]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
-    HARMLESS = {**_Generate.HARMLESS, "logprobs": (0, "null"), "echo": (False, "echo=false"),
-                "best_of": (1, "best_of=1"), "suffix": ("", "no suffix")}
+    HARMLESS = {**_Generate.HARMLESS, "echo": (False, "echo=false"), "best_of": (1, "best_of=1"),
+                "suffix": ("", "no suffix")}
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

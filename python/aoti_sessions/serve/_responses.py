@@ -31,7 +31,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +58,10 @@ _FIELDS = {"max_completion_tokens": "max_output_tokens", "response_format": "tex
 
 
 def install(app: FastAPI, llm: LLM | RemoteLLM, registry: Registry | SharedRegistry, metrics: ServerMetrics,
-            model: str, retry_after: int) -> None:
-    """Adds the Responses API's routes to ``app`` (serve/_app.py's create_app)."""
-    responses = _Responses(llm, registry, metrics, model, retry_after)
+            names: Sequence[str], retry_after: int) -> None:
+    """Adds the Responses API's routes to ``app`` (serve/_app.py's create_app;
+    ``names``: the model's, the first reported)."""
+    responses = _Responses(llm, registry, metrics, names, retry_after)
 
     @app.post("/v1/responses", responses=GENERATED)
     async def create(request: Request, body: ResponsesRequest, tenant: str = Depends(tenant_of)) -> Response:
@@ -104,8 +105,9 @@ def _renamed(error: APIError) -> APIError:
 
 class _Responses:
     def __init__(self, llm: LLM | RemoteLLM, registry: Registry | SharedRegistry, metrics: ServerMetrics,
-                 model: str, retry_after: int) -> None:
-        self.llm, self.registry, self.metrics, self.model, self.retry_after = llm, registry, metrics, model, retry_after
+                 names: Sequence[str], retry_after: int) -> None:
+        self.llm, self.registry, self.metrics, self.retry_after = llm, registry, metrics, retry_after
+        self.names, self.model = names, names[0]
 
     async def stored(self, tenant: str, response_id: str, field: str) -> Stored:
         record = await self.registry.responses.get(tenant, response_id)
@@ -125,7 +127,7 @@ class _Responses:
 
     async def create(self, request: Request, body: ResponsesRequest, tenant: str) -> Response:
         if body.model is not None:
-            check_model(body.model, self.model)
+            check_model(body.model, self.names)
         previous = None
         if body.previous_response_id is not None:
             previous = await self.stored(tenant, body.previous_response_id, "previous_response_id")
@@ -137,7 +139,7 @@ class _Responses:
         entry = await self._hold(tenant, body, previous, run.id)
 
         async def whole() -> Response:
-            async for piece in job.pieces(request.is_disconnected):
+            async for _, piece in job.pieces(request.is_disconnected):
                 run.feed(piece)
             if job.cancelled:
                 return Response(status_code=499)
@@ -191,7 +193,7 @@ class _Responses:
             yield event({"type": kind, "response": run.body("in_progress")})
         job = run.job
         try:
-            async for piece in job.pieces(request.is_disconnected):
+            async for _, piece in job.pieces(request.is_disconnected):
                 for e in run.feed(piece):
                     yield event(e)
             for e in run.feed(None):
@@ -226,7 +228,7 @@ class _Run:
         """The events for a piece of generated text (None: the end, what was held back)."""
         from ..llm import Reasoning
 
-        reply = self.job.reply  # (the reply read in pieces, llm/_replies.py; its reasoning is no output item yet)
+        reply = self.job.choices[0].reply  # (the reply read in pieces, llm/_replies.py; its reasoning is no output item yet)
         pieces: list[str | ToolCall] = [text] if text and reply is None else []
         if reply is not None:
             read = reply.push(text) if text is not None else reply.finish()

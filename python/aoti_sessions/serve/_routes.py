@@ -5,7 +5,7 @@ server-sent events."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ._sessions import Entry, Registry
     from ._shared import SharedRegistry
 
-TENANT = "aoti_sessions.tenant"  # the request's tenant, in its ASGI scope (set by serve/_app.py's _Guard)
+TENANT = "aoti_sessions.tenant"  # the request's tenant, in its ASGI scope (set by serve/_middleware.py's Guard)
 # A generation's answer: one JSON object, or with "stream": true server-sent events.
 GENERATED: dict[int | str, dict[str, Any]] = {200: {
     "description": "The completion or response, or (stream) its chunks or events as server-sent events",
@@ -33,10 +33,11 @@ def tenant_of(request: Request) -> str:
     return str(request.scope.get(TENANT, DEFAULT_TENANT))
 
 
-def check_model(name: str, model: str) -> None:
-    """404 unless ``name`` is the served model's."""
-    if name != model:
-        raise APIError(404, f"the model {name!r} does not exist; this server has {model!r}", "model_not_found",
+def check_model(name: str, names: Sequence[str]) -> None:
+    """404 unless ``name`` is one of the served model's ``names``."""
+    if name not in names:
+        served = ", ".join(repr(n) for n in names)
+        raise APIError(404, f"the model {name!r} does not exist; this server has {served}", "model_not_found",
                        "model")
 
 

@@ -9,8 +9,12 @@ session half made.
 
 A named session unused for ``ttl`` seconds is parked: with persistence (a
 session dir), saved to ``SESSION_DIR/.live/ID`` and closed; without, closed.
-A stopping server parks every named session the same way. A request naming a
-parked session's id brings it back from its file, whatever the endpoint.
+A stopping server parks every named session the same way, and a request
+that finds the engine full (CapacityError: its ``max_sessions``, or its
+memory) parks an idle one to make room (:meth:`Registry._made`): a stored
+response's first (below), then with persistence the least recently used. A
+request naming a parked session's id brings it back from its file, whatever
+the endpoint.
 
 With checkpoints on (servers that share a session dir, e.g. the replicas of a
 cluster), every change to a named session (a turn, a reset, a fork, a load)
@@ -146,6 +150,7 @@ class Registry:
         self.checkpoint_wait_seconds = 0.0  # requests spent waiting for a write to end
         self.superseded = 0  # copies dropped: their checkpoint changed or went elsewhere
         self.park_failures = 0  # parks that failed (the session kept in memory, or lost when stopping)
+        self.parked_for_room = 0  # idle sessions parked to make room for another
         self._parking, self._checkpointing = _Failures("parking sessions"), _Failures("writing checkpoints")
         self._saving_out_of_space = _Failures("saving session files")
         self.max_files, self.max_file_bytes = max_files, max_file_bytes  # a tenant's saved session files
@@ -157,8 +162,8 @@ class Registry:
 
     sweeps = True  # its sessions idle past their TTL are parked by its own sweep (sweep, expire_idle)
     # Its figures for /metrics (figure): counts kept as attributes, and ``named``.
-    FIGURES = ("named", "throwaway", "expired", "unparked", "park_failures", "checkpoints", "checkpoint_failures",
-               "checkpoint_seconds", "checkpoint_wait_seconds", "superseded")
+    FIGURES = ("named", "throwaway", "expired", "unparked", "park_failures", "parked_for_room", "checkpoints",
+               "checkpoint_failures", "checkpoint_seconds", "checkpoint_wait_seconds", "superseded")
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -355,8 +360,7 @@ class Registry:
         self.responses.expire(cutoff)
 
         def idle(e: Entry) -> bool:
-            return not e.busy and e.writing is None and e.session is not None and e.last_used < cutoff \
-                and e.id is not None and self._entries.get(e.key) is e
+            return self._idle(e) and e.last_used < cutoff
 
         parked = 0
         for entry in [e for e in self._entries.values() if idle(e)]:
@@ -369,6 +373,11 @@ class Registry:
                     self.expired += 1
                     parked += 1
         return parked
+
+    def _idle(self, e: Entry) -> bool:
+        """Whether named ``e`` may be parked now: in memory, in the table, and no request or write holds it."""
+        return not e.busy and e.writing is None and e.session is not None and e.id is not None \
+            and self._entries.get(e.key) is e
 
     def _take(self, entry: Entry) -> Entry:
         if entry.busy:
@@ -415,23 +424,30 @@ class Registry:
         return entry
 
     async def _made(self, make: Callable[[], ChatSession | RemoteSession]) -> ChatSession | RemoteSession:
-        """A new session from ``make()``, in a thread; while the engine has
-        no room, the least recently used idle session of stored responses
-        (a cache: serve/_response_store.py) is parked (closed, without
-        persistence) to make some."""
+        """A new session from ``make()`` (created, loaded, forked), in a
+        thread. While the engine has no room for it, an idle session is
+        parked (as the TTL sweep parks it: the next request naming it brings
+        it back) and ``make`` tried again: the least recently used of stored
+        responses' (caches: serve/_response_store.py; without persistence
+        closed) first, then, with persistence, of any named one."""
         while True:
             try:
                 return await in_thread(make)
-            except CapacityError:
-                caches = [e for e in self._entries.values() if not e.busy and e.writing is None and e.session is not None
-                          and e.id is not None and self.responses.holds(e.tenant, e.id)]
-                if not caches:
+            except CapacityError as e:
+                idle = [entry for entry in self._entries.values() if self._idle(entry) and (
+                    self.parked is not None or self.responses.holds(entry.tenant, entry.id or ""))]
+                if not idle:
+                    if self.parked is None and any(self._idle(entry) for entry in self._entries.values()):
+                        raise CapacityError(f"{e} (idle named sessions make room only where they persist: a "
+                                            "server started with --session-dir parks them)") from e
                     raise
-                entry = min(caches, key=lambda e: e.last_used)
-                entry.busy = True
-                await self._park(entry, "to make room for a new session")
-                if entry.session is not None:  # (its park failed: it stays)
+                victim = min(idle, key=lambda entry: (not self.responses.holds(entry.tenant, entry.id or ""),
+                                                      entry.last_used))
+                victim.busy = True
+                await self._park(victim, "to make room for another")
+                if victim.session is not None:  # (its park failed: it stays in memory, and this request gets 429)
                     raise
+                self.parked_for_room += 1
 
     async def release(self, entry: Entry) -> None:
         """Ends a request's hold; a throwaway session is closed."""

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 36 (serving agents) on a GPU machine in one call: builds with CUDA,
+# runs the CUDA cases of the agents' tests (TESTS, pytest -k cuda: structured
+# output, logprobs and penalties, the prefix cache) while the bench model
+# compiles beside them, prints the bf16 logprob error against transformers,
+# then structured output's cost: bench_serve at 16 chats with and without a
+# JSON schema held every turn (bench/gpu_front_ends.sh STAGE=grammar, PASSES
+# and ROUNDS), and the step loop alone (bench/profile_grammar.py). Wheels from
+# .deps/wheels (bench/fetch_gpu_deps.sh). Results under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/build/gpu}
+mkdir -p "$OUT"
+export OUT CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1  # (the system compiler: docs/aoti-runtime.md)
+export AOTI_SESSIONS_CACHE=${AOTI_SESSIONS_CACHE:-/tmp/ais-cache}
+if [ -d .deps/wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ais-site .deps/wheels/*.whl \
+    > /dev/null 2>&1
+  export PYTHONPATH=/tmp/ais-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__)"; git log --oneline -1; } | tee "$OUT/machine.txt"
+python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
+python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'" || exit 1
+status=0
+python3 -c "import sys; sys.path.insert(0, 'bench'); from bench_serve import bench_package; print(bench_package('cuda'))" \
+  > "$OUT/bench_model.log" 2>&1 &
+compiling=$!
+TESTS=${TESTS:-tests/test_grammar.py tests/test_logprobs.py tests/test_penalties.py tests/test_prefix_cache.py}
+# shellcheck disable=SC2086
+timeout "${TEST_S:-300}" python3 -m pytest $TESTS -k cuda -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" \
+  || status=$?
+timeout 120 python3 - <<'EOF' 2>&1 | tee "$OUT/logprobs_bf16.txt"
+# The largest gap between the step loop's greedy logprobs (bf16, CUDA graphs) and log_softmax of
+# transformers' own bf16 logits for the same tokens, over the sampled token and its top 5.
+import sys
+sys.path.insert(0, "tests")
+import torch
+import test_logprobs as t
+from aoti_sessions.llm import LLM
+from llm_models import llm_package
+with LLM(llm_package("qwen3", device="cuda", max_cache_len=t.CONTEXT, dtype="bfloat16"), device="cuda") as m:
+    prompt = m.chat_tokens(t.USER)
+    with m.new_session() as s:
+        out = s.generate(prompt, max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
+    ref = t.transformers_logprobs(prompt + out.token_ids, 16, "cuda", torch.bfloat16)
+    gaps = [abs(e.logprob - float(ref[i, e.token])) for i, e in enumerate(out.logprobs)]
+    tops = [abs(v - float(ref[i, k])) for i, e in enumerate(out.logprobs) for k, v in e.top]
+    print(f"bf16 greedy logprobs, 16 steps: sampled token max gap {max(gaps):.4f}, top-5 max gap {max(tops):.4f}")
+EOF
+wait "$compiling" || status=$?
+tail -1 "$OUT/bench_model.log"
+STAGE=grammar PASSES=${PASSES:-1} ROUNDS=${ROUNDS:-4} bash bench/gpu_front_ends.sh 2>&1 | tee "$OUT/grammar.log"
+timeout 150 python3 bench/profile_grammar.py --device cuda --rows 16 --rounds 3 2>&1 \
+  | grep -v "ais.compile\|Writing\|Loading" | head -12 | tee "$OUT/profile_grammar.txt"
+exit $status
