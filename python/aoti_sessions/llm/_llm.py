@@ -16,14 +16,12 @@ for the history it fed as text, its replies as generated (_prompts.py).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 
@@ -33,43 +31,13 @@ from ..errors import CapacityError, PackageError, SessionBusyError, SessionClose
 from ._generation import Completion, Generation
 from ._grammar import Grammars
 from ._params import SamplingParams, sampling_params
+from ._saved import chat_attachment, saved_tokens
 from ._scheduler import Scheduler
 from ._prompts import ChatPrompt, ContextLengthError, Prompt, Prompts, Spelling
 
 __all__ = ["LLM", "ChatSession", "Prompt", "ContextLengthError"]
 
-# A saved chat: one session file, whose attachment (Session.save) is this
-# JSON document of the tokens its cache holds (and, under "chat", the text
-# its last chat turn fed and its ids: Spelling). (Sessions saved before that
-# kept the tokens in a file beside it, PATH + LEGACY_HISTORY_SUFFIX: still read.)
-TOKENS_FORMAT = "aoti_sessions.llm.tokens"
-LEGACY_HISTORY_SUFFIX = ".tokens.json"
-MAX_LEGACY_HISTORY = 16 << 20  # bytes of such a file read at most
-MAX_ATTACHMENT = 16 << 20  # bytes a session file's attachment holds (the core's kMaxAttachment)
-
-
 log = logging.getLogger("aoti_sessions.llm")
-
-
-def _read_legacy_history(where: str) -> object:
-    """The token list of a chat saved before tokens went inside the session
-    file (PATH + LEGACY_HISTORY_SUFFIX), read only from a regular file."""
-    history = where + LEGACY_HISTORY_SUFFIX
-    try:
-        fd = os.open(history, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise SessionFileError(f"{where}: a session file without a chat's tokens (saved by Session.save, not "
-                               "ChatSession.save)") from None
-    except OSError as e:
-        raise SessionFileError(f"{history}: unreadable token history ({e.strerror or e})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise SessionFileError(f"{history}: not a regular file, so not a token history")
-        data = f.read(MAX_LEGACY_HISTORY + 1)
-    try:
-        return json.loads(data) if len(data) <= MAX_LEGACY_HISTORY else None
-    except ValueError:
-        return None
 
 
 def usable_cpus() -> int:
@@ -200,7 +168,7 @@ class LLM(Prompts, Closable):
             raise FileNotFoundError(errno.ENOENT, "no saved session", where)
         session, attachment = self.engine.load_session_attached(where)
         try:
-            tokens, spelling = self._saved_tokens(where, attachment)
+            tokens, spelling = saved_tokens(where, attachment, self.spec.vocab_size, self.max_context)
             if len(tokens) != session.length:
                 raise SessionFileError(f"{where}: holds {len(tokens)} tokens for a state of {session.length} "
                                        "positions")
@@ -208,40 +176,6 @@ class LLM(Prompts, Closable):
             session.close()
             raise
         return ChatSession(self, session, tokens, spelling)
-
-    def _saved_tokens(self, where: str, attachment: bytes) -> tuple[list[int], Spelling | None]:
-        """The token list a saved chat's attachment holds (or, saved before
-        there were attachments, the file beside it), and its spelling."""
-        chat = None
-        if attachment:
-            try:
-                doc = json.loads(attachment)
-            except ValueError:
-                doc = None
-            if not isinstance(doc, dict) or doc.get("format") != TOKENS_FORMAT or doc.get("version") != 1:
-                raise SessionFileError(f"{where}: its attachment is not a chat's tokens (not saved by "
-                                       "ChatSession.save)")
-            tokens, chat = doc.get("tokens"), doc.get("chat")
-        else:
-            tokens = _read_legacy_history(where)
-        if not self._token_list(tokens, self.max_context):
-            raise SessionFileError(f"{where}: not a token history of this model")
-        spelling = None
-        if chat is not None:  # (its ids: the first `shared` of the tokens', then its own)
-            text, shared, ids, marks = (chat.get(k) for k in ("text", "shared", "ids", "marks")) \
-                if isinstance(chat, dict) else [None] * 4
-            # (A reply's last id may be one the cache never took: at the context's end.)
-            if not isinstance(text, str) or type(shared) is not int or not 0 <= shared <= len(tokens) \
-                    or not self._token_list(ids, self.max_context + 1 - shared) or not isinstance(marks, list) \
-                    or not all(isinstance(m, list) and len(m) == 2 and all(type(v) is int for v in m)
-                               and 0 <= m[0] <= len(text) and 0 <= m[1] <= shared + len(ids) for m in marks):
-                raise SessionFileError(f"{where}: not a chat's text and tokens of this model")
-            spelling = Spelling(text, (*tokens[:shared], *ids), tuple((m[0], m[1]) for m in marks))
-        return tokens, spelling
-
-    def _token_list(self, tokens: object, most: int) -> TypeGuard[list[int]]:
-        return isinstance(tokens, list) and len(tokens) <= most and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.spec.vocab_size for t in tokens)
 
     def close(self) -> None:
         """Stops the step loop (generations still running end with
@@ -422,15 +356,7 @@ class ChatSession(Closable):
         steps of a generation running on it, if one is): it runs on while
         the file is written."""
         with self._lock:
-            doc: dict[str, Any] = {"format": TOKENS_FORMAT, "version": 1, "tokens": self._tokens}
-            if (spelling := self._spelled()) is not None:
-                ids = list(spelling.ids)
-                shared = min(len(ids), len(self._tokens))  # (most often all of one or the other)
-                shared = shared if ids[:shared] == self._tokens[:shared] else 0
-                doc["chat"] = {"text": spelling.text, "shared": shared, "ids": ids[shared:], "marks": spelling.marks}
-            tokens = json.dumps(doc, separators=(",", ":")).encode()
-            if len(tokens) > MAX_ATTACHMENT and doc.pop("chat", None) is not None:
-                tokens = json.dumps(doc, separators=(",", ":")).encode()  # (a next turn encodes its text again)
+            tokens = chat_attachment(self._tokens, self._spelled())
             snapshot = self._session.snapshot()
         snapshot.write(path, tokens)
 
