@@ -1,20 +1,243 @@
-"""The prefix cache (llm/_prefix.py) and what it stands on: discardable
-sessions, which the engine closes first when it needs room."""
+"""The prefix cache (llm/_prefix.py): a session made with a namespace starts
+from a kept session sharing its prompt's start (pages shared copy-on-write)
+and prefills only the rest. On real compiled tiny models (the 2048-token
+Qwen3 of tool_models.py, the 128-token Qwen3 and Mamba2 of llm_models.py),
+through the Python API: replies equal their solo runs from an empty
+session, no page a session shares is changed by another, and the cache
+never costs a request room it would have had without it."""
 
 from __future__ import annotations
 
+import random
 import time
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from aoti_sessions.llm import LLM
+from aoti_sessions.llm import LLM, SamplingParams
 from llm_models import TEXT, llm_package
+from tool_models import tools_package
+
+TOKENS = 8  # per reply
+
+
+@pytest.fixture(scope="module")
+def package() -> Path:
+    return tools_package()  # (2048 positions: room for a 1,000-token system prompt)
+
+
+@pytest.fixture(scope="module")
+def llm(package: Path) -> Iterator[LLM]:
+    with LLM(package, threads=1, max_sessions=32) as model:
+        yield model
+
+
+def system_prompt(llm: LLM, name: str, tokens: int = 1000) -> str:
+    """A system prompt of about ``tokens`` tokens, its own for ``name``."""
+    words = TEXT.split()
+    text, i = f"You are the assistant of {name}.", 0
+    while (count := len(llm.encode(text))) < tokens:
+        step = 16 if count < tokens - 64 else 1
+        text += " " + " ".join(words[i % len(words):i % len(words) + step])
+        i += step
+    return text
+
+
+def solo(llm: LLM, prompt: Any, params: SamplingParams) -> list[int]:
+    """The reply to ``prompt`` from an empty session, without the cache."""
+    with llm.new_session() as s:
+        return s.generate(prompt, params).token_ids
+
+
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+
+
+# -- the Python API ------------------------------------------------------------------
+
+def test_concurrent_requests_from_shared_prefixes_equal_their_solo_runs(llm: LLM) -> None:
+    """Many requests at once, greedy and seeded, whose prompts share whole
+    bases, parts of them (a cut anywhere, mid-page too) or nothing, in two
+    namespaces: each reply equals its solo run, and most start from the cache."""
+    rng = random.Random(36)
+    words = llm.encode(TEXT)
+    bases = [rng.choices(words, k=rng.randint(40, 300)) for _ in range(3)]
+    cases = []
+    for n in range(36):
+        base = rng.choice(bases)
+        cut = len(base) if rng.random() < 0.5 else rng.randint(1, len(base))
+        prompt = base[:cut] + rng.choices(words, k=rng.randint(1, 40)) if rng.random() < 0.9 \
+            else rng.choices(words, k=rng.randint(2, 60))
+        params = GREEDY if n % 2 else SamplingParams(max_tokens=TOKENS, temperature=0.9, top_p=0.9, seed=n,
+                                                     ignore_eos=True)
+        cases.append((prompt, params, f"concurrent-{n % 2}"))
+    wants = [solo(llm, prompt, params) for prompt, params, _ in cases]
+
+    def run(case: tuple[list[int], SamplingParams, str]) -> tuple[list[int], int]:
+        prompt, params, namespace = case
+        with llm.new_session(prompt, cache=namespace) as s:
+            c = s.generate(prompt, params)
+            return c.token_ids, c.cached_tokens
+
+    before = llm.stats()
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(run, cases))
+    assert [g for g, _ in got] == wants
+    hits = llm.stats()["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hits >= len(cases) // 3 and sum(c for _, c in got) > 0
+
+
+def test_no_session_changes_the_pages_another_shares(llm: LLM) -> None:
+    """Poisoned pages: sessions forked from one kept prefix write past the
+    common part into its shared last page (cut mid-page), one resets and is
+    fed other tokens, one is cut back further and fed others: the kept
+    session's pages, and so every later request sharing them, give the solo
+    replies, and the copies on write happened."""
+    words = llm.encode(TEXT)
+    rng = random.Random(7)
+    base = rng.choices(words, k=100)  # 6 pages and 4 positions
+    namespace = "poison"
+    with llm.new_session(base, cache=namespace) as first:
+        assert first.generate(base, GREEDY).token_ids == solo(llm, base, GREEDY)
+    copied = llm.stats()["pages_copied"]
+    barrier = threading.Barrier(3)
+
+    def poison(kind: int) -> None:
+        prompt = base[:90] + rng.choices(words, k=20) if kind == 0 else base[:37] + words[:5]
+        with llm.new_session(prompt, cache=namespace) as s:
+            barrier.wait(30)
+            s.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True)
+            if kind == 1:
+                s.reset()
+                s.generate(words[:70], max_tokens=4, temperature=0)
+            elif kind == 2:  # its own history, cut back and fed other tokens
+                s.generate(prompt[:20] + words[30:60], max_tokens=4, temperature=0)
+
+    threads = [threading.Thread(target=poison, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert llm.stats()["pages_copied"] > copied  # (they did share the pages they wrote)
+    for extra in (words[:3], words[10:40], []):
+        prompt = base + extra if extra else base[:64] + words[50:52]
+        with llm.new_session(prompt, cache=namespace) as s:
+            c = s.generate(prompt, GREEDY)
+            assert c.cached_tokens >= 64
+            assert c.token_ids == solo(llm, prompt, GREEDY)
+
+
+def test_a_kept_session_is_nobodys_after_close(llm: LLM) -> None:
+    """A closed session with a namespace is the cache's: its old handle is
+    closed (it starts, forks, saves and resets nothing), and a prompt
+    without a namespace is refused."""
+    prompt = llm.encode(TEXT)[:40]
+    s = llm.new_session(prompt, cache="closed")
+    s.generate(prompt, max_tokens=2, temperature=0)
+    s.close()
+    assert s.closed and not s.resident
+    from aoti_sessions.errors import SessionClosedError
+
+    for call in (lambda: s.start(prompt), s.fork, s.reset, lambda: s.save("/nonexistent/x")):
+        with pytest.raises(SessionClosedError):
+            call()
+    with pytest.raises(TypeError, match="cache="):
+        llm.new_session(prompt)
 
 
 @pytest.fixture(scope="module")
 def small_package() -> Path:
     return llm_package("qwen3")  # (128 positions)
+
+
+def _fits(llm: LLM, cases: list[tuple[list[int], SamplingParams]], namespace: str) -> list[tuple[list[int], int]]:
+    """Each case's reply from the cache (one at a time), and its cached tokens."""
+    out = []
+    for prompt, params in cases:
+        with llm.new_session(prompt, cache=namespace) as s:
+            c = s.generate(prompt, params)
+        out.append((c.token_ids, c.cached_tokens))
+    return out
+
+
+def test_the_cache_never_costs_a_request_room(small_package: Path) -> None:
+    """At max_sessions, and under a memory budget that never offloads
+    (host_budget 0), every request that fits without the cache fits with
+    it: the engine closes kept sessions first (discards), never offloading
+    a live session for them, and they are still reused (forked, or handed
+    over whole where a fork has no room)."""
+    with LLM(small_package, threads=1, max_sessions=2) as llm:
+        text = llm.encode(TEXT)
+        held = llm.new_session()  # a live conversation, idle: one slot left
+        held.generate(text[50:90], max_tokens=2, temperature=0)
+        cases = [(text[:48] + text[60 + n:64 + n] if n % 3 else text[n:n + 30], GREEDY) for n in range(9)]
+        wants = [solo(llm, prompt, params) for prompt, params in cases]
+        got = _fits(llm, cases, "slots")
+        assert [g for g, _ in got] == wants
+        assert all(cached >= 48 for (_, cached), n in zip(got, range(9)) if n % 3 == 2)
+        assert held.resident and held.token_count > 0
+        held.close()
+        errors: list[BaseException] = []
+
+        def one(prompt: list[int]) -> None:
+            try:
+                with llm.new_session(prompt, cache="slots") as s:
+                    s.generate(prompt, GREEDY)
+            except BaseException as e:  # noqa: BLE001 - collected, asserted below
+                errors.append(e)
+
+        for n in range(8):  # two at once, the most that fit
+            threads = [threading.Thread(target=one, args=(text[:48] + text[n + k:n + k + 5],)) for k in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        assert not errors, errors
+        stats = llm.stats()
+        assert stats["discards"] >= 1 and stats["prefix_cache_hits"] >= 8 and stats["evictions"] == 0
+
+    with LLM(small_package, threads=1) as probe:
+        page_bytes = int(probe.engine.pool["page_bytes"])  # type: ignore[index]
+    # Room for a live session of 58 tokens (4 pages) and a request of 56 with its reply (4 more).
+    with LLM(small_package, threads=1, memory_budget=8 * page_bytes, host_budget=0,
+             prefix_cache_bytes=8 * page_bytes) as llm:
+        text = llm.encode(TEXT)
+        held = llm.new_session()
+        held.generate(text[:50], max_tokens=8, temperature=0, ignore_eos=True)
+        # Requests sharing a start (A) and others (B): a B makes the engine close the kept A.
+        cases = [(text[60:100] + text[n:n + 8] if kind == "A" else text[n:n + 48], GREEDY)
+                 for n, kind in enumerate("AAABAABA")]
+        wants = [solo(llm, prompt, params) for prompt, params in cases]
+        got = _fits(llm, cases, "bytes")
+        assert [g for g, _ in got] == wants
+        stats = llm.stats()
+        assert held.resident and stats["evictions"] == 0 and stats["discards"] >= 1
+        assert stats["prefix_cache_hits"] >= 3
+        held.close()
+
+
+def test_recurrent_state_is_shared_only_where_exact() -> None:
+    """Mamba2 (slots: no rewind to an arbitrary position): a prompt that
+    extends a kept session's whole history (a conversation's next turn sent
+    without a session id) starts from it; one that shares only part of it
+    starts empty. Both equal their solo runs."""
+    with LLM(llm_package("mamba2"), threads=1) as llm:
+        text = llm.encode(TEXT)
+        first = text[:40]
+        with llm.new_session(first, cache="ssm") as s:
+            reply = s.generate(first, GREEDY).token_ids
+            kept = len(s.tokens)  # (the prompt and the reply's tokens fed: all but the last)
+        history = first + reply
+        for prompt, cached in ((history + text[50:60], kept), (first[:30] + text[70:80], 0),
+                               (history[:kept - 1] + text[80:85], 0)):
+            with llm.new_session(prompt, cache="ssm") as s:
+                c = s.generate(prompt, GREEDY)
+            assert c.cached_tokens == cached
+            assert c.token_ids == solo(llm, prompt, GREEDY)
+        assert llm.stats()["prefix_cache_hits"] == 1
 
 
 def test_a_discardable_session_is_closed_before_any_other_is_offloaded(small_package: Path) -> None:

@@ -31,6 +31,7 @@ from ..errors import CapacityError, PackageError, SessionBusyError, SessionClose
 from ._generation import Completion, Generation
 from ._grammar import Grammars
 from ._params import SamplingParams, sampling_params
+from ._prefix import DEFAULT_BYTES_WITHOUT_BUDGET, DEFAULT_ENTRIES, PrefixCache
 from ._saved import chat_attachment, saved_tokens
 from ._scheduler import Scheduler
 from ._prompts import ChatPrompt, ContextLengthError, Prompt, Prompts, Spelling
@@ -64,6 +65,13 @@ class LLM(Prompts, Closable):
     the whole history is fed again. An offloaded session loses its
     checkpoints.
 
+    ``prefix_cache``: sessions made with a namespace (:meth:`new_session`)
+    are kept once closed, at most this many (0: none), to start later
+    sessions of that namespace whose prompts begin the same way
+    (llm/_prefix.py; the engine closes them first when it needs room);
+    ``prefix_cache_bytes``: their state's bytes at most (default: a quarter
+    of ``memory_budget``, or 1 GiB without one). :attr:`prefix_cache`.
+
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``,
     ``trust_op_modules``, ...).
@@ -73,9 +81,12 @@ class LLM(Prompts, Closable):
     """
 
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
-                 threads: int | None = None, rewind_checkpoints: int = 1, **engine_options: Any) -> None:
-        if isinstance(rewind_checkpoints, bool) or not isinstance(rewind_checkpoints, int) or rewind_checkpoints < 0:
-            raise ValueError(f"rewind_checkpoints must be an int >= 0, got {rewind_checkpoints!r}")
+                 threads: int | None = None, rewind_checkpoints: int = 1, prefix_cache: int = DEFAULT_ENTRIES,
+                 prefix_cache_bytes: int | None = None, **engine_options: Any) -> None:
+        for name, value in (("rewind_checkpoints", rewind_checkpoints), ("prefix_cache", prefix_cache),
+                            ("prefix_cache_bytes", 0 if prefix_cache_bytes is None else prefix_cache_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.rewind_checkpoints = rewind_checkpoints
         # Turns of a recurrent model that rewound to a checkpoint, and
         # checkpoints not kept for want of room (LLM.stats()).
@@ -108,6 +119,10 @@ class LLM(Prompts, Closable):
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset(int(t) for t in (*self.spec.eos_token_ids, *eos_ids))
         self._grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        budget = engine_options.get("memory_budget")
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = budget // 4 if isinstance(budget, int) else DEFAULT_BYTES_WITHOUT_BUDGET
+        self.prefix_cache = PrefixCache(self.engine, self.spec.recurrent, prefix_cache, prefix_cache_bytes)
         self._scheduler = Scheduler(self)
 
     def _check_spec(self) -> None:
@@ -149,13 +164,28 @@ class LLM(Prompts, Closable):
         for recurrent state, the turns that rewound to a checkpoint
         (``checkpoint_rewinds``) and checkpoints not kept for want of room
         (``checkpoints_skipped``); ``prefilling``: generations in the step
-        loop still reading their prompt."""
+        loop still reading their prompt; the prefix cache's
+        (:meth:`PrefixCache.stats`)."""
         return {**self.engine.stats(), **self._scheduler.stats(), "checkpoint_rewinds": self._rewinds,
-                "checkpoints_skipped": self._checkpoints_skipped}
+                "checkpoints_skipped": self._checkpoints_skipped, **self.prefix_cache.stats()}
 
-    def new_session(self) -> ChatSession:
-        """A chat session with an empty cache (counts against ``max_sessions``)."""
-        return ChatSession(self, self.engine.new_session(), [])
+    def new_session(self, prompt: Prompt | None = None, *, cache: str | None = None) -> ChatSession:
+        """A chat session with an empty cache (counts against ``max_sessions``).
+
+        With ``cache``, a namespace of the prefix cache (llm/_prefix.py;
+        sessions are shared within one only): the session starts as a fork
+        of the namespace's kept session that shares the longest start with
+        ``prompt`` (its first turn's, if given; pages shared, nothing
+        copied), and once closed it is kept there for later ones."""
+        if cache is None:
+            if prompt is not None:
+                raise TypeError("new_session(prompt) goes with cache=NAMESPACE (the prompt picks a kept session)")
+            return ChatSession(self, self.engine.new_session(), [])
+        if not isinstance(cache, str):
+            raise TypeError(f"cache must be a str (a namespace), got {type(cache).__name__}")
+        found = self.prefix_cache.take(self.prompt_ids(prompt), cache) if prompt is not None else None
+        session, tokens = found if found is not None else (self.engine.new_session(), [])
+        return ChatSession(self, session, tokens, namespace=cache)
 
     def load_session(self, path: str | os.PathLike[str]) -> ChatSession:
         """A session saved by :meth:`ChatSession.save`: its state and the tokens
@@ -191,9 +221,12 @@ class ChatSession(Closable):
     """One conversation: a session of the engine and the tokens in its cache.
     One generation at a time; its steps may run on any thread."""
 
-    def __init__(self, llm: LLM, session: Session, tokens: list[int], spelling: Spelling | None = None) -> None:
+    def __init__(self, llm: LLM, session: Session, tokens: list[int], spelling: Spelling | None = None, *,
+                 namespace: str | None = None) -> None:
         self._llm = llm
         self._session = session
+        self._namespace = namespace  # of the prefix cache, which keeps it once closed
+        self._closed = False
         self._id = session.id  # (its session's, for good: the step loop sorts by it every step)
         self._tokens = tokens
         # The text its last chat turn fed and the ids (_prompts.py), and
@@ -231,11 +264,15 @@ class ChatSession(Closable):
 
     @property
     def closed(self) -> bool:
-        return self._session.closed
+        return self._closed or self._session.closed
 
     @property
     def resident(self) -> bool:
-        return self._session.resident
+        return not self._closed and self._session.resident
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError(f"session {self.id} is closed")
 
     def start(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Generation:
         """Begins generating a reply to ``prompt``; run it with :meth:`Generation.step`.
@@ -245,8 +282,7 @@ class ChatSession(Closable):
         with self._lock:
             if self._active is not None:
                 raise SessionBusyError(f"session {self.id} is busy: a generation is running on it")
-            if self._session.closed:
-                raise SessionClosedError(f"session {self.id} is closed")
+            self._check_open()
             # Chat messages: the ids this session fed for the text they start with, if any, not those text's again.
             ids, spelling = self._llm._respell(self._spelled(), prepared) if isinstance(prepared, ChatPrompt) \
                 else (prepared, None)
@@ -340,6 +376,7 @@ class ChatSession(Closable):
         """Empties the cache."""
         with self._lock:
             self._idle("reset")
+            self._check_open()
             self._session.reset()
             self._tokens = []
             self._spelling = self._last = None
@@ -347,6 +384,7 @@ class ChatSession(Closable):
     def fork(self) -> ChatSession:
         """A new session holding a copy of this one's cache and tokens."""
         with self._lock:
+            self._check_open()
             return ChatSession(self._llm, self._session.fork(), list(self._tokens), self._spelled())
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -356,17 +394,26 @@ class ChatSession(Closable):
         steps of a generation running on it, if one is): it runs on while
         the file is written."""
         with self._lock:
+            self._check_open()
             tokens = chat_attachment(self._tokens, self._spelled())
             snapshot = self._session.snapshot()
         snapshot.write(path, tokens)
 
     def close(self) -> None:
-        """Stops a running generation and frees the state; idempotent."""
+        """Stops a running generation and frees the state (a session with a
+        namespace goes to the prefix cache instead, unless its last turn
+        failed); idempotent."""
         active = self._active
         if active is not None:
             active.close()
         with self._lock:
-            self._session.close()
+            if self._closed:
+                return
+            self._closed = True
+            failed = self._last is not None and self._last._error is not None
+            if self._namespace is None or failed \
+                    or not self._llm.prefix_cache.keep(self._session, self._tokens, self._namespace):
+                self._session.close()
 
     # -- the step loop's (through Generation, its session's lock held: Held) --
     def _took(self, tokens: list[int], width: int) -> None:
