@@ -1,10 +1,12 @@
-"""The prefix cache (llm/_prefix.py): a session made with a namespace starts
+"""The prefix cache (llm/_prefix.py): a session without a session id starts
 from a kept session sharing its prompt's start (pages shared copy-on-write)
 and prefills only the rest. On real compiled tiny models (the 2048-token
-Qwen3 of tool_models.py, the 128-token Qwen3 and Mamba2 of llm_models.py),
-through the Python API: replies equal their solo runs from an empty
-session, no page a session shares is changed by another, and the cache
-never costs a request room it would have had without it."""
+Qwen3 of tool_models.py for the long system prompt, the 128-token Qwen3 and
+Mamba2 of llm_models.py), through the server in its three modes and the
+Python API: replies equal their solo runs from an empty session, sharing
+stays within a namespace (a tenant and its prompt_cache_key), no page a
+session shares is changed by another, and the cache never costs a request
+room it would have had without it."""
 
 from __future__ import annotations
 
@@ -16,12 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 
-from aoti_sessions.llm import LLM, SamplingParams
+from aoti_sessions.llm import LLM, RemoteLLM, SamplingParams
+from aoti_sessions.serve import create_app
 from llm_models import TEXT, llm_package
+from serving import metrics, running, running_front_ends, transport_for
 from tool_models import tools_package
 
+KEYS = ("prefix-key-a-51c2", "prefix-key-b-9e07")
 TOKENS = 8  # per reply
 
 
@@ -54,6 +61,111 @@ def solo(llm: LLM, prompt: Any, params: SamplingParams) -> list[int]:
 
 
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+
+
+# -- the server, in each of its modes ------------------------------------------------
+
+@pytest.fixture(scope="module", params=["one-process", "engine-process", "two-front-ends"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def server(mode: str, llm: LLM, package: Path) -> Iterator[str]:
+    if mode == "one-process":
+        with running(create_app(llm, api_keys=KEYS)) as url:
+            yield url
+        return
+    with RemoteLLM(package, "cpu", threads=1, max_sessions=32) as remote:
+        if mode == "two-front-ends":
+            with running_front_ends(remote, 2, api_keys=KEYS) as url:
+                yield url
+        else:
+            with running(create_app(remote, api_keys=KEYS)) as url:
+                yield url
+
+
+def _client(server: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=key, max_retries=0, timeout=120,
+                         http_client=httpx.Client(transport=transport_for(server), timeout=120))
+
+
+def _chat(client: openai.OpenAI, llm: LLM, messages: list[dict[str, str]], **extra: Any) -> tuple[str, int]:
+    reply = client.chat.completions.create(model=llm.name, messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=TOKENS, temperature=0, extra_body=extra or None)
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    return str(reply.choices[0].message.content), int(reply.usage.prompt_tokens_details.cached_tokens or 0)
+
+
+def test_a_repeated_system_prompt_is_prefilled_once(server: str, mode: str, llm: LLM) -> None:
+    """The target: a stateless request repeating a 1,000-token system prompt
+    with a new user message reuses at least 95% of its tokens; streamed too;
+    concurrent requests sharing it each equal their solo run; another key,
+    another prompt_cache_key and a named session share nothing."""
+    system = system_prompt(llm, f"the {mode} server")
+    system_tokens = len(llm.encode(system))
+    assert 1000 <= system_tokens < 1020
+
+    def messages(user: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    def want(user: str) -> str:
+        with llm.new_session() as s:
+            return s.generate(messages(user), max_tokens=TOKENS, temperature=0).text
+
+    a, b = _client(server, KEYS[0]), _client(server, KEYS[1])
+    with a, b:
+        text, cached = _chat(a, llm, messages("Hello, how are you today?"))
+        assert cached == 0 and text == want("Hello, how are you today?")
+        text, cached = _chat(a, llm, messages("Please tell me a story."))
+        assert cached >= 0.95 * system_tokens, (cached, system_tokens)
+        assert text == want("Please tell me a story.")
+        stream = a.chat.completions.create(model=llm.name, messages=messages("One, two, three?"),  # type: ignore
+                                           max_tokens=TOKENS, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want("One, two, three?")
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert (usage.prompt_tokens_details.cached_tokens or 0) >= 0.95 * system_tokens
+
+        # Several at once, each from the kept prompt (or from one another's).
+        users = [f"Question number {n}: what is {n} and {n + 1}?" for n in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda u: _chat(a, llm, messages(u)), users))
+        for user, (text, cached) in zip(users, got):
+            assert text == want(user) and cached >= 0.95 * system_tokens
+
+        # Another key, another prompt_cache_key: nothing shared (no cached_tokens oracle across them).
+        text, cached = _chat(b, llm, messages("Please tell me a story."))
+        assert cached == 0 and text == want("Please tell me a story.")
+        assert _chat(a, llm, messages("Hello again."), prompt_cache_key="team-1")[1] == 0
+        text, cached = _chat(a, llm, messages("Hello once more."), prompt_cache_key="team-1")
+        assert cached >= 0.95 * system_tokens and text == want("Hello once more.")
+        # A named session keeps its own cache, as before: its first turn prefills all.
+        assert _chat(a, llm, messages("Please tell me a story."), session_id=f"named-{mode}")[1] == 0
+
+        with httpx.Client(base_url=server, transport=transport_for(server),
+                          headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+            counts = metrics(http)
+            assert counts["aoti_sessions_prefix_cache_hits_total"] >= 7
+            assert counts["aoti_sessions_prefix_cache_tokens_total"] >= 7 * 0.95 * system_tokens
+            assert counts["aoti_sessions_prefix_cache_entries"] >= 1
+            bad = http.post("/v1/chat/completions", json={"messages": messages("x"), "prompt_cache_key": 5})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+
+
+def test_kept_sessions_never_cost_a_request_a_429(small_package: Path) -> None:
+    """--max-sessions 2 with a named session idle: every stateless request
+    is served (the kept ones make way), from the cache where it can be."""
+    with LLM(small_package, threads=1, max_sessions=2) as small, running(create_app(small)) as url, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        base = [{"role": "system", "content": TEXT[:200]}]
+        _chat(client, small, base + [{"role": "user", "content": "Hello"}], session_id="named")
+        cached = [_chat(client, small, base + [{"role": "user", "content": f"Question {n}?"}])[1] for n in range(6)]
+        assert all(c > 0 for c in cached[1:]), cached
+        with httpx.Client(base_url=url) as http:
+            assert metrics(http)["aoti_sessions_prefix_cache_hits_total"] >= 5
 
 
 # -- the Python API ------------------------------------------------------------------

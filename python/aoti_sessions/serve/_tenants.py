@@ -37,6 +37,14 @@ def scoped(tenant: str, session_id: str) -> str:
     return session_id if tenant == DEFAULT_TENANT else f"{tenant}/{session_id}"
 
 
+def cache_namespace(tenant: str, key: str | None = None) -> str:
+    """The prefix cache's namespace of a request of ``tenant`` that sent
+    ``prompt_cache_key`` ``key`` (if any): requests share cached prefixes
+    within one only (llm/_prefix.py), so never across keys (nor, within a
+    key, across its clients' cache keys)."""
+    return tenant if key is None else f"{tenant}\0{key}"  # (a tenant id holds no NUL: no two alike)
+
+
 def read_api_keys(path: str | os.PathLike[str]) -> list[str]:
     """The keys of an ``--api-keys`` file: one a line, surrounding spaces
     stripped; empty lines and lines starting with ``#`` skipped. ValueError
