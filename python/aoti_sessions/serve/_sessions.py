@@ -7,6 +7,11 @@ wait for an eviction, forking, saving, loading, closing) run in worker
 threads, shielded from cancellation so that a client hanging up cannot leak a
 session half made.
 
+A request without a session id gets a throwaway session from the LLM's
+prefix cache (llm/_prefix.py), in its tenant's namespace: a fork of the
+kept session sharing the longest start with its prompt, kept there itself
+when the request ends.
+
 A named session unused for ``ttl`` seconds is parked: with persistence (a
 session dir), saved to ``SESSION_DIR/.live/ID`` and closed; without, closed.
 A stopping server parks every named session the same way, and a request

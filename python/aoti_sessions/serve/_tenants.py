@@ -8,7 +8,9 @@ A tenant is known by a hash of its key, never the key itself (tenant ids
 name folders of the session dir). The key of ``--api-key`` (or no key at
 all) is the default tenant, whose files and parked sessions are the session
 dir's own, as before there were tenants; each key of ``--api-keys`` keeps
-them in ``SESSION_DIR/.tenants/ID``. Importing this needs nothing beyond the
+them in ``SESSION_DIR/.tenants/ID``. Requests without a session id share
+cached prefixes (llm/_prefix.py) within their key's namespace only
+(:func:`cache_namespace`). Importing this needs nothing beyond the
 standard library (the command line reads the keys file with it).
 """
 
