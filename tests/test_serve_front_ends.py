@@ -235,9 +235,9 @@ def test_a_streams_session_is_free_once_its_last_event_arrives(package: Path, de
 class _SlowAcquire(Registry):
     """A registry whose acquires take a while (an unpark, a full engine)."""
 
-    async def acquire(self, tenant: str, session_id: str | None, *, create: bool) -> Entry:
+    async def acquire(self, tenant: str, session_id: str | None, *, create: bool, **options: Any) -> Entry:
         await asyncio.sleep(0.3)
-        return await super().acquire(tenant, session_id, create=create)
+        return await super().acquire(tenant, session_id, create=create, **options)
 
 
 def test_a_request_that_gives_up_waiting_leaves_the_session_free(package: Path, device: str) -> None:

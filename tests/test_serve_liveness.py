@@ -191,7 +191,7 @@ def test_the_heartbeat_goes_on_through_a_long_step(package: Path) -> None:
 
     try:
         parent.send([(1, "new_session", ())])
-        sid = next(item[3] for item in until("reply") if item[0] == "reply")
+        sid = next(item[3] for item in until("reply") if item[0] == "reply")[0]  # (its id, its tokens)
         parent.send([(2, "start", (sid, llm.prompt_ids(USER), SamplingParams(max_tokens=CONTEXT - 64,
                                                                               ignore_eos=True)))])
         until("event")

@@ -383,6 +383,7 @@ void BindValues(py::module_& m) {
            {"evictions", &EngineStats::evictions},
            {"idle_offloads", &EngineStats::idle_offloads},
            {"idle_closes", &EngineStats::idle_closes},
+           {"discards", &EngineStats::discards},
            {"restores", &EngineStats::restores},
            {"saves", &EngineStats::saves},
            {"loads", &EngineStats::loads},
@@ -436,6 +437,14 @@ void BindSession(py::module_& m) {
           },
           "Device address of the session's state block (0 once closed or offloaded).")
       .def_property_readonly("resident", &Session::resident)
+      .def_property(
+          "discardable", &Session::discardable,
+          [](Session& s, bool discardable) {
+            py::gil_scoped_release release;  // waits for a run of this session in flight
+            s.SetDiscardable(discardable);
+          },
+          "Whether the engine may close the session when it needs room (before offloading any "
+          "session, instead of refusing one at max_sessions) and at idle_timeout.")
       .def_property_readonly(
           "last_use", [](const Session& s) { return static_cast<double>(s.last_use_ns()) * 1e-9; },
           "Last use, in seconds of time.monotonic().")

@@ -1,6 +1,8 @@
 // Making room under memory_budget: reserving device bytes for a session by
-// offloading the least recently used idle session, or waiting for one to
-// become idle when every resident session is in use.
+// closing the least recently used idle discardable session, else offloading
+// the least recently used idle session, or waiting for one to become idle
+// when every resident session is in use; and closing a discardable session
+// to stay within max_sessions.
 #include <algorithm>
 #include <chrono>
 
@@ -33,6 +35,18 @@ void Residency::ReserveDevice(const Held& held, int64_t need, StreamHandle strea
                        " resident sessions hold " + std::to_string(device_bytes_) +
                        " bytes and this call needs " + std::to_string(need) + " more";
     if (need > budget) Throw(ErrorKind::kCapacity, full + " (the budget is below that)");
+    {
+      // A discardable session goes before any is offloaded (and needs no host room).
+      std::vector<std::shared_ptr<SessionState>> open = OpenStatesRegistryLocked();
+      lock.Unlock();
+      const Discard discarded = DiscardLeastRecentlyUsed(std::move(open), held, /*resident_only=*/true);
+      lock.Lock();
+      if (discarded == Discard::kDone) continue;
+      if (discarded == Discard::kBusy && std::chrono::steady_clock::now() < deadline) {
+        WaitForIdle(lock);  // (one being forked: it goes first once idle, not a session offloaded)
+        continue;
+      }
+    }
     if (host_budget_ && host_bytes_ + need - host_credit > *host_budget_) {
       Throw(ErrorKind::kCapacity, full + ", and host_budget=" + BytesText(*host_budget_) +
                                       " cannot take an offloaded session (" +
@@ -64,10 +78,38 @@ void Residency::ReserveDevice(const Held& held, int64_t need, StreamHandle strea
                                       std::to_string(kCapacityWait.count()) + " s");
     }
     // Every resident session is in use: wait for one to finish its operation.
-    capacity_waiters_.fetch_add(1);
-    lock.WaitFor(capacity_cv_, std::chrono::milliseconds(5));
-    capacity_waiters_.fetch_sub(1);
+    WaitForIdle(lock);
   }
+}
+
+void Residency::WaitForIdle(MutexLock& lock) {
+  capacity_waiters_.fetch_add(1);
+  lock.WaitFor(capacity_cv_, std::chrono::milliseconds(5));
+  capacity_waiters_.fetch_sub(1);
+}
+
+Residency::Discard Residency::DiscardLeastRecentlyUsed(
+    std::vector<std::shared_ptr<SessionState>> candidates, const Held& held, bool resident_only) {
+  candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
+                                  [&](const auto& s) {
+                                    return !s->discardable() || s->closed() ||
+                                           s->waiting_for_room() ||
+                                           (resident_only && !s->resident()) ||
+                                           std::find(held.begin(), held.end(), s.get()) !=
+                                               held.end();
+                                  }),
+                   candidates.end());
+  std::sort(candidates.begin(), candidates.end(),
+            [](const auto& a, const auto& b) { return a->last_use_ns() < b->last_use_ns(); });
+  for (const auto& candidate : candidates) {
+    if (!candidate->mutex().try_lock()) continue;  // in use (a fork of it): never closed
+    MutexLock lock(candidate->mutex(), MutexLock::Adopt{});
+    if (candidate->closed() || !candidate->discardable()) continue;
+    Release(*candidate, "closed to make room (a discardable session)");
+    discards_.fetch_add(1);
+    return Discard::kDone;
+  }
+  return candidates.empty() ? Discard::kNone : Discard::kBusy;
 }
 
 Residency::Eviction Residency::EvictLeastRecentlyUsed(
@@ -83,8 +125,11 @@ Residency::Eviction Residency::EvictLeastRecentlyUsed(
                                            s->waiting_for_room();
                                   }),
                    candidates.end());
-  std::sort(candidates.begin(), candidates.end(),
-            [](const auto& a, const auto& b) { return a->last_use_ns() < b->last_use_ns(); });
+  // Discardable ones first (closed, not offloaded), then the least recently used.
+  std::sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
+    return a->discardable() != b->discardable() ? a->discardable()
+                                                : a->last_use_ns() < b->last_use_ns();
+  });
   for (const auto& candidate : candidates) {
     if (TryEvict(*candidate, stream, host_credit)) return Eviction::kDone;
   }
@@ -94,7 +139,10 @@ Residency::Eviction Residency::EvictLeastRecentlyUsed(
 bool Residency::TryEvict(SessionState& victim, StreamHandle stream, int64_t host_credit) {
   if (!victim.mutex().try_lock()) return false;  // in use: never evicted
   MutexLock lock(victim.mutex(), MutexLock::Adopt{});
-  if (!victim.closed() && victim.resident()) {
+  if (!victim.closed() && victim.discardable()) {
+    Release(victim, "closed to make room (a discardable session)");
+    discards_.fetch_add(1);
+  } else if (!victim.closed() && victim.resident()) {
     OffloadWithCredit(victim, stream, OffloadCause::kEviction, host_credit);
   }
   return true;  // room was made, or the session left the device meanwhile

@@ -201,6 +201,7 @@ struct EngineStats {
   int64_t evictions = 0;      // offloads to make room on the device
   int64_t idle_offloads = 0;  // offloads by idle_timeout
   int64_t idle_closes = 0;    // closes by idle_timeout
+  int64_t discards = 0;       // discardable sessions closed to make room or at idle_timeout
   int64_t restores = 0;
   int64_t saves = 0;
   int64_t loads = 0;

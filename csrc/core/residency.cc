@@ -4,6 +4,7 @@
 #include "residency.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "errors.h"
@@ -77,16 +78,25 @@ std::shared_ptr<SessionState> Residency::AdmitBeside(SessionState& held, int64_t
 std::shared_ptr<SessionState> Residency::AdmitFor(const Held& held, int64_t bytes,
                                                   StreamHandle stream, const Fill& fill) {
   uint64_t id = 0;
-  {
-    MutexLock lock(registry_mutex_);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (MutexLock lock(registry_mutex_);;) {
     if (closed_) Throw(ErrorKind::kSessionClosed, "the engine is closed");
-    if (max_sessions_ && live_sessions_ >= *max_sessions_) {
-      Throw(ErrorKind::kCapacity, "max_sessions=" + std::to_string(*max_sessions_) +
-                                      " reached: " + std::to_string(live_sessions_) +
-                                      " sessions are open");
+    if (!max_sessions_ || live_sessions_ < *max_sessions_) {
+      ++live_sessions_;
+      id = next_session_id_++;
+      break;
     }
-    ++live_sessions_;
-    id = next_session_id_++;
+    const std::string full = "max_sessions=" + std::to_string(*max_sessions_) + " reached: " +
+                             std::to_string(live_sessions_) + " sessions are open";
+    std::vector<std::shared_ptr<SessionState>> open = OpenStatesRegistryLocked();
+    lock.Unlock();
+    // A discardable session makes way (its count goes once it is closed).
+    const Discard discarded = DiscardLeastRecentlyUsed(std::move(open), held, /*resident_only=*/false);
+    lock.Lock();
+    if (discarded == Discard::kNone || std::chrono::steady_clock::now() >= deadline) {
+      Throw(ErrorKind::kCapacity, full);
+    }
+    if (discarded == Discard::kBusy) WaitForIdle(lock);  // (one being forked: it goes once idle)
   }
   try {
     ReserveDevice(held, bytes, stream, /*host_credit=*/0);
@@ -321,12 +331,15 @@ void Residency::ExpireIdle() {
   }
   bool freed = false;
   for (const auto& state : open) {
-    if (state->last_use_ns() > limit || !(close || state->resident())) continue;
+    if (state->last_use_ns() > limit || !(close || state->resident() || state->discardable())) continue;
     if (!state->mutex().try_lock()) continue;  // in use: not idle
     MutexLock lock(state->mutex(), MutexLock::Adopt{});
     if (state->closed() || state->last_use_ns() > limit) continue;
     try {
-      if (close) {
+      if (state->discardable()) {
+        Release(*state, "closed by idle_timeout (a discardable session)");
+        discards_.fetch_add(1);
+      } else if (close) {
         Release(*state, "closed by idle_timeout=" + std::to_string(*idle_timeout_seconds_) + " s");
         idle_closes_.fetch_add(1);
       } else {
@@ -393,6 +406,7 @@ void Residency::AddStats(EngineStats& s) const {
   s.evictions = evictions_.load();
   s.idle_offloads = idle_offloads_.load();
   s.idle_closes = idle_closes_.load();
+  s.discards = discards_.load();
   s.restores = restores_.load();
 }
 

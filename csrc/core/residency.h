@@ -119,8 +119,20 @@ class Residency : public std::enable_shared_from_this<Residency> {
   // kCapacity when room cannot be made. `host_credit` as for OffloadWithCredit.
   void ReserveDevice(const Held& held, int64_t need, StreamHandle stream, int64_t host_credit)
       EXCLUDES(registry_mutex_);
+  // Closes the least recently used idle discardable session among
+  // `candidates` (SessionState::discardable; not one of `held`, not waiting
+  // for room; a resident one only, with `resident_only`): kDone, or kBusy
+  // where every such session is in use now (a fork of it: idle soon), or
+  // kNone where there is none.
+  enum class Discard { kDone, kBusy, kNone };
+  Discard DiscardLeastRecentlyUsed(std::vector<std::shared_ptr<SessionState>> candidates,
+                                   const Held& held, bool resident_only) EXCLUDES(registry_mutex_);
+  // Waits a moment for a session to become idle (NotifyIdle), with
+  // registry_mutex_ held by `lock`.
+  void WaitForIdle(MutexLock& lock) REQUIRES(registry_mutex_);
   // Offloads the least recently used idle session among `candidates`
-  // (resident, not one of `held`, not waiting for room itself).
+  // (resident, not one of `held`, not waiting for room itself; a
+  // discardable one is closed instead).
   enum class Eviction { kDone, kAllBusy, kNoCandidate };
   Eviction EvictLeastRecentlyUsed(std::vector<std::shared_ptr<SessionState>> candidates,
                                   const Held& held, StreamHandle stream,
@@ -171,6 +183,7 @@ class Residency : public std::enable_shared_from_this<Residency> {
   std::atomic<int64_t> evictions_{0};
   std::atomic<int64_t> idle_offloads_{0};
   std::atomic<int64_t> idle_closes_{0};
+  std::atomic<int64_t> discards_{0};
   std::atomic<int64_t> restores_{0};
 
   std::unique_ptr<PeriodicThread> reaper_;  // the idle reaper, with idle_timeout

@@ -56,6 +56,12 @@ const void* Session::address() const {
   return state_->closed() || !state_->resident() ? nullptr : state_->device_block();
 }
 
+void Session::SetDiscardable(bool discardable) {
+  OpLock lock(*this);
+  state_->CheckOpen();
+  state_->set_discardable(discardable);
+}
+
 std::vector<OwnedTensor> Session::Run(size_t method, std::vector<OwnedTensor>&& inputs,
                                       StreamHandle stream) {
   OpLock lock(*this);

@@ -87,6 +87,17 @@ class Session {
   // in nanoseconds of the steady clock (CLOCK_MONOTONIC).
   int64_t last_use_ns() const { return state_->last_use_ns(); }
 
+  // Whether the engine may close this session to make room
+  // (SetDiscardable).
+  bool discardable() const { return state_->discardable(); }
+  // Lets the engine close the session when it needs room, instead of
+  // offloading any session or refusing a new one (a cache's copy of a prefix,
+  // which nobody's conversation holds): the least recently used idle one
+  // goes first, before any other session is offloaded under memory_budget,
+  // when a new session would pass max_sessions, and at idle_timeout (never
+  // while a call holds it: a fork of it is safe). Forks are not discardable.
+  void SetDiscardable(bool discardable);
+
   // Runs method `method` (Engine::method_index) on this session's state,
   // restoring it first if offloaded. Inputs are consumed. Throws
   // kInvalidArgument / kTypeMismatch for inputs that do not match the method

@@ -47,6 +47,11 @@ class SessionState {
   // True while the call holding the lock waits for device room: the session
   // will not become idle before that call gets it.
   bool waiting_for_room() const { return waiting_for_room_.load(); }
+  // Whether the engine may close it to make room (a cache's copy of a
+  // prefix, nobody's conversation): before any session is offloaded for
+  // device room, instead of refusing a new session at max_sessions, and at
+  // idle_timeout. Set under the lock; read without it, then again under it.
+  bool discardable() const { return discardable_.load(); }
   // The stream that last queued work on the state (thread-safe).
   StreamHandle last_stream() const { return stream_.last(); }
 
@@ -66,6 +71,7 @@ class SessionState {
   void Use(Device& device, StreamHandle stream) REQUIRES(mutex_);
   void set_waiting_for_room(bool waiting) REQUIRES(mutex_) { waiting_for_room_ = waiting; }
   void set_bytes(int64_t bytes) REQUIRES(mutex_) { bytes_ = bytes; }
+  void set_discardable(bool discardable) REQUIRES(mutex_) { discardable_ = discardable; }
   // Its part of the pooled state (empty without one; while offloaded only
   // the length is kept, the units are in the host copy).
   PoolShare& share() REQUIRES(mutex_) { return share_; }
@@ -95,6 +101,7 @@ class SessionState {
   std::atomic<int64_t> last_use_ns_{0};
   std::atomic<bool> waiting_for_room_{false};
   std::atomic<int64_t> bytes_{0};
+  std::atomic<bool> discardable_{false};
   std::string closed_reason_ GUARDED_BY(mutex_);
   void* block_ GUARDED_BY(mutex_) = nullptr;       // device memory (nullptr if none or offloaded)
   void* host_block_ GUARDED_BY(mutex_) = nullptr;  // host memory while offloaded

@@ -497,6 +497,9 @@ class EngineStats:
     def device_bytes(self) -> int:
         ...
     @property
+    def discards(self) -> int:
+        ...
+    @property
     def evictions(self) -> int:
         ...
     @property
@@ -648,6 +651,14 @@ class Session:
         """
     @property
     def closed(self) -> bool:
+        ...
+    @property
+    def discardable(self) -> bool:
+        """
+        Whether the engine may close the session when it needs room (before offloading any session, instead of refusing one at max_sessions) and at idle_timeout.
+        """
+    @discardable.setter
+    def discardable(self, arg1: bool) -> None:
         ...
     @property
     def id(self) -> int:

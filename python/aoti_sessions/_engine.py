@@ -127,11 +127,11 @@ def _as_dict(obj: Any, fields: Sequence[str]) -> dict[str, Any]:
 
 _LAYOUT = ("fqn", "dtype", "sizes", "strides", "bytes")
 _MEMORY = ("weights", "templates", "sessions", "containers", "offloaded", "host_spare", "pool")
-_STATS = ("live_sessions", "live_bytes", "resident_sessions", "offloaded_sessions", "device_bytes",
-          "host_bytes", "host_spare_bytes", "sessions_created", "offloads", "evictions", "idle_offloads",
-          "idle_closes", "restores", "saves", "loads", "runs", "binds", "bind_seconds", "reclaim_seconds",
-          "lanes", "graph_replays", "graph_captures", "graphs", "graph_pools", "pool_pages", "pool_pages_used",
-          "pool_slots", "pool_slots_used", "pool_grows", "pages_copied", "batch_runs", "batch_rows", "batch_seconds")
+_STATS = ("live_sessions", "live_bytes", "resident_sessions", "offloaded_sessions", "device_bytes", "host_bytes",
+          "host_spare_bytes", "sessions_created", "offloads", "evictions", "idle_offloads", "idle_closes", "discards",
+          "restores", "saves", "loads", "runs", "binds", "bind_seconds", "reclaim_seconds", "lanes", "graph_replays",
+          "graph_captures", "graphs", "graph_pools", "pool_pages", "pool_pages_used", "pool_slots", "pool_slots_used",
+          "pool_grows", "pages_copied", "batch_runs", "batch_rows", "batch_seconds")
 
 
 class Engine(Closable):
@@ -381,9 +381,9 @@ class Engine(Closable):
           ``live_bytes`` = ``device_bytes`` + ``host_bytes`` (state in each tier;
           ``device_bytes`` includes creations and restores in flight);
           ``host_spare_bytes``: host blocks kept for reuse.
-        - ``offloads`` (every move to the host) of which ``evictions`` (to make
-          room) and ``idle_offloads``; ``idle_closes``; ``restores``; ``saves``;
-          ``loads``; ``sessions_created``; ``runs``; ``binds``, ``bind_seconds``, ``reclaim_seconds``.
+        - ``offloads`` (every move to the host) of which ``evictions`` (to make room) and
+          ``idle_offloads``; ``idle_closes``; ``discards`` (discardable sessions closed); ``restores``;
+          ``saves``; ``loads``; ``sessions_created``; ``runs``; ``binds``, ``bind_seconds``, ``reclaim_seconds``.
         - ``lanes`` (containers per method); CUDA graphs: ``graph_captures``,
           ``graph_replays`` (runs served by a replay), ``graphs`` (alive now)
           and ``graph_pools`` (activation pools, one per capture stream).

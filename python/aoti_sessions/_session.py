@@ -201,6 +201,20 @@ class Session(Closable):
         return bool(self._core.resident)
 
     @property
+    def discardable(self) -> bool:
+        """Whether the engine may close this session when it needs room: the
+        least recently used idle discardable session is closed before any
+        session is offloaded under ``memory_budget``, instead of refusing a
+        new session at ``max_sessions``, and at ``idle_timeout`` (a prefix
+        cache's copies, which nobody's conversation holds). Never while a
+        call holds it; forks are not discardable."""
+        return bool(self._core.discardable)
+
+    @discardable.setter
+    def discardable(self, value: bool) -> None:
+        self._core.discardable = bool(value)
+
+    @property
     def last_use(self) -> float:
         """When the session was last used (created, run, reset, written,
         restored), in seconds of :func:`time.monotonic`."""

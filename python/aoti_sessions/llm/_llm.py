@@ -16,14 +16,12 @@ for the history it fed as text, its replies as generated (_prompts.py).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 
@@ -33,43 +31,14 @@ from ..errors import CapacityError, PackageError, SessionBusyError, SessionClose
 from ._generation import Completion, Generation
 from ._grammar import Grammars
 from ._params import SamplingParams, sampling_params
+from ._prefix import DEFAULT_BYTES_WITHOUT_BUDGET, DEFAULT_ENTRIES, PrefixCache
+from ._saved import chat_attachment, saved_tokens
 from ._scheduler import Scheduler
 from ._prompts import ChatPrompt, ContextLengthError, Prompt, Prompts, Spelling
 
 __all__ = ["LLM", "ChatSession", "Prompt", "ContextLengthError"]
 
-# A saved chat: one session file, whose attachment (Session.save) is this
-# JSON document of the tokens its cache holds (and, under "chat", the text
-# its last chat turn fed and its ids: Spelling). (Sessions saved before that
-# kept the tokens in a file beside it, PATH + LEGACY_HISTORY_SUFFIX: still read.)
-TOKENS_FORMAT = "aoti_sessions.llm.tokens"
-LEGACY_HISTORY_SUFFIX = ".tokens.json"
-MAX_LEGACY_HISTORY = 16 << 20  # bytes of such a file read at most
-MAX_ATTACHMENT = 16 << 20  # bytes a session file's attachment holds (the core's kMaxAttachment)
-
-
 log = logging.getLogger("aoti_sessions.llm")
-
-
-def _read_legacy_history(where: str) -> object:
-    """The token list of a chat saved before tokens went inside the session
-    file (PATH + LEGACY_HISTORY_SUFFIX), read only from a regular file."""
-    history = where + LEGACY_HISTORY_SUFFIX
-    try:
-        fd = os.open(history, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise SessionFileError(f"{where}: a session file without a chat's tokens (saved by Session.save, not "
-                               "ChatSession.save)") from None
-    except OSError as e:
-        raise SessionFileError(f"{history}: unreadable token history ({e.strerror or e})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise SessionFileError(f"{history}: not a regular file, so not a token history")
-        data = f.read(MAX_LEGACY_HISTORY + 1)
-    try:
-        return json.loads(data) if len(data) <= MAX_LEGACY_HISTORY else None
-    except ValueError:
-        return None
 
 
 def usable_cpus() -> int:
@@ -98,6 +67,12 @@ class LLM(Prompts, Closable):
 
     ``chat_template``, ``tool_parser``, ``reasoning_parser``: how chat
     prompts are made and replies read (:class:`Prompts`).
+    ``prefix_cache``: sessions made with a namespace (:meth:`new_session`)
+    are kept once closed, at most this many (0: none), to start later
+    sessions of that namespace whose prompts begin the same way
+    (llm/_prefix.py; the engine closes them first when it needs room);
+    ``prefix_cache_bytes``: their state's bytes at most (default: a quarter
+    of ``memory_budget``, or 1 GiB without one). :attr:`prefix_cache`.
 
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``,
@@ -108,10 +83,13 @@ class LLM(Prompts, Closable):
     """
 
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
-                 threads: int | None = None, rewind_checkpoints: int = 1, *, chat_template: str | None = None,
+                 threads: int | None = None, rewind_checkpoints: int = 1, prefix_cache: int = DEFAULT_ENTRIES,
+                 prefix_cache_bytes: int | None = None, *, chat_template: str | None = None,
                  tool_parser: str | None = None, reasoning_parser: str | None = None, **engine_options: Any) -> None:
-        if isinstance(rewind_checkpoints, bool) or not isinstance(rewind_checkpoints, int) or rewind_checkpoints < 0:
-            raise ValueError(f"rewind_checkpoints must be an int >= 0, got {rewind_checkpoints!r}")
+        for name, value in (("rewind_checkpoints", rewind_checkpoints), ("prefix_cache", prefix_cache),
+                            ("prefix_cache_bytes", 0 if prefix_cache_bytes is None else prefix_cache_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.rewind_checkpoints = rewind_checkpoints
         # Turns of a recurrent model that rewound to a checkpoint, and
         # checkpoints not kept for want of room (LLM.stats()).
@@ -145,6 +123,10 @@ class LLM(Prompts, Closable):
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset(int(t) for t in (*self.spec.eos_token_ids, *eos_ids))
         self._grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        budget = engine_options.get("memory_budget")
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = budget // 4 if isinstance(budget, int) else DEFAULT_BYTES_WITHOUT_BUDGET
+        self.prefix_cache = PrefixCache(self.engine, self.spec.recurrent, prefix_cache, prefix_cache_bytes)
         self._scheduler = Scheduler(self)
 
     def _check_spec(self) -> None:
@@ -186,13 +168,28 @@ class LLM(Prompts, Closable):
         for recurrent state, the turns that rewound to a checkpoint
         (``checkpoint_rewinds``) and checkpoints not kept for want of room
         (``checkpoints_skipped``); ``prefilling``: generations in the step
-        loop still reading their prompt."""
+        loop still reading their prompt; the prefix cache's
+        (:meth:`PrefixCache.stats`)."""
         return {**self.engine.stats(), **self._scheduler.stats(), "checkpoint_rewinds": self._rewinds,
-                "checkpoints_skipped": self._checkpoints_skipped}
+                "checkpoints_skipped": self._checkpoints_skipped, **self.prefix_cache.stats()}
 
-    def new_session(self) -> ChatSession:
-        """A chat session with an empty cache (counts against ``max_sessions``)."""
-        return ChatSession(self, self.engine.new_session(), [])
+    def new_session(self, prompt: Prompt | None = None, *, cache: str | None = None) -> ChatSession:
+        """A chat session with an empty cache (counts against ``max_sessions``).
+
+        With ``cache``, a namespace of the prefix cache (llm/_prefix.py;
+        sessions are shared within one only): the session starts as a fork
+        of the namespace's kept session that shares the longest start with
+        ``prompt`` (its first turn's, if given; pages shared, nothing
+        copied), and once closed it is kept there for later ones."""
+        if cache is None:
+            if prompt is not None:
+                raise TypeError("new_session(prompt) goes with cache=NAMESPACE (the prompt picks a kept session)")
+            return ChatSession(self, self.engine.new_session(), [])
+        if not isinstance(cache, str):
+            raise TypeError(f"cache must be a str (a namespace), got {type(cache).__name__}")
+        found = self.prefix_cache.take(self.prompt_ids(prompt), cache) if prompt is not None else None
+        session, tokens = found if found is not None else (self.engine.new_session(), [])
+        return ChatSession(self, session, tokens, namespace=cache)
 
     def load_session(self, path: str | os.PathLike[str]) -> ChatSession:
         """A session saved by :meth:`ChatSession.save`: its state and the tokens
@@ -205,7 +202,7 @@ class LLM(Prompts, Closable):
             raise FileNotFoundError(errno.ENOENT, "no saved session", where)
         session, attachment = self.engine.load_session_attached(where)
         try:
-            tokens, spelling = self._saved_tokens(where, attachment)
+            tokens, spelling = saved_tokens(where, attachment, self.spec.vocab_size, self.max_context)
             if len(tokens) != session.length:
                 raise SessionFileError(f"{where}: holds {len(tokens)} tokens for a state of {session.length} "
                                        "positions")
@@ -213,40 +210,6 @@ class LLM(Prompts, Closable):
             session.close()
             raise
         return ChatSession(self, session, tokens, spelling)
-
-    def _saved_tokens(self, where: str, attachment: bytes) -> tuple[list[int], Spelling | None]:
-        """The token list a saved chat's attachment holds (or, saved before
-        there were attachments, the file beside it), and its spelling."""
-        chat = None
-        if attachment:
-            try:
-                doc = json.loads(attachment)
-            except ValueError:
-                doc = None
-            if not isinstance(doc, dict) or doc.get("format") != TOKENS_FORMAT or doc.get("version") != 1:
-                raise SessionFileError(f"{where}: its attachment is not a chat's tokens (not saved by "
-                                       "ChatSession.save)")
-            tokens, chat = doc.get("tokens"), doc.get("chat")
-        else:
-            tokens = _read_legacy_history(where)
-        if not self._token_list(tokens, self.max_context):
-            raise SessionFileError(f"{where}: not a token history of this model")
-        spelling = None
-        if chat is not None:  # (its ids: the first `shared` of the tokens', then its own)
-            text, shared, ids, marks = (chat.get(k) for k in ("text", "shared", "ids", "marks")) \
-                if isinstance(chat, dict) else [None] * 4
-            # (A reply's last id may be one the cache never took: at the context's end.)
-            if not isinstance(text, str) or type(shared) is not int or not 0 <= shared <= len(tokens) \
-                    or not self._token_list(ids, self.max_context + 1 - shared) or not isinstance(marks, list) \
-                    or not all(isinstance(m, list) and len(m) == 2 and all(type(v) is int for v in m)
-                               and 0 <= m[0] <= len(text) and 0 <= m[1] <= shared + len(ids) for m in marks):
-                raise SessionFileError(f"{where}: not a chat's text and tokens of this model")
-            spelling = Spelling(text, (*tokens[:shared], *ids), tuple((m[0], m[1]) for m in marks))
-        return tokens, spelling
-
-    def _token_list(self, tokens: object, most: int) -> TypeGuard[list[int]]:
-        return isinstance(tokens, list) and len(tokens) <= most and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.spec.vocab_size for t in tokens)
 
     def close(self) -> None:
         """Stops the step loop (generations still running end with
@@ -262,9 +225,12 @@ class ChatSession(Closable):
     """One conversation: a session of the engine and the tokens in its cache.
     One generation at a time; its steps may run on any thread."""
 
-    def __init__(self, llm: LLM, session: Session, tokens: list[int], spelling: Spelling | None = None) -> None:
+    def __init__(self, llm: LLM, session: Session, tokens: list[int], spelling: Spelling | None = None, *,
+                 namespace: str | None = None) -> None:
         self._llm = llm
         self._session = session
+        self._namespace = namespace  # of the prefix cache, which keeps it once closed
+        self._closed = False
         self._id = session.id  # (its session's, for good: the step loop sorts by it every step)
         self._tokens = tokens
         # The text its last chat turn fed and the ids (_prompts.py), and
@@ -302,11 +268,15 @@ class ChatSession(Closable):
 
     @property
     def closed(self) -> bool:
-        return self._session.closed
+        return self._closed or self._session.closed
 
     @property
     def resident(self) -> bool:
-        return self._session.resident
+        return not self._closed and self._session.resident
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError(f"session {self.id} is closed")
 
     def start(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Generation:
         """Begins generating a reply to ``prompt``; run it with :meth:`Generation.step`.
@@ -316,8 +286,7 @@ class ChatSession(Closable):
         with self._lock:
             if self._active is not None:
                 raise SessionBusyError(f"session {self.id} is busy: a generation is running on it")
-            if self._session.closed:
-                raise SessionClosedError(f"session {self.id} is closed")
+            self._check_open()
             # Chat messages: the ids this session fed for the text they start with, if any, not those text's again.
             ids, spelling = self._llm._respell(self._spelled(), prepared) if isinstance(prepared, ChatPrompt) \
                 else (prepared, None)
@@ -411,6 +380,7 @@ class ChatSession(Closable):
         """Empties the cache."""
         with self._lock:
             self._idle("reset")
+            self._check_open()
             self._session.reset()
             self._tokens = []
             self._spelling = self._last = None
@@ -418,6 +388,7 @@ class ChatSession(Closable):
     def fork(self) -> ChatSession:
         """A new session holding a copy of this one's cache and tokens."""
         with self._lock:
+            self._check_open()
             return ChatSession(self._llm, self._session.fork(), list(self._tokens), self._spelled())
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -427,25 +398,26 @@ class ChatSession(Closable):
         steps of a generation running on it, if one is): it runs on while
         the file is written."""
         with self._lock:
-            doc: dict[str, Any] = {"format": TOKENS_FORMAT, "version": 1, "tokens": self._tokens}
-            if (spelling := self._spelled()) is not None:
-                ids = list(spelling.ids)
-                shared = min(len(ids), len(self._tokens))  # (most often all of one or the other)
-                shared = shared if ids[:shared] == self._tokens[:shared] else 0
-                doc["chat"] = {"text": spelling.text, "shared": shared, "ids": ids[shared:], "marks": spelling.marks}
-            tokens = json.dumps(doc, separators=(",", ":")).encode()
-            if len(tokens) > MAX_ATTACHMENT and doc.pop("chat", None) is not None:
-                tokens = json.dumps(doc, separators=(",", ":")).encode()  # (a next turn encodes its text again)
+            self._check_open()
+            tokens = chat_attachment(self._tokens, self._spelled())
             snapshot = self._session.snapshot()
         snapshot.write(path, tokens)
 
     def close(self) -> None:
-        """Stops a running generation and frees the state; idempotent."""
+        """Stops a running generation and frees the state (a session with a
+        namespace goes to the prefix cache instead, unless its last turn
+        failed); idempotent."""
         active = self._active
         if active is not None:
             active.close()
         with self._lock:
-            self._session.close()
+            if self._closed:
+                return
+            self._closed = True
+            failed = self._last is not None and self._last._error is not None
+            if self._namespace is None or failed \
+                    or not self._llm.prefix_cache.keep(self._session, self._tokens, self._namespace):
+                self._session.close()
 
     # -- the step loop's (through Generation, its session's lock held: Held) --
     def _took(self, tokens: list[int], width: int) -> None:

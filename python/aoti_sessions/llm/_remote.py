@@ -251,8 +251,13 @@ class RemoteLLM(Prompts, Closable):
         """The engine's and its step loop's counters (:meth:`LLM.stats`)."""
         return dict(self._call("stats"))
 
-    def new_session(self) -> RemoteSession:
-        return self._session(self._call("new_session"), 0)
+    def new_session(self, prompt: Prompt | None = None, *, cache: str | None = None) -> RemoteSession:
+        """A session of the engine process (:meth:`LLM.new_session`: with
+        ``cache``, from its prefix cache; ``prompt`` made into ids here)."""
+        if cache is not None and not isinstance(cache, str):
+            raise TypeError(f"cache must be a str (a namespace), got {type(cache).__name__}")
+        ids = self.prompt_ids(prompt) if prompt is not None else None
+        return self._session(*self._call("new_session", ids, cache))
 
     def load_session(self, path: str | os.PathLike[str]) -> RemoteSession:
         return self._session(*self._call("load_session", os.fspath(path)))
@@ -342,7 +347,7 @@ class RemoteLLM(Prompts, Closable):
                 if ok and op == "start":
                     self._post("close_generation", value.generation)
                 elif ok and op in _MAKES_SESSION:
-                    self._post("close_session", value if op == "new_session" else value[0])
+                    self._post("close_session", value[0])
                 return
         if ok and isinstance(value, Started):  # before its events, which follow in order
             session = self._sessions[value.session]

@@ -359,8 +359,9 @@ class _Engine:
     def _op_stats(self, _: _Peer) -> dict[str, Any]:
         return self._llm.stats()
 
-    def _op_new_session(self, _: _Peer) -> int:
-        return self._add(self._llm.new_session())[0]
+    def _op_new_session(self, _: _Peer, ids: list[int] | None = None, cache: str | None = None) -> tuple[int, int]:
+        """A session (from the prefix cache's ``cache`` namespace, by ``ids``): its id and token count."""
+        return self._add(self._llm.new_session(ids, cache=cache))
 
     def _op_load_session(self, _: _Peer, path: str) -> tuple[int, int]:
         return self._add(self._llm.load_session(path))

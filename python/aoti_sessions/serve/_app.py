@@ -111,7 +111,9 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
     A generation request names its session with ``session_id`` in the body or
     an ``X-Session-ID`` header; an id the server does not know yet is created
     (the ``/v1/sessions/{id}`` endpoints answer 404 for it instead). Without
-    one, the request gets a throwaway session, closed when it ends.
+    one, the request gets a throwaway session from the LLM's prefix cache
+    (llm/_prefix.py: within the request's tenant and ``prompt_cache_key``),
+    kept there when it ends.
     """
     if max_body_bytes is not None and (isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int)
                                        or max_body_bytes < 1):
@@ -234,7 +236,9 @@ def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir:
             check_model(body.model, names)
         job = Job(llm, body, model, metrics)
         await job.tokenize()
-        entry = await registry.acquire(tenant, session_id, create=True)
+        # (A throwaway session starts from the prefix cache: its prompt picks the kept session.)
+        entry = await registry.acquire(tenant, session_id, create=True, cache_key=body.prompt_cache_key,
+                                       prompt=job.prompt_ids() if session_id is None else None)
         headers = {"X-Session-ID": session_id} if session_id else {}
 
         async def whole() -> Response:

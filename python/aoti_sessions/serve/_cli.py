@@ -146,6 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="models with recurrent state (hybrid): turns back a chat can rewind without feeding "
                              "its history again, each up to two slots of recurrent state per session (its start, its "
                              "prompt's end; default 1)")
+    parser.add_argument("--prefix-cache", type=_count, metavar="N",
+                        help="requests without a session id: keep up to N of their sessions once they end, to "
+                             "start later requests of the same key whose prompts begin the same way (their "
+                             "pages shared, only the rest prefilled; 0: off; default 64)")
+    parser.add_argument("--prefix-cache-bytes", type=byte_size,
+                        help="the prefix cache's session state at most (default: a quarter of --memory-budget); "
+                             "whatever it holds, the engine closes its sessions first when it needs room")
     parser.add_argument("--trust-op-modules", type=trusted_modules, default=False, metavar="MODULES",
                         help=TRUST_HELP)
     parser.add_argument("--chat-template", metavar="FILE",
@@ -261,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
     engine_options = {k: v for k, v in (("max_sessions", args.max_sessions), ("memory_budget", memory_budget),
                                         ("host_budget", host_budget), ("idle_timeout", args.idle_timeout),
                                         ("rewind_checkpoints", args.rewind_checkpoints),
+                                        ("prefix_cache", args.prefix_cache),
+                                        ("prefix_cache_bytes", args.prefix_cache_bytes),
                                         ("trust_op_modules", args.trust_op_modules)) if v is not None}
     if args.engine_process:
         engine_options.update(engine_timeout=args.engine_timeout, step_timeout=args.step_timeout)

@@ -140,13 +140,15 @@ class Hub:
                 await self.registry.release(entry)
 
     # -- what a front end asks -------------------------------------------------------
-    async def _op_acquire(self, link: Link, handle: int, tenant: str, session_id: str | None,
-                          create: bool) -> tuple[int, int]:
-        """The session held under ``handle``: the engine's id and its token count."""
+    async def _op_acquire(self, link: Link, handle: int, tenant: str, session_id: str | None, create: bool,
+                          prompt: list[int] | None = None, cache_key: str | None = None) -> tuple[int, int]:
+        """The session held under ``handle``: the engine's id and its token
+        count (a throwaway from the prefix cache: Registry.acquire)."""
         key = (link, handle)
         self._acquiring.add(key)
         try:
-            entry = await self.registry.acquire(tenant, session_id, create=create)
+            entry = await self.registry.acquire(tenant, session_id, create=create, prompt=prompt,
+                                                cache_key=cache_key)
         except BaseException:
             self._dropped.discard(key)
             raise

@@ -169,6 +169,11 @@ class Job(Bodies):
         if self.params.logprobs is not None:
             self.texts = await in_thread(lambda: token_texts(self.llm))
 
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids (after :meth:`tokenize`)."""
+        prompt = self.prompt
+        return prompt if isinstance(prompt, list) else prompt.ids
+
     async def start(self, entry: Entry) -> None:
         """Starts the generations on ``entry``'s session, held by this
         request: one, or for ``n`` choices, a prefill of the prompt, then the

@@ -210,8 +210,14 @@ class ServerMetrics:
                           ("sessions_created", "Sessions created by the engine."),
                           ("graph_captures", "CUDA graphs captured (a shape's second run; each a pause of its "
                                              "step)."),
-                          ("graph_replays", "Runs served by replaying a CUDA graph.")):
+                          ("graph_replays", "Runs served by replaying a CUDA graph."),
+                          ("prefix_cache_hits", "Sessions of requests without a session id that started from the "
+                                                "prefix cache (llm/_prefix.py)."),
+                          ("prefix_cache_tokens", "Prompt tokens those sessions took from the prefix cache."),
+                          ("prefix_cache_evictions", "Prefix cache sessions dropped for its bounds."),
+                          ("discards", "Prefix cache sessions the engine closed to make room (or idle).")):
             r.gauge(f"{p}{key}_total", help, read(key), kind="counter")
+        r.gauge(p + "prefix_cache_entries", "Sessions the prefix cache keeps now.", read("prefix_cache_entries"))
         # The step loop's (docs/batching.md): with steps, the rows a step
         # decodes; with the seconds, what bounds it (the device or the host).
         for key, help in (("steps", "Steps of the step loop (a batched decode and prefill chunks each)."),

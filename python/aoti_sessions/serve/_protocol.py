@@ -21,6 +21,8 @@ Fields that ask for nothing of this server are accepted, checked as OpenAI
 checks them, and ignored (:class:`NoOpFields`: ``metadata``, ``store``,
 ``service_tier``, ``safety_identifier``, ``modalities: ["text"]``;
 ``stream_options.include_obfuscation``).
+``prompt_cache_key``: a request without a session id shares cached prefixes
+only with requests of its key and the same ``prompt_cache_key``.
 Extensions (vLLM's): ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``; and ``session_id``.
 """
@@ -207,6 +209,8 @@ class _Generate(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)  # extension
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)  # extension
+    # OpenAI's: part of the prefix cache's namespace for a request without a session id (serve/_tenants.py).
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
 
     # Fields OpenAI's clients send on their own, accepted while their value asks
     # for nothing this server does not do: null, or the value here (with how

@@ -7,6 +7,11 @@ wait for an eviction, forking, saving, loading, closing) run in worker
 threads, shielded from cancellation so that a client hanging up cannot leak a
 session half made.
 
+A request without a session id gets a throwaway session from the LLM's
+prefix cache (llm/_prefix.py), in its tenant's namespace: a fork of the
+kept session sharing the longest start with its prompt, kept there itself
+when the request ends.
+
 A named session unused for ``ttl`` seconds is parked: with persistence (a
 session dir), saved to ``SESSION_DIR/.live/ID`` and closed; without, closed.
 A stopping server parks every named session the same way, and a request
@@ -69,7 +74,7 @@ from ._errors import APIError
 from ._limits import DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES
 from ._protocol import FILE_NAME_PATTERN, SESSION_ID_PATTERN
 from ._response_store import ResponseStore
-from ._tenants import DEFAULT_TENANT, TENANTS_DIR, scoped
+from ._tenants import DEFAULT_TENANT, TENANTS_DIR, cache_namespace, scoped
 from ._threads import in_thread
 
 if TYPE_CHECKING:
@@ -387,14 +392,19 @@ class Registry:
         entry.last_used = time.time()
         return entry
 
-    async def acquire(self, tenant: str, session_id: str | None, *, create: bool) -> Entry:
+    async def acquire(self, tenant: str, session_id: str | None, *, create: bool,
+                      prompt: list[int] | None = None, cache_key: str | None = None) -> Entry:
         """The session ``session_id`` of ``tenant`` held for this request (409
         when another request holds it). An unknown id is created when
-        ``create``, else 404; None is a throwaway session, closed by
-        :meth:`release`."""
+        ``create``, else 404; None is a throwaway session, from the LLM's
+        prefix cache in the tenant's namespace (with ``cache_key``, the
+        request's ``prompt_cache_key``: serve/_tenants.py), started from
+        the kept session sharing the longest start with ``prompt`` (its
+        token ids), and kept there by :meth:`release`."""
         if session_id is None:
             entry = Entry(None)
-            entry.session = await self._made(self.llm.new_session)
+            namespace = cache_namespace(tenant, cache_key)
+            entry.session = await self._made(lambda: self.llm.new_session(prompt, cache=namespace))
             self.throwaway += 1
             return entry
         existing = await self._current(self._entries.get(scoped(tenant, session_id)), wait=False)
@@ -450,7 +460,8 @@ class Registry:
                 self.parked_for_room += 1
 
     async def release(self, entry: Entry) -> None:
-        """Ends a request's hold; a throwaway session is closed."""
+        """Ends a request's hold; a throwaway session is closed (kept in the
+        prefix cache: llm/_prefix.py)."""
         entry.last_used = time.time()
         if entry.id is not None:
             entry.busy = False

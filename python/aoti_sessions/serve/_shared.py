@@ -191,10 +191,11 @@ class SharedRegistry:
         """One of the hub's figures (Registry.figure), as of the last scrape."""
         return float(self.shared.get(name, 0.0))
 
-    async def acquire(self, tenant: str, session_id: str | None, *, create: bool) -> Entry:
+    async def acquire(self, tenant: str, session_id: str | None, *, create: bool,
+                      prompt: list[int] | None = None, cache_key: str | None = None) -> Entry:
         handle = next(self._handles)
         try:
-            sid, tokens = await self._call("acquire", handle, tenant, session_id, create)
+            sid, tokens = await self._call("acquire", handle, tenant, session_id, create, prompt, cache_key)
         except (asyncio.CancelledError, asyncio.TimeoutError, anyio.get_cancelled_exc_class()):
             # Given up waiting: the hub lets the session go once it has it (else it would stay busy).
             with anyio.CancelScope(shield=True):
