@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Issue 36 (serving agents) on a GPU machine in one call: builds with CUDA,
-# runs the CUDA cases of the agents' tests (TESTS, pytest -k cuda: structured
-# output, logprobs and penalties, the prefix cache) while the bench model
-# compiles beside them, prints the bf16 logprob error against transformers,
-# then structured output's cost: bench_serve at 16 chats with and without a
-# JSON schema held every turn (bench/gpu_front_ends.sh STAGE=grammar, PASSES
-# and ROUNDS), and the step loop alone (bench/profile_grammar.py). Wheels from
-# .deps/wheels (bench/fetch_gpu_deps.sh). Results under $OUT.
+# compiles the bench model and the tests' CUDA packages in parallel, runs the
+# CUDA cases of the agents' tests (TESTS, pytest -k cuda: structured output,
+# logprobs, the prefix cache), prints the bf16 logprob gap against
+# transformers, then structured output's cost: bench_serve at 16 chats with
+# and without a JSON schema held every turn (bench/gpu_front_ends.sh
+# STAGE=grammar, PASSES and ROUNDS), and with PROFILE=1 the step loop alone
+# (bench/profile_grammar.py). Wheels from .deps/wheels
+# (bench/fetch_gpu_deps.sh). Results under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/build/gpu}
@@ -23,9 +24,30 @@ fi
 python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
 python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'" || exit 1
 status=0
-python3 -c "import sys; sys.path.insert(0, 'bench'); from bench_serve import bench_package; print(bench_package('cuda'))" \
-  > "$OUT/bench_model.log" 2>&1 &
-compiling=$!
+# The bench model and the tests' CUDA packages compile in parallel processes, beside each other.
+timeout "${COMPILE_S:-330}" python3 - > "$OUT/bench_model.log" 2>&1 <<'EOF' || status=$?
+import sys
+from concurrent.futures import ProcessPoolExecutor
+sys.path[:0] = ["bench", "tests"]
+
+
+def build(what: str) -> str:
+    import conftest  # noqa: F401  (the tests' cache)
+    from bench_serve import bench_package
+    from llm_models import llm_package
+    from tool_models import tools_package
+    return str({"bench": lambda: bench_package("cuda"),
+                "qwen3": lambda: llm_package("qwen3", "cuda", max_cache_len=128),
+                "qwen3-bf16": lambda: llm_package("qwen3", "cuda", max_cache_len=128, dtype="bfloat16"),
+                "tools": lambda: tools_package("cuda")}[what]())
+
+
+if __name__ == "__main__":
+    with ProcessPoolExecutor(4) as pool:
+        for path in pool.map(build, ["bench", "qwen3", "qwen3-bf16", "tools"]):
+            print(path, flush=True)
+EOF
+tail -4 "$OUT/bench_model.log"
 TESTS=${TESTS:-tests/test_grammar.py tests/test_logprobs.py tests/test_penalties.py tests/test_prefix_cache.py}
 # shellcheck disable=SC2086
 timeout "${TEST_S:-300}" python3 -m pytest $TESTS -k cuda -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" \
@@ -48,9 +70,9 @@ with LLM(llm_package("qwen3", device="cuda", max_cache_len=t.CONTEXT, dtype="bfl
     tops = [abs(v - float(ref[i, k])) for i, e in enumerate(out.logprobs) for k, v in e.top]
     print(f"bf16 greedy logprobs, 16 steps: sampled token max gap {max(gaps):.4f}, top-5 max gap {max(tops):.4f}")
 EOF
-wait "$compiling" || status=$?
-tail -1 "$OUT/bench_model.log"
 STAGE=grammar PASSES=${PASSES:-1} ROUNDS=${ROUNDS:-4} bash bench/gpu_front_ends.sh 2>&1 | tee "$OUT/grammar.log"
-timeout 150 python3 bench/profile_grammar.py --device cuda --rows 16 --rounds 3 2>&1 \
-  | grep -v "ais.compile\|Writing\|Loading" | head -12 | tee "$OUT/profile_grammar.txt"
+if [ -n "${PROFILE:-}" ]; then  # (the step loop alone: a minute more)
+  timeout 150 python3 bench/profile_grammar.py --device cuda --rows 16 --rounds 3 2>&1 \
+    | grep -v "ais.compile\|Writing\|Loading" | head -12 | tee "$OUT/profile_grammar.txt"
+fi
 exit $status

@@ -24,6 +24,7 @@ import pytest
 
 from aoti_sessions.llm import LLM, RemoteLLM, SamplingParams
 from aoti_sessions.serve import create_app
+from conftest import requires_cuda
 from llm_models import TEXT, llm_package
 from serving import metrics, running, running_front_ends, transport_for
 from tool_models import tools_package
@@ -40,6 +41,16 @@ def package() -> Path:
 @pytest.fixture(scope="module")
 def llm(package: Path) -> Iterator[LLM]:
     with LLM(package, threads=1, max_sessions=32) as model:
+        yield model
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=requires_cuda)])
+def llm_on(request: pytest.FixtureRequest, llm: LLM) -> Iterator[LLM]:
+    """``llm``, and where there is a GPU the same model on it (its pool in device memory)."""
+    if request.param == "cpu":
+        yield llm
+        return
+    with LLM(tools_package("cuda"), "cuda", max_sessions=32) as model:
         yield model
 
 
@@ -170,12 +181,12 @@ def test_kept_sessions_never_cost_a_request_a_429(small_package: Path) -> None:
 
 # -- the Python API ------------------------------------------------------------------
 
-def test_concurrent_requests_from_shared_prefixes_equal_their_solo_runs(llm: LLM) -> None:
+def test_concurrent_requests_from_shared_prefixes_equal_their_solo_runs(llm_on: LLM) -> None:
     """Many requests at once, greedy and seeded, whose prompts share whole
     bases, parts of them (a cut anywhere, mid-page too) or nothing, in two
     namespaces: each reply equals its solo run, and most start from the cache."""
     rng = random.Random(36)
-    words = llm.encode(TEXT)
+    words = llm_on.encode(TEXT)
     bases = [rng.choices(words, k=rng.randint(40, 300)) for _ in range(3)]
     cases = []
     for n in range(36):
@@ -186,40 +197,40 @@ def test_concurrent_requests_from_shared_prefixes_equal_their_solo_runs(llm: LLM
         params = GREEDY if n % 2 else SamplingParams(max_tokens=TOKENS, temperature=0.9, top_p=0.9, seed=n,
                                                      ignore_eos=True)
         cases.append((prompt, params, f"concurrent-{n % 2}"))
-    wants = [solo(llm, prompt, params) for prompt, params, _ in cases]
+    wants = [solo(llm_on, prompt, params) for prompt, params, _ in cases]
 
     def run(case: tuple[list[int], SamplingParams, str]) -> tuple[list[int], int]:
         prompt, params, namespace = case
-        with llm.new_session(prompt, cache=namespace) as s:
+        with llm_on.new_session(prompt, cache=namespace) as s:
             c = s.generate(prompt, params)
             return c.token_ids, c.cached_tokens
 
-    before = llm.stats()
+    before = llm_on.stats()
     with ThreadPoolExecutor(6) as pool:
         got = list(pool.map(run, cases))
     assert [g for g, _ in got] == wants
-    hits = llm.stats()["prefix_cache_hits"] - before["prefix_cache_hits"]
+    hits = llm_on.stats()["prefix_cache_hits"] - before["prefix_cache_hits"]
     assert hits >= len(cases) // 3 and sum(c for _, c in got) > 0
 
 
-def test_no_session_changes_the_pages_another_shares(llm: LLM) -> None:
+def test_no_session_changes_the_pages_another_shares(llm_on: LLM) -> None:
     """Poisoned pages: sessions forked from one kept prefix write past the
     common part into its shared last page (cut mid-page), one resets and is
     fed other tokens, one is cut back further and fed others: the kept
     session's pages, and so every later request sharing them, give the solo
     replies, and the copies on write happened."""
-    words = llm.encode(TEXT)
+    words = llm_on.encode(TEXT)
     rng = random.Random(7)
     base = rng.choices(words, k=100)  # 6 pages and 4 positions
     namespace = "poison"
-    with llm.new_session(base, cache=namespace) as first:
-        assert first.generate(base, GREEDY).token_ids == solo(llm, base, GREEDY)
-    copied = llm.stats()["pages_copied"]
+    with llm_on.new_session(base, cache=namespace) as first:
+        assert first.generate(base, GREEDY).token_ids == solo(llm_on, base, GREEDY)
+    copied = llm_on.stats()["pages_copied"]
     barrier = threading.Barrier(3)
 
     def poison(kind: int) -> None:
         prompt = base[:90] + rng.choices(words, k=20) if kind == 0 else base[:37] + words[:5]
-        with llm.new_session(prompt, cache=namespace) as s:
+        with llm_on.new_session(prompt, cache=namespace) as s:
             barrier.wait(30)
             s.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True)
             if kind == 1:
@@ -233,13 +244,13 @@ def test_no_session_changes_the_pages_another_shares(llm: LLM) -> None:
         t.start()
     for t in threads:
         t.join(120)
-    assert llm.stats()["pages_copied"] > copied  # (they did share the pages they wrote)
+    assert llm_on.stats()["pages_copied"] > copied  # (they did share the pages they wrote)
     for extra in (words[:3], words[10:40], []):
         prompt = base + extra if extra else base[:64] + words[50:52]
-        with llm.new_session(prompt, cache=namespace) as s:
+        with llm_on.new_session(prompt, cache=namespace) as s:
             c = s.generate(prompt, GREEDY)
             assert c.cached_tokens >= 64
-            assert c.token_ids == solo(llm, prompt, GREEDY)
+            assert c.token_ids == solo(llm_on, prompt, GREEDY)
 
 
 def test_a_kept_session_is_nobodys_after_close(llm: LLM) -> None:
