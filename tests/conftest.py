@@ -48,6 +48,28 @@ def _compiled(cls: type, device: str) -> Path:
                           name=f"{cls.__name__.lower()}-{device}", inductor_configs=FAST)
 
 
+@pytest.fixture(autouse=True)
+def _logging_as_found() -> object:
+    """The root logger's level and the log level handed to child processes
+    as each test found them, and no command-line handler left on it: the
+    command line's main(), called in this process by a few tests, sets them
+    up for the rest of a server's life."""
+    import logging
+
+    from aoti_sessions._logs import LEVEL_ENV, Stderr
+
+    root = logging.getLogger()
+    level, env = root.level, os.environ.get(LEVEL_ENV)
+    yield
+    for handler in [h for h in root.handlers if isinstance(h, Stderr)]:
+        root.removeHandler(handler)
+    root.setLevel(level)
+    if env is None:
+        os.environ.pop(LEVEL_ENV, None)
+    else:
+        os.environ[LEVEL_ENV] = env
+
+
 @pytest.fixture(scope="session", params=["cpu", pytest.param("cuda", marks=requires_cuda)])
 def device(request: pytest.FixtureRequest) -> str:
     """Every test that takes it runs on the CPU and, where there is one, on a GPU."""

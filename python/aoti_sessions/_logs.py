@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextvars import ContextVar
 
 # The id of the request being answered (set by the server for the request's
@@ -34,11 +35,28 @@ class Format(logging.Formatter):
         return super().format(record)
 
 
+class Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler writing to the ``sys.stderr`` of the moment it writes, not of
+    the moment it was made: a stream swapped in and closed since (pytest's
+    capture, a notebook's) is never written to."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # type: ignore[no-untyped-def]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: object) -> None:
+        pass
+
+
 def configure(level: int | str = logging.INFO) -> None:
     """This process's logs to stderr in :class:`Format`, from ``level`` up
     (the handlers there before replaced); the processes it starts do the same
     where they call :func:`configure_here`."""
-    handler = logging.StreamHandler()
+    handler = Stderr()
     handler.setFormatter(Format())
     logging.basicConfig(level=level, handlers=[handler], force=True)
     os.environ[LEVEL_ENV] = logging.getLevelName(logging.getLogger().level)
