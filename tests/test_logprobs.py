@@ -50,8 +50,15 @@ def check_greedy_logprobs(llm: LLM, tolerance: float, dtype: torch.dtype) -> Non
         assert entry.token == out.token_ids[step]
         assert entry.logprob == pytest.approx(float(expected[step, entry.token]), abs=tolerance), step
         values, ids = expected[step].topk(5)
-        assert [t for t, _ in entry.top] == ids.tolist(), step
+        # The top 5 are the reference's, each at its own logprob, but for
+        # order among values within the tolerance of each other (two near
+        # ties that rounding orders one way here and the other there).
         assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=tolerance), step
+        for token, value in entry.top:
+            assert value == pytest.approx(float(expected[step, token]), abs=tolerance), (step, token)
+        fifth = entry.top[-1][1]
+        for token, value in zip(ids.tolist(), values.tolist()):
+            assert token in dict(entry.top) or value <= fifth + tolerance, (step, token)
         assert entry.top[0][0] == entry.token  # (greedy: the most likely one)
 
 
@@ -59,13 +66,16 @@ def test_greedy_logprobs_are_transformers_log_softmax(llm: LLM) -> None:
     check_greedy_logprobs(llm, 1e-4 if llm.device.type == "cpu" else 1e-3, torch.float32)
 
 
-@requires_cuda
-def test_greedy_logprobs_within_bf16_rounding_on_cuda() -> None:
+def test_greedy_logprobs_within_bf16_rounding(device: str) -> None:
     """bf16 logits carry 8 bits of mantissa: a logit near 8 is within 2^-5 of
     its float32 value, and each of the two runs (compiled and eager) rounds
     on its own way; both logprobs take that error from the two logits they
-    subtract (the token's and the log-sum-exp, dominated by the largest)."""
-    with LLM(llm_package("qwen3", device="cuda", max_cache_len=CONTEXT, dtype="bfloat16"), device="cuda") as m:
+    subtract (the token's and the log-sum-exp, dominated by the largest).
+    (Measured, sampled token / top 5: 0.04 / 0.09 at most on the CPU, 0.05 /
+    0.11 on an H200; on the CPU 8 of the 16 steps order their top 5 otherwise
+    than transformers, within that rounding; on the H200 a check of their
+    order failed, every value within it.)"""
+    with LLM(llm_package("qwen3", device=device, max_cache_len=CONTEXT, dtype="bfloat16"), device=device) as m:
         check_greedy_logprobs(m, 0.15, torch.bfloat16)
 
 
