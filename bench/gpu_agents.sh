@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Issue 36 (serving agents) on a GPU machine in one call: builds with CUDA,
-# compiles the bench model and the tests' CUDA packages in parallel, runs the
-# CUDA cases of the agents' tests (TESTS, pytest -k cuda: structured output,
-# logprobs, the prefix cache), prints the bf16 logprob gap against
-# transformers, then structured output's cost: bench_serve at 16 chats with
-# and without a JSON schema held every turn (bench/gpu_front_ends.sh
-# STAGE=grammar, PASSES and ROUNDS), and with PROFILE=1 the step loop alone
+# compiles the bench model and the tests' CUDA packages in parallel, then,
+# the target first: structured output's cost (bench_serve at 16 chats with
+# and without a JSON schema held every turn: bench/gpu_front_ends.sh
+# STAGE=grammar, PASSES and ROUNDS, within GRAMMAR_S seconds), the bf16
+# logprob gap against transformers, the CUDA cases of the agents' tests
+# (TESTS, pytest -k cuda: structured output, logprobs, the prefix cache,
+# within TEST_S seconds), and with PROFILE=1 the step loop alone
 # (bench/profile_grammar.py). Wheels from .deps/wheels
-# (bench/fetch_gpu_deps.sh). Results under $OUT.
+# (bench/fetch_gpu_deps.sh). Results under $OUT; each stage's start time in
+# $OUT/stages.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/build/gpu}
@@ -24,6 +26,7 @@ fi
 python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
 python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'" || exit 1
 status=0
+echo "$(date +%T) compile" > "$OUT/stages.txt"
 # The bench model and the tests' CUDA packages compile in parallel processes, beside each other.
 timeout "${COMPILE_S:-330}" python3 - > "$OUT/bench_model.log" 2>&1 <<'EOF' || status=$?
 import sys
@@ -48,10 +51,11 @@ if __name__ == "__main__":
             print(path, flush=True)
 EOF
 tail -4 "$OUT/bench_model.log"
-TESTS=${TESTS:-tests/test_grammar.py tests/test_logprobs.py tests/test_penalties.py tests/test_prefix_cache.py}
-# shellcheck disable=SC2086
-timeout "${TEST_S:-300}" python3 -m pytest $TESTS -k cuda -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" \
-  || status=$?
+stage() { echo "$(date +%T) $1" | tee -a "$OUT/stages.txt"; }
+stage grammar
+STAGE=grammar PASSES=${PASSES:-1} ROUNDS=${ROUNDS:-4} timeout "${GRAMMAR_S:-300}" bash bench/gpu_front_ends.sh 2>&1 \
+  | tee "$OUT/grammar.log"
+stage logprobs
 timeout 120 python3 - <<'EOF' 2>&1 | tee "$OUT/logprobs_bf16.txt"
 # The largest gap between the step loop's greedy logprobs (bf16, CUDA graphs) and log_softmax of
 # transformers' own bf16 logits for the same tokens, over the sampled token and its top 5.
@@ -70,7 +74,11 @@ with LLM(llm_package("qwen3", device="cuda", max_cache_len=t.CONTEXT, dtype="bfl
     tops = [abs(v - float(ref[i, k])) for i, e in enumerate(out.logprobs) for k, v in e.top]
     print(f"bf16 greedy logprobs, 16 steps: sampled token max gap {max(gaps):.4f}, top-5 max gap {max(tops):.4f}")
 EOF
-STAGE=grammar PASSES=${PASSES:-1} ROUNDS=${ROUNDS:-4} bash bench/gpu_front_ends.sh 2>&1 | tee "$OUT/grammar.log"
+stage tests
+TESTS=${TESTS:-tests/test_grammar.py tests/test_logprobs.py tests/test_penalties.py tests/test_prefix_cache.py}
+# shellcheck disable=SC2086
+timeout "${TEST_S:-300}" python3 -m pytest $TESTS -k cuda -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" \
+  || status=$?
 if [ -n "${PROFILE:-}" ]; then  # (the step loop alone: a minute more)
   timeout 150 python3 bench/profile_grammar.py --device cuda --rows 16 --rounds 3 2>&1 \
     | grep -v "ais.compile\|Writing\|Loading" | head -12 | tee "$OUT/profile_grammar.txt"
