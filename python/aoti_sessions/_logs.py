@@ -43,7 +43,7 @@ class Stderr(logging.StreamHandler):  # type: ignore[type-arg]
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):  # type: ignore[no-untyped-def]
         return sys.stderr
 
