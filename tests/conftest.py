@@ -7,12 +7,13 @@ source, so a second run compiles nothing.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 
@@ -200,6 +201,19 @@ def counter_inputs(device: str, value: float | None = None, slot: int = 0) -> tu
 
 
 T = TypeVar("T")
+
+
+def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
+    """``coroutine`` run to its end on a loop of its own, leaving this
+    thread's current loop as it is. (asyncio.run would replace it: a loop
+    a library left there, Ray's or litellm's, is then collected unclosed,
+    its socket pair reported as an unraisable warning in whichever later
+    test the collection falls.)"""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        loop.close()
 
 
 def on_threads(k: int, device: str, work: Callable[[int], T]) -> list[T]:

@@ -4,7 +4,6 @@ HTTP as clients drive it, against one server's replies to the same chats."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import json
@@ -24,6 +23,7 @@ from starlette.responses import StreamingResponse
 from aoti_sessions.llm import LLM
 from aoti_sessions.serve import create_app
 from llm_models import llm_package
+from conftest import run_async
 from serving import descendants, metrics, running, wait_until
 
 if importlib.util.find_spec("ray") is None:  # (not imported here: the cluster imports it, on loopback)
@@ -295,18 +295,6 @@ def ingress() -> Any:
     return Ingress
 
 
-def _run(coroutine: Any) -> Any:
-    """``coroutine`` run to its end on a loop of its own, leaving this
-    thread's current loop as it is (asyncio.run would replace it: the loop
-    Ray's client left there would be collected unclosed, its sockets
-    reported in whichever later test the collection falls)."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coroutine)
-    finally:
-        loop.close()
-
-
 class _Replicas:
     """A deployment handle: its calls answered in turn."""
 
@@ -362,11 +350,11 @@ def test_ingress_sends_again_only_what_a_replica_did_not_run(ingress: Any) -> No
     from aoti_sessions.cluster._replica import ENGINE_GONE
 
     replicas = _Replicas(_Answer("r-1", 503, **{ENGINE_GONE: True}), _Answer("r-2", 200))
-    sent = _run(ingress(replicas)._forward(_REQUEST, "x-1", False))
+    sent = run_async(ingress(replicas)._forward(_REQUEST, "x-1", False))
     assert (sent.status_code, json.loads(sent.body)) == (200, {"from": "r-2"}) and not replicas.answers
     assert AFFINITY.is_gone("r-1") and AFFINITY.owner("x-1") == "r-2"
     replicas = _Replicas(_Answer("r-3", 503), _Answer("r-4", 200))
-    sent = _run(ingress(replicas)._forward(_REQUEST, "x-2", False))
+    sent = run_async(ingress(replicas)._forward(_REQUEST, "x-2", False))
     assert (sent.status_code, json.loads(sent.body)) == (503, {"from": "r-3"}) and len(replicas.answers) == 1
 
 
@@ -381,7 +369,7 @@ def test_streams_cut_by_a_lost_replica_end_with_an_error_event_and_one_log_line(
         return b"".join([bytes(c) async for c in response.body_iterator]), stream.cancelled
 
     with caplog.at_level(logging.WARNING, "aoti_sessions.cluster"):
-        cuts = [_run(cut()) for _ in range(3)]
+        cuts = [run_async(cut()) for _ in range(3)]
     for body, cancelled in cuts:
         first, last = body.split(b"\n\n", 1)
         assert first == b"data: {}" and last.startswith(b"data: ") and last.endswith(b"\n\n") and cancelled, body

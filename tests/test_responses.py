@@ -11,7 +11,6 @@ two front ends over one engine process."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import random
@@ -28,6 +27,7 @@ import pytest
 
 from aoti_sessions.llm import LLM, RemoteLLM
 from aoti_sessions.serve import create_app
+from conftest import run_async
 from serving import async_transport_for, running, running_front_ends, transport_for
 from tool_models import tools_package
 
@@ -350,7 +350,7 @@ def test_an_agent_calls_its_tool_through_the_default_model(server: str, llm: LLM
 
     for chained, streamed in [(False, False), (True, False), (True, True)]:
         before = len(asked)
-        result = asyncio.run(run(chained, streamed))
+        result = run_async(run(chained, streamed))
         assert len(asked) == before + 1 and asked[-1] in ("Paris", "Rome")
         outputs = [item.output for item in result.new_items if isinstance(item, ToolCallOutputItem)]
         assert outputs == [f"sunny in {asked[-1]}"]

@@ -37,7 +37,14 @@ def solo(llm: LLM, history: list[int], n: int) -> list[int]:
 def test_chats_at_once_share_decode_steps(llm: LLM) -> None:
     want = [solo(llm, llm.encode(p), 16) for p in PROMPTS]
     before = llm.engine.stats()
-    got = on_threads(len(PROMPTS), "cpu", lambda i: solo(llm, llm.encode(PROMPTS[i]), 16))
+    together = threading.Barrier(len(PROMPTS))  # (threads started one by one on a loaded machine may not overlap)
+
+    def chat(i: int) -> list[int]:
+        history = llm.encode(PROMPTS[i])
+        together.wait()
+        return solo(llm, history, 16)
+
+    got = on_threads(len(PROMPTS), "cpu", chat)
     after = llm.engine.stats()
     assert got == want
     runs = after["batch_runs"] - before["batch_runs"]

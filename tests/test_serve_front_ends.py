@@ -32,6 +32,7 @@ from aoti_sessions.serve._fleet import default_api_workers
 from aoti_sessions.serve._sessions import Entry, Registry
 from aoti_sessions.serve._shared import SharedRegistry
 from aoti_sessions.serve._tenants import DEFAULT_TENANT
+from conftest import run_async
 from serving import SERVER_CONTEXT, llm, package  # noqa: F401 (llm, package: fixtures)
 from serving import descendants, metrics, running_front_ends, wait_until
 
@@ -202,7 +203,7 @@ def test_front_ends_share_one_registry_and_one_view_of_metrics(package: Path, de
             entry = await shared.acquire(DEFAULT_TENANT, "across", create=False)
             assert entry.session is not None
             await shared.close()
-        asyncio.run(hold_and_go())
+        run_async(hold_and_go())
         with httpx.Client(base_url=url, timeout=60) as http:
             wait_until(lambda: not http.get("/v1/sessions/across").json()["busy"], what="the session to be let go")
 
@@ -260,7 +261,7 @@ def test_a_request_that_gives_up_waiting_leaves_the_session_free(package: Path, 
             await shared.release(entry)
             await shared.close()
 
-        asyncio.run(give_up_then_take())
+        run_async(give_up_then_take())
 
 
 def _free_port() -> int:
