@@ -28,7 +28,8 @@ import transformers  # noqa: E402
 
 from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import _export, _linear_attention, _paged, _paged_attention, _ring, _spec  # noqa: E402
+from aoti_sessions.llm import (  # noqa: E402
+    _export, _export_check, _linear_attention, _paged, _paged_attention, _ring, _spec)
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
@@ -42,8 +43,15 @@ from aoti_sessions.llm import _export, _linear_attention, _paged, _paged_attenti
 # model has them, or a layer after a global one (a layer's slot or ring
 # index then differs from its own, as in every real checkpoint; a 1:1
 # pattern of two layers never has that).
+# deepseek_v2 and deepseek_v3 cache one latent and one rotary key a position (multi-head latent
+# attention); llama4 attends within chunks of 16 in three layers of four, over a context of 8 chunks
+# (rings of 16 positions, as for window layers); ernie4_5_moe routes MoE experts with a correction bias;
+# jamba (Mamba 1 layers, MoE), falcon_h1 (Mamba2 beside attention in every layer), zamba2 (Mamba2 layers,
+# a shared attention block) and minimax (lightning attention: linear, with a decay a head) keep that
+# state in slots.
 ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2", "gemma3",
-         "gpt_oss", "mamba2")
+         "gpt_oss", "mamba2", "deepseek_v2", "deepseek_v3", "llama4", "ernie4_5_moe", "jamba", "falcon_h1", "zamba2",
+         "minimax")
 KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window of 16 on every layer (the context is 8x that)
 SEED = 0
 # Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
@@ -132,6 +140,53 @@ def _config(arch: str, vocab: int, special: dict[str, int]) -> transformers.Pret
         return transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 7}, head_dim=16, sliding_window=16)
     if arch == "phi3":
         return transformers.Phi3Config(**common)
+    # Multi-head latent attention (a latent of 32 and a rotary key of 8 cached, not per-head keys and
+    # values), a dense layer before MoE ones with a shared expert; V2's group-limited greedy routing, V3's
+    # grouped top-k over sigmoid scores with the correction bias, interleaved rotary, query low rank.
+    mla: dict[str, Any] = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                               n_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1,
+                               num_key_value_heads=4)
+    if arch == "deepseek_v2":
+        return transformers.DeepseekV2Config(**{**common, **mla}, q_lora_rank=None, n_routed_experts=4,
+                                             num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=2,
+                                             topk_group=1)
+    if arch == "deepseek_v3":
+        return transformers.DeepseekV3Config(**{**common, **mla, "num_hidden_layers": 3}, q_lora_rank=24,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                             rope_interleave=True, tie_word_embeddings=False)
+    if arch == "llama4":  # chunks of 16 in three layers of four (the fourth global, without rotary)
+        return transformers.Llama4TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16,
+                                             attention_chunk_size=16, intermediate_size_mlp=128, num_local_experts=4,
+                                             num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                             no_rope_layer_interval=4, floor_scale=8)
+    if arch == "ernie4_5_moe":
+        return transformers.Ernie4_5_MoeConfig(**common, moe_intermediate_size=64, moe_k=2, moe_num_experts=4,
+                                               moe_num_shared_experts=1, moe_layer_start_index=1,
+                                               moe_layer_end_index=1)
+    if arch == "jamba":  # Mamba (1) layers, an attention layer, MoE every other layer
+        return transformers.JambaConfig(
+            **{**common, "num_hidden_layers": 4}, attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=8)
+    if arch == "falcon_h1":  # attention and Mamba2 side by side in every layer
+        return transformers.FalconH1Config(
+            **common, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)
+    if arch == "zamba2":
+        # Mamba2 layers, a shared attention block joining two of them. transformers' Zamba2 clamps a step's
+        # dt to time_step_min where it reads a prompt but not where it decodes, so its reply to a history it
+        # decoded part of differs from its reply to the same history read whole (which the second turn's
+        # reference is); a minimum no dt of this model reaches keeps its two ways one.
+        return transformers.Zamba2Config(
+            **{**common, "num_hidden_layers": 4, "num_key_value_heads": 4},
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=16, mamba_d_conv=4,
+            mamba_expand=2, mamba_ngroups=1, n_mamba_heads=8, chunk_size=16, num_mem_blocks=1,
+            use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True, time_step_min=1e-9,
+            time_step_floor=1e-4)
+    if arch == "minimax":  # lightning (linear) attention layers beside softmax ones, blocks of 16
+        return transformers.MiniMaxConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, num_local_experts=4,
+                                          num_experts_per_tok=2, block_size=16,
+                                          layer_types=["linear_attention", "full_attention", "linear_attention"])
     raise ValueError(f"unknown arch {arch!r}; known: {', '.join(KNOWN)}")
 
 
@@ -182,8 +237,8 @@ def hf_model_dir(arch: str) -> Path:
 def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object]) -> Path:
     """The package ``build(path)`` writes, built once: cached under the models
     folder by ``key``, this file, the exporter's and the compiler's sources."""
-    sources = [inspect.getsource(module) for module in (_export, _paged, _paged_attention, _linear_attention, _ring,
-                                                        _spec, _compile, _pool, _program)]
+    sources = [inspect.getsource(module) for module in (_export, _export_check, _paged, _paged_attention,
+                                                        _linear_attention, _ring, _spec, _compile, _pool, _program)]
     target = cache_dir() / "models" / f"{name}-{_source_key(*sources, *key)}.pt2"
     if target.is_file():
         return target

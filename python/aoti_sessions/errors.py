@@ -42,6 +42,7 @@ __all__ = [
     "SessionFileNotFoundError",
     "ModelMismatchError",
     "CompileError",
+    "ExportError",
     "VerifyError",
     "CompileWarning",
     "SessionBusyError",
@@ -111,6 +112,17 @@ class VerifyError(CompileError):
         self.step = step
         self.buffers = buffers
         self.outputs = outputs
+
+
+class ExportError(CompileError):
+    """``aoti_sessions.llm.export`` cannot make a package that serves the
+    model: the message names the family, the layer and the operation that
+    failed, and what is known of the family; ``details`` holds the whole
+    traceback (``aoti-sessions export --verbose`` prints it)."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
 
 
 class CompileWarning(UserWarning):

@@ -13,10 +13,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import re
 import tempfile
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -26,13 +25,17 @@ from torch.nn.attention import SDPBackend
 
 from .._compile import Method, Pool, compile
 from .._package import top_folder
+from ..errors import Error, ExportError
+from ._export_check import Refused, check_shapes, refuses_one_row
 from ._export_cli import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE
+from ._export_errors import explained, ours
+from ._export_source import HUB_ID, check_folder, checked_model, hub_folder, load_model, load_tokenizer
 from ._linear_attention import layers_traceable
 from ._paged import PagedLM, paged_attention_on
 from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec, require_transformers
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["export", "DEFAULT_MAX_CACHE_LEN", "DEFAULT_MAX_PREFILL", "DEFAULT_MAX_BATCH", "DEFAULT_PAGE_SIZE"]
 
@@ -42,7 +45,6 @@ DEFAULT_MAX_CACHE_LEN = 4096  # capped by the model's max_position_embeddings
 DEFAULT_MAX_PREFILL = 512  # capped by max_cache_len
 _EXAMPLE_PREFILL = 8  # tokens of the example prefill call (any size in [2, max_prefill] serves)
 _EXAMPLE_ROWS = 2  # sessions of the example calls (any count in [1, max_batch] serves)
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # save_pretrained writes both
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -53,93 +55,6 @@ def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     return _DTYPES[name]
-
-
-# A hub id: "name" or "owner/name" (the hub's own rule for the characters).
-_HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
-# What a hub snapshot needs for export: config, weights, tokenizer and template.
-_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-
-
-def _hub_folder(repo_id: str) -> Path:
-    """The local snapshot of a hub model, by its id: from the hub's cache, or
-    fetched where the hub is reachable (huggingface_hub, as transformers'
-    from_pretrained does; HF_HUB_OFFLINE=1 keeps to the cache)."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
-    except Exception as e:  # noqa: BLE001 - every way of not finding it is one answer
-        raise FileNotFoundError(f"{repo_id}: no such folder, and no such model in the hub's cache or on the hub "
-                                f"({type(e).__name__}: {str(e)[:300]})") from None
-
-
-def _check_folder(source: Path) -> PretrainedConfig:
-    """A saved causal LM's folder, checked from its config (cheap) before any weight is read."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if not source.exists():
-        raise FileNotFoundError(f"model folder {source} does not exist")
-    if not source.is_dir():
-        raise ValueError(f"{source} is not a folder; give the folder save_pretrained wrote")
-    if not (source / "config.json").is_file():
-        raise ValueError(f"{source} holds no transformers model (no config.json); give the folder "
-                         "save_pretrained wrote for the model and its tokenizer")
-    config: PretrainedConfig = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"{source} holds a '{config.model_type}' model, which is not a causal language model")
-    return config
-
-
-def _load_model(source: Path, dtype: torch.dtype | None) -> PreTrainedModel:
-    import transformers
-
-    model: PreTrainedModel = transformers.AutoModelForCausalLM.from_pretrained(
-        source, local_files_only=True, dtype=dtype if dtype is not None else "auto")
-    return model
-
-
-def _load_tokenizer(tokenizer: Any, folder: str | os.PathLike[str] | None) -> PreTrainedTokenizerBase:
-    """``tokenizer`` itself, or loaded from its folder, else from the model's ``folder``."""
-    import transformers
-
-    if isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
-        return tokenizer
-    if tokenizer is not None:
-        where = Path(tokenizer)
-    elif folder and os.path.isdir(folder):
-        where = Path(folder)
-    else:
-        raise ValueError("the model came without a tokenizer: pass tokenizer= (a tokenizer or its folder)")
-    # transformers 5 makes an empty tokenizer of a folder without one: look for its files first.
-    if not any((where / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"no tokenizer in {where} (none of {', '.join(_TOKENIZER_FILES)}); save one there with "
-                         "tokenizer.save_pretrained or pass tokenizer=")
-    try:
-        loaded: PreTrainedTokenizerBase = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"no tokenizer in {where} ({type(e).__name__}: {str(e)[:200]}); save one there with "
-                         "tokenizer.save_pretrained or pass tokenizer=") from None
-    return loaded
-
-
-def _checked_model(model: object) -> PreTrainedModel:
-    """``model``, if export can take it."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if not isinstance(model, transformers.PreTrainedModel):
-        raise TypeError(f"expected a transformers PreTrainedModel or its saved folder, got {type(model).__name__}")
-    name = type(model).__name__
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; export takes decoder-only causal LMs")
-    if name not in {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}:
-        raise ValueError(f"{name} is not a causal language model (a *ForCausalLM class)")
-    if not getattr(model, "_can_compile_fullgraph", False):
-        raise ValueError(f"{name} does not support a static KV cache in one graph "
-                         "(transformers marks it _can_compile_fullgraph=False)")
-    return model
 
 
 def _sizes(config: Any, max_cache_len: int | None, max_prefill: int | None,
@@ -268,6 +183,27 @@ def _guards_one_row(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def _compiled_for_its_rows(compiled: Callable[[int], None], max_batch: int) -> None:
+    """``compiled(1)``: the package compiled for one row or more and checked;
+    where the trace or the compiled code takes two rows at least, compiled
+    again for two rows at least (a lone session's call then pads a scratch
+    row), and checked. Raises :class:`Refused` for a shape the package would
+    declare and its code refuse."""
+    note = "compiling for two rows at least (a lone session's call pads a scratch row): the %s assumes two or more"
+    try:
+        compiled(1)
+        return
+    except Refused as refused:
+        if not refuses_one_row(refused) or max_batch < 2:
+            raise
+        log.info(note, f"compiled '{refused.method}'")
+    except Exception as e:  # noqa: BLE001 - only the guard below is retried; anything else is raised
+        if not _guards_one_row(e) or max_batch < 2:
+            raise
+        log.info(note, "trace")
+    compiled(2)
 
 
 def _grouped_mm_compiles(device: torch.device) -> bool:
@@ -403,17 +339,17 @@ def export(
     if isinstance(model_or_dir, (str, os.PathLike)):
         source = folder = Path(model_or_dir)
         given = os.fspath(model_or_dir)
-        if not folder.exists() and isinstance(model_or_dir, str) and _HUB_ID.fullmatch(given):
-            hub_id, folder = given, _hub_folder(given)
-        config = _check_folder(folder).get_text_config()
-        tok = _load_tokenizer(tokenizer, folder)
+        if not folder.exists() and isinstance(model_or_dir, str) and HUB_ID.fullmatch(given):
+            hub_id, folder = given, hub_folder(given)
+        config = check_folder(folder).get_text_config()
+        tok = load_tokenizer(tokenizer, folder)
         # Every check before the weights are read: bad input fails fast.
         cache_len, prefill_len = _sizes(config, max_cache_len, max_prefill, tok)
-        model = _checked_model(_load_model(folder, torch_dtype))
+        model = checked_model(load_model(folder, torch_dtype))
     else:
-        model = _checked_model(model_or_dir)
+        model = checked_model(model_or_dir)
         config = model.config.get_text_config()
-        tok = _load_tokenizer(tokenizer, getattr(model, "name_or_path", None))
+        tok = load_tokenizer(tokenizer, getattr(model, "name_or_path", None))
         cache_len, prefill_len = _sizes(config, max_cache_len, max_prefill, tok)
         if torch_dtype is not None and torch_dtype != model.dtype:
             model = copy.deepcopy(model)  # converting the caller's weights back and forth would round them
@@ -426,22 +362,32 @@ def export(
         # (Not for attention sinks, which the kernel does not take: GPT-OSS decodes on the gather path.)
         sinks = any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
         grouped_mm = _grouped_mm_compiles(dev)
-        module = PagedLM(model, page_size, max_pages=-(-cache_len // page_size),
-                         kernel=dev.type == "cuda" and not sinks, grouped_mm=grouped_mm,
-                         ring_len=cache_len if window_cache == "ring" else None)
         # Export under the final name: the package's top folder is named after the file.
         tmp = os.path.join(staging, os.path.basename(target))
-        with layers_traceable(model, prefill_len), _grouped_mm_fallback(not grouped_mm):
-            try:
-                compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev), path=tmp,
-                        inductor_configs=inductor_configs, strict=False)
-            except Exception as e:  # noqa: BLE001 - only the guard below is retried; anything else is raised
-                if not _guards_one_row(e) or max_batch < 2:
-                    raise
-                log.info("export: the trace assumes two rows or more: compiling for two rows at least (a lone "
-                         "session's call pads a scratch row)")
-                compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=2), path=tmp,
-                        inductor_configs=inductor_configs, strict=False)
+        try:
+            with layers_traceable(model, prefill_len):  # (it runs the model once, to see its state)
+                module = PagedLM(model, page_size, max_pages=-(-cache_len // page_size),
+                                 kernel=dev.type == "cuda" and not sinks, grouped_mm=grouped_mm,
+                                 ring_len=cache_len if window_cache == "ring" else None)
+            # A hybrid model's recurrent state would read a padded row's padding: one row a prefill call.
+            # (Rings too: they rewind only to checkpoints, so a padded row could not be cut back.)
+            prefill_rows = 1 if module.state.slots else max_batch
+
+            def compiled(min_rows: int) -> None:
+                with layers_traceable(model, prefill_len), _grouped_mm_fallback(not grouped_mm):
+                    compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=min_rows),
+                            path=tmp, inductor_configs=inductor_configs, strict=False)
+                check_shapes(tmp, dev, int(config.vocab_size), prefill_len, prefill_rows, max_batch)
+
+            _compiled_for_its_rows(compiled, max_batch)
+        except Refused as refused:
+            raise ExportError(f"export of {type(model).__name__}: {refused}; no package written") from None
+        except Error:
+            raise
+        except Exception as e:  # noqa: BLE001 - said as what failed where, the traceback kept
+            if ours(e):
+                raise
+            raise explained(e, model) from e
         missing = sorted({*module.state.attention, *module.state.recurrent} - module.layers_written)
         if missing:
             raise RuntimeError(f"export: the model did not write the cache of layers {missing} (it writes "
@@ -454,9 +400,7 @@ def export(
             bos_token_id=_first_id(generation.bos_token_id, config.bos_token_id, tok.bos_token_id),
             pad_token_id=_first_id(generation.pad_token_id, getattr(config, "pad_token_id", None), tok.pad_token_id),
             dtype=str(model.dtype).removeprefix("torch."), name=hub_id or _model_name(model, source),
-            # A hybrid model's recurrent state would read a padded row's padding: one row a prefill call.
-            # (Rings too: they rewind only to checkpoints, so a padded row could not be cut back.)
-            prefill_rows=1 if module.state.slots else max_batch, recurrent=bool(module.state.slots),
+            prefill_rows=prefill_rows, recurrent=bool(module.state.slots),
             window_ring=module.state.ring.window if module.state.ring else 0)
         _append_files(tmp, {SPEC_FILE: spec.to_json().encode(),
                             GENERATION_CONFIG_FILE: generation.to_json_string().encode(),

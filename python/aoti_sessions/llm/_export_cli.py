@@ -43,11 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-cache", choices=["ring", "full"], default="ring",
                         help="sliding-window layers: a ring of the window a session (default; rewinds only to a "
                              "turn's start, as recurrent state) or every position in pages")
+    parser.add_argument("--verbose", action="store_true",
+                        help="where export fails in the model's tracing or compiling, the whole traceback too")
 
 
 def run(args: argparse.Namespace) -> int:
     """Exports; a bad input is one line on stderr and exit status 2."""
-    from ..errors import Error
+    from ..errors import Error, ExportError
     from ._export import export
 
     try:
@@ -55,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
                       max_prefill=args.max_prefill, dtype=args.dtype, max_batch=args.max_batch,
                       page_size=args.page_size, window_cache=args.window_cache)
     except (Error, ValueError, TypeError, OSError) as e:
+        if args.verbose and isinstance(e, ExportError) and e.details:
+            sys.stderr.write(e.details)
         sys.stderr.write(f"aoti-sessions: error: {e}\n")
         return 2
     print(path)

@@ -32,6 +32,21 @@ a whole number of chunks of the example's length, and its trace then guards
 on that length; here it is padded to the same static length as the delta
 rule's. A padded position has a zero input and a zero log-decay (its
 ``dt`` times ``A``), which leaves the state as it was.
+
+Mamba (1)'s selective scan (Jamba's ``mamba_selective_scan``) is a Python
+loop over the positions, from a zero state whatever the cache holds (so a
+second prompt chunk would forget the first). Here it is a log-depth scan
+(``h_t = a_t h_{t-1} + b_t`` combined over shifts of 1, 2, 4, ... positions)
+over the same static length, from the layer's state: the mixer's call is
+wrapped to hand the scan its cached state (:func:`layers_traceable`).
+
+MiniMax's lightning attention (linear attention with a fixed decay a head)
+loops over blocks of the prompt, then over positions once a state is
+cached, and accepts no cache but MiniMax's own. Here its layer's forward is
+one quadratic form over the call's positions (decay ``exp(-slope (t - j))``
+for ``j <= t``) plus the cached state's share, through transformers' linear
+attention cache API, and MiniMax's model takes any cache while a package is
+exported.
 """
 
 from __future__ import annotations
@@ -45,7 +60,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunk_gated_delta_rule", "ssd_chunk_scan", "causal_conv1d_update", "layers_traceable"]
+__all__ = ["chunk_gated_delta_rule", "ssd_chunk_scan", "selective_scan", "lightning_attention", "causal_conv1d_update",
+           "layers_traceable"]
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -211,6 +227,112 @@ def ssd_chunk_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tenso
     return (out, final) if return_final_states else out
 
 
+_initial_states: list[torch.Tensor | None] = []  # the state of the Mamba mixer being traced (its call's)
+
+
+def selective_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                   C: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                   delta_bias: torch.Tensor | None = None, delta_softplus: bool = False,
+                   return_last_state: bool = False, *, length: int, **kwargs: Any) -> Any:
+    """hidden_states, dt and z [B, I, T], A [I, N], B and C [B, N, T]: the
+    output [B, I, T] (and the state [B, I, N] after the last position when
+    ``return_last_state``), from the state the mixer's cache holds (zero
+    where it holds none); T <= ``length``."""
+    rows, channels, count = hidden_states.shape
+    dt = dt.float()
+    if delta_bias is not None:
+        dt = dt + delta_bias.float()[..., None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    # Padded positions: dt 0, so a decay of 1 and no input (the state goes through unchanged).
+    dt, u = (F.pad(x, (0, length - count)) for x in (dt, hidden_states.float()))
+    B, C = (F.pad(x.float(), (0, length - count)).transpose(1, 2) for x in (B, C))  # [B, length, N]
+    decay = torch.exp(A.float()[None, :, None, :] * dt[..., None])  # [B, I, length, N]
+    state = (dt * u)[..., None] * B[:, None]
+    initial = _initial_states[-1] if _initial_states else None
+    if initial is not None:  # h_0 = a_0 h_init + b_0
+        state = torch.cat([state[:, :, :1] + decay[:, :, :1] * initial.float()[:, :, None], state[:, :, 1:]], dim=2)
+    shift = 1
+    while shift < length:  # each position combines with the one `shift` before it (the first ones with nothing)
+        state = state + decay * F.pad(state, (0, 0, shift, 0)).narrow(2, 0, length)
+        decay = decay * F.pad(decay, (0, 0, shift, 0), value=1.0).narrow(2, 0, length)
+        shift *= 2
+    out = (state * C[:, None]).sum(-1).narrow(2, 0, count)  # [B, I, T]
+    if D is not None:
+        out = out + hidden_states.float() * D.float()[None, :, None]
+    if z is not None:
+        out = out * F.silu(z.float())
+    out = out.to(hidden_states.dtype)
+    return (out, state.narrow(2, count - 1, 1).squeeze(2)) if return_last_state else out
+
+
+def lightning_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slope: torch.Tensor,
+                        state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """query, key, value [B, H, T, D], slope [H, ...] (each position decays
+    the state by exp(-slope)), state [B, H, D, D] (None: zero): the output
+    [B, H, T, D] (``o_t = q_t S_t``, ``S_t = exp(-slope) S_{t-1} + k_t^T v_t``)
+    and the state after the last position, in float32."""
+    count = query.shape[2]
+    query, key, value = query.float(), key.float(), value.float()
+    rate = slope.float().reshape(1, -1, 1, 1)
+    at = torch.arange(count, device=query.device, dtype=torch.float32)
+    gaps = at[:, None] - at[None, :]  # [T, T]: t - j
+    decay = torch.exp(-rate * gaps.clamp(min=0)) * (gaps >= 0)  # [1, H, T, T]
+    out = ((query @ key.transpose(-1, -2)) * decay) @ value
+    after = torch.exp(-rate * (count - 1 - at)[:, None])  # [1, H, T, 1]: each position's share of the last state
+    last = (key * after).transpose(-1, -2) @ value
+    if state is not None:
+        state = state.float()
+        out = out + (query * torch.exp(-rate * (at + 1)[:, None])) @ state
+        last = last + torch.exp(-rate * count) * state
+    return out, last
+
+
+def _lightning_forward(layer: Any) -> Any:
+    """A MiniMax lightning attention layer's forward over :func:`lightning_attention`."""
+    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+                cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, count, _ = hidden_states.shape
+        heads, dim = layer.num_attention_heads, layer.head_dim
+        qkv = layer.act_fn(layer.qkv_proj(hidden_states)).reshape(rows, count, heads, 3 * dim)
+        query, key, value = (x.transpose(1, 2) for x in torch.split(qkv, dim, dim=3))
+        state = None if cache is None else cache.get_recurrent_state(layer.layer_idx)
+        out, state = lightning_attention(query, key, value, layer.slope_rate, state)
+        if cache is not None:
+            cache.update_recurrent_state(state.to(value.dtype), layer.layer_idx)
+        out = out.to(value.dtype).transpose(1, 2).reshape(rows, count, heads * dim)
+        out = torch.sigmoid(layer.output_gate(hidden_states)) * layer.norm(out)
+        return layer.out_proj(out), state
+
+    return forward
+
+
+def _lightning_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("LightningAttention")
+            and hasattr(m, "slope_rate") and hasattr(m, "qkv_proj")]
+
+
+def _mamba_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's Mamba (1) mixers whose scan is ``mamba_selective_scan``."""
+    return [m for m in model.modules() if hasattr(m, "x_proj") and hasattr(m, "A_log")
+            and callable(getattr(sys.modules[type(m).__module__], "mamba_selective_scan", None))]
+
+
+def _with_initial_state(mixer: torch.nn.Module) -> Any:
+    """``mixer``'s forward, handing :func:`selective_scan` the state its cache holds."""
+    forward = mixer.forward
+
+    def wrapped(hidden_states: torch.Tensor, cache: Any = None, *args: Any, **kwargs: Any) -> Any:
+        layer = getattr(mixer, "layer_idx")
+        _initial_states.append(None if cache is None else cache.get_recurrent_state(layer))
+        try:
+            return forward(hidden_states, cache, *args, **kwargs)
+        finally:
+            _initial_states.pop()
+
+    return wrapped
+
+
 def _patched(model: torch.nn.Module, name: str, replacement: Any) -> list[tuple[Any, str, Any]]:
     """Replaces the function ``name`` of every module defining one of the
     model's layers with ``replacement``; returns what to put back."""
@@ -228,14 +350,33 @@ def layers_traceable(model: torch.nn.Module, max_prefill: int) -> Iterator[None]
     state-space layers replaced by ours for the block, so that the traced
     graph serves every row count and length: the cached conv step
     (``causal_conv1d_update``), the chunked gated delta rule
-    (``torch_chunk_gated_delta_rule``) and the SSD chunk scan
-    (``mamba2_chunk_scan``)."""
+    (``torch_chunk_gated_delta_rule``), the SSD chunk scan
+    (``mamba2_chunk_scan``) and Mamba's selective scan
+    (``mamba_selective_scan``, its mixers handing it their state); MiniMax's
+    lightning attention layers (their forward: :func:`lightning_attention`).
+    State-space and linear layers need it from the first forward on (export's
+    look at their state's shapes too)."""
+    from transformers.cache_utils import Cache
+
+    forwards = [(m, _with_initial_state(m)) for m in _mamba_mixers(model)] + \
+        [(m, _lightning_forward(m)) for m in _lightning_layers(model)]
     replacements = {"causal_conv1d_update": causal_conv1d_update,
                     "torch_chunk_gated_delta_rule": functools.partial(chunk_gated_delta_rule, length=max_prefill),
-                    "mamba2_chunk_scan": functools.partial(ssd_chunk_scan, length=max_prefill)}
+                    "mamba2_chunk_scan": functools.partial(ssd_chunk_scan, length=max_prefill),
+                    "mamba_selective_scan": functools.partial(selective_scan, length=max_prefill),
+                    "MiniMaxCache": Cache}  # (MiniMax's model refuses any cache but one of this class)
     patched = [entry for name, replacement in replacements.items() for entry in _patched(model, name, replacement)]
+    # On the layers themselves (a forward set on a module, a hook's, is kept to put back).
+    own = [(layer, layer.__dict__.get("forward")) for layer, _ in forwards]
+    for layer, forward in forwards:
+        layer.forward = forward
     try:
         yield
     finally:
         for module, name, original in patched:
             setattr(module, name, original)
+        for layer, forward in own:
+            if forward is None:
+                del layer.forward  # the class's again
+            else:
+                layer.forward = forward

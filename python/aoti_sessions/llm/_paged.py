@@ -3,8 +3,12 @@ the module ``aoti_sessions.llm.export`` compiles.
 
 Every layer's keys and values live in one pooled tensor the engine owns,
 ``kv[pages, layers, 2, page_size, kv_heads, head_dim]``: a session owns the
-pages its positions fall in, listed in its row of ``page_table``. The model's
-own code runs unchanged; only its cache and its attention are ours:
+pages its positions fall in, listed in its row of ``page_table``. A model of
+multi-head latent attention (DeepSeek-V2/V3, Kimi-K2: ``kv_lora_rank``) caches
+one compressed latent and one rotary key per position, shared by every head,
+side by side: ``kv[pages, layers, 1, page_size, 1, latent + rotary]``
+(:class:`KVLayout`); its layer expands them into keys and values itself. The
+model's own code runs unchanged; only its cache and its attention are ours:
 
 - the cache writes each new position's keys and values into the row's page
   (``kv`` is an input the compiled model mutates in place);
@@ -53,7 +57,7 @@ from ._spec import PAD_ID
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["PagedLM", "ATTENTION", "PAD_ID", "kv_layout", "StateLayout", "state_layout"]
+__all__ = ["PagedLM", "ATTENTION", "PAD_ID", "KVLayout", "kv_layout", "StateLayout", "state_layout"]
 
 ATTENTION = "aoti_sessions_paged"  # the name our attention is registered under
 
@@ -80,14 +84,34 @@ class _Step:
 _current: list[_Step] = []  # the call being traced (one at a time)
 
 
-def kv_layout(config: Any, page_size: int) -> tuple[int, int]:
-    """(kv heads, head dim) of a model's attention layers' KV cache (which
-    layers have one: ``state_layout``)."""
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+@dataclass(frozen=True)
+class KVLayout:
+    """What an attention layer caches per position: ``parts`` tensors of
+    [heads, width] (keys and values: 2), or, for multi-head latent attention,
+    one part holding the latent and the rotary key side by side (``latent``:
+    the latent's width; the rest of ``width`` is the rotary key's)."""
+
+    parts: int
+    heads: int
+    width: int
+    latent: int = 0
+
+    @property
+    def is_latent(self) -> bool:
+        return self.latent > 0
+
+
+def kv_layout(config: Any, page_size: int) -> KVLayout:
+    """How a model's attention layers lie in the pool's pages (which layers
+    have pages: ``state_layout``)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    return heads, int(head_dim)
+    latent = getattr(config, "kv_lora_rank", None)
+    if latent:  # multi-head latent attention: transformers caches (latent, rotary key) as one head's (key, value)
+        return KVLayout(parts=1, heads=1, width=int(latent) + int(config.qk_rope_head_dim), latent=int(latent))
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return KVLayout(parts=2, heads=heads, width=int(head_dim))
 
 
 @dataclass(frozen=True)
@@ -127,14 +151,17 @@ def state_layout(model: PreTrainedModel, cache_argument: str, ring_len: int | No
     config = model.config.get_text_config()
     layers = DynamicCache(config=config).layers
     attention, linear = _layer_kinds(config, layers)
-    ring = None if ring_len is None else ring_layers(layers, ring_len)
+    ring = None if ring_len is None else ring_layers(layers, ring_len, _chunked_layers(config))
     if ring is not None:
         if linear:
             raise ValueError(f"{type(model).__name__} has window layers beside linear-attention ones, which "
                              "aoti_sessions does not keep in rings together; export it with window_cache='full'")
-        heads, dim = kv_layout(config, 1)
+        kv = kv_layout(config, 1)
+        if kv.is_latent:
+            raise ValueError(f"{type(model).__name__} has window layers of latent attention, which aoti_sessions "
+                             "does not keep in rings; export it with window_cache='full'")
         return StateLayout(attention=tuple(i for i in attention if i not in ring.layers), ring=ring,
-                           slots=(("ring", (2, ring.window, heads, dim), model.dtype),))
+                           slots=(("ring", (2, ring.window, kv.heads, kv.width), model.dtype),))
     if not linear:
         return StateLayout(attention=tuple(range(int(config.num_hidden_layers))))
     # (attention is empty for a pure state-space model such as Mamba2: its pool's pages then hold nothing.)
@@ -157,6 +184,28 @@ def state_layout(model: PreTrainedModel, cache_argument: str, ring_len: int | No
     return StateLayout(attention=attention, recurrent=linear, slots=tuple(slots))
 
 
+def _chunked_layers(config: Any) -> frozenset[int]:
+    """The layers that attend within chunks of ``attention_chunk_size``
+    positions (Llama 4's, by its ``layer_types``)."""
+    types = getattr(config, "layer_types", None) or ()
+    return frozenset(i for i, kind in enumerate(types) if kind == "chunked_attention")
+
+
+def _chunk(module: torch.nn.Module) -> int:
+    """The chunk an attention module's layer attends within (0: none)."""
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    if config is None or not isinstance(layer, int) or layer not in _chunked_layers(config):
+        return 0
+    return int(config.attention_chunk_size)
+
+
+# An attention module's query temperature by position, (floor, scale): the
+# query is scaled by 1 + scale * log1p(floor((position + 1) / floor)) (Llama
+# 4's layers without rotary positions). The layer computes it from its
+# cache's length, one for every row; ours are the rows' own positions.
+TEMPERATURE = "_aoti_sessions_temperature"
+
+
 def _cache_class() -> type:
     from transformers.cache_utils import Cache
 
@@ -165,9 +214,10 @@ def _cache_class() -> type:
 
         is_compileable = True
 
-        def __init__(self, step: _Step, layout: StateLayout, written: set[int]) -> None:
+        def __init__(self, step: _Step, layout: StateLayout, kv: KVLayout, written: set[int]) -> None:
             super().__init__(layers=[])
             self.step = step
+            self.kv = kv
             self.written = written  # the layers whose cache the model wrote
             self.pool_layer = {g: i for i, g in enumerate(layout.attention)}  # a layer's index in the pool
             self.slot_layer = {g: i for i, g in enumerate(layout.recurrent)}  # and in the slot tensors
@@ -191,12 +241,19 @@ def _cache_class() -> type:
             # pool written back after the step: slow, and it would undo the
             # writes of a concurrent step of other sessions.)
             layer = torch.full_like(step.page, layer_idx)
-            step.kv.index_put_((step.page, layer, torch.zeros_like(step.page), step.offset), rows(key_states))
-            step.kv.index_put_((step.page, layer, torch.ones_like(step.page), step.offset), rows(value_states))
+            if self.kv.is_latent:  # (latent, rotary key): one part, side by side
+                both = torch.cat([rows(key_states), rows(value_states).to(key_states.dtype)], dim=-1)
+                step.kv.index_put_((step.page, layer, torch.zeros_like(step.page), step.offset), both)
+            else:
+                step.kv.index_put_((step.page, layer, torch.zeros_like(step.page), step.offset), rows(key_states))
+                step.kv.index_put_((step.page, layer, torch.ones_like(step.page), step.offset), rows(value_states))
             if step.kernel:
                 return step.kv[:, layer_idx, 0], step.kv[:, layer_idx, 1]
             # [B, MP, page, Hkv, D] -> [B, Hkv, MP * page, D]: the row's positions in order.
             pages = step.kv[step.page_table.long(), layer_idx]
+            if self.kv.is_latent:
+                both = pages[:, :, 0].flatten(1, 2).transpose(1, 2)
+                return both[..., :self.kv.latent], both[..., self.kv.latent:]
             keys = pages[:, :, 0].flatten(1, 2).transpose(1, 2)
             values = pages[:, :, 1].flatten(1, 2).transpose(1, 2)
             return keys, values
@@ -258,17 +315,28 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     step = _current[-1]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    ring = step.ring is not None and bool(sliding_window)  # keys and values from the layer's ring
+    temperature = getattr(module, TEMPERATURE, None)
+    if temperature is not None:
+        floor, factor = temperature
+        scales = torch.log1p(torch.floor((step.positions.float() + 1.0) / floor)) * factor + 1.0  # [B, T]
+        query = (query * scales[:, None, :, None]).to(query.dtype)
+    # Keys and values from the layer's ring (a window or chunked layer; Llama 4 names no window).
+    ring = step.ring is not None and (bool(sliding_window)
+                                      or getattr(module, "layer_idx", None) in step.ring.ring.layers)
+    chunk = 0 if ring else _chunk(module)
     if ring:
         assert step.ring is not None
         attention_mask = step.ring.mask
-    elif sliding_window and not step.kernel and attention_mask is not None:
+    elif (sliding_window or chunk) and not step.kernel and attention_mask is not None:
         # A window layer attends to the last `sliding_window` positions only
-        # (key > query - window, as transformers' sliding masks); the cache
-        # holds every position, so the context is not cut to the window.
-        keys = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
-        recent = keys[None, None, :] > step.positions[:, :, None] - int(sliding_window)  # [B, T, K]
-        attention_mask = attention_mask & recent[:, None]
+        # (key > query - window, as transformers' sliding masks), a chunked
+        # one to its query's chunk; the cache holds every position, so the
+        # context is not cut to the window.
+        keys = torch.arange(attention_mask.shape[-1], device=attention_mask.device)[None, None, :]
+        queries = step.positions[:, :, None]
+        seen = keys > queries - int(sliding_window) if sliding_window else \
+            torch.div(keys, chunk, rounding_mode="floor") == torch.div(queries, chunk, rounding_mode="floor")
+        attention_mask = attention_mask & seen[:, None]  # [B, 1, T, K]
     if step.kernel and not ring:
         out = paged_decode_attention(query[:, :, 0], key, value, step.page_table, step.lengths, scale,
                                      int(sliding_window or 0), float(softcap or 0.0))
@@ -310,10 +378,16 @@ class PagedLM(torch.nn.Module):
         # ``ring_len``: the context, where window layers keep a ring of their window if it is shorter.
         self.state = state_layout(model, self.cache_argument, ring_len)
         # (A model with no layer in pages has no KV heads there: its pages are empty, [pages, 0, ...].)
-        self.heads, self.head_dim = kv_layout(config, page_size) if self.state.attention else (1, 1)
+        self.kv = kv_layout(config, page_size) if self.state.attention else KVLayout(parts=2, heads=1, width=1)
         self.page_size = page_size
         self.max_pages = max_pages
-        self.kernel = kernel
+        # The paged kernel reads per-head keys and values within a sliding
+        # window at most: a latent layer expands its positions into them
+        # itself, and a chunked layer kept in pages attends within its chunk,
+        # so such models decode by gathering.
+        chunked = _chunked_layers(config) & set(self.state.attention)
+        self.kernel = kernel and not self.kv.is_latent and not (
+            chunked and int(config.attention_chunk_size) < max_pages * page_size)
         self.logits_to_keep = "logits_to_keep" in parameters
         self.cache_class = _cache_class()
         self.layers = len(self.state.attention)  # the pool's layers: the attention layers'
@@ -322,8 +396,8 @@ class PagedLM(torch.nn.Module):
         self.layers_written: set[int] = set()
 
     def pool_example(self, pages: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.zeros(pages, self.layers, 2, self.page_size, self.heads, self.head_dim, dtype=dtype,
-                           device=device)
+        return torch.zeros(pages, self.layers, self.kv.parts, self.page_size, self.kv.heads, self.kv.width,
+                           dtype=dtype, device=device)
 
     def slot_examples(self, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
         """The slot tensors (hybrid models; none otherwise), by input name."""
@@ -351,7 +425,7 @@ class PagedLM(torch.nn.Module):
             # The positions the page table holds (its width may be only the pages the rows hold).
             keys = torch.arange(page_table.shape[1] * self.page_size, device=input_ids.device)
             mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, K]: causal, own positions only
-        extra: dict[str, Any] = {self.cache_argument: self.cache_class(step, self.state, self.layers_written)}
+        extra: dict[str, Any] = {self.cache_argument: self.cache_class(step, self.state, self.kv, self.layers_written)}
         if self.logits_to_keep:
             extra["logits_to_keep"] = 1 if real is None else 0  # (prefill: _pick_rows takes each row's last real one)
         _current.append(step)
@@ -462,8 +536,26 @@ def paged_attention_on(model: PreTrainedModel) -> Iterator[None]:
 
     AttentionInterface.register(ATTENTION, paged_attention)
     attention, _ = _layer_kinds(model.config.get_text_config())  # (window layers' rings included)
-    with _attention(model, ATTENTION if attention else None):
+    with _attention(model, ATTENTION if attention else None), _temperature_in_attention(model):
         yield
+
+
+@contextmanager
+def _temperature_in_attention(model: PreTrainedModel) -> Iterator[None]:
+    """Llama 4's query temperature of its layers without rotary positions,
+    which the layer takes from its cache's length (one for all rows, none in
+    ours), applied by our attention from each row's positions instead."""
+    tuned: list[Any] = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)
+             and not getattr(m, "use_rope", True) and hasattr(m, "floor_scale")]
+    for m in tuned:
+        m.attn_temperature_tuning = False
+        setattr(m, TEMPERATURE, (float(m.floor_scale), float(m.attn_scale)))
+    try:
+        yield
+    finally:
+        for m in tuned:
+            m.attn_temperature_tuning = True
+            delattr(m, TEMPERATURE)
 
 
 @contextmanager

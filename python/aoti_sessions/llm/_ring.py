@@ -1,4 +1,5 @@
-"""Ring caches for sliding-window layers (Gemma 2/3, Mistral, GPT-OSS).
+"""Ring caches for sliding-window layers (Gemma 2/3, Mistral, GPT-OSS) and
+chunked-attention layers (Llama 4).
 
 A window layer's query at position q attends to the keys at positions
 q - window + 1 .. q only, so its cache needs the last ``window`` positions,
@@ -20,6 +21,11 @@ session's window layers cost the same at any context.
   entry takes the chunk's last real position that falls on it, if any (a
   chunk longer than the window overwrites the entries its later positions
   take; padding never lands).
+
+A chunked layer (Llama 4's) attends within its query's chunk of positions
+(``q // chunk == k // chunk``, earlier positions only): a ring of ``chunk``
+entries holds every earlier position of the query's chunk, and the same
+reads and writes serve it with that mask.
 
 An entry's position follows from the row's length alone (the latest
 position before that length that falls on the entry), so the ring stores
@@ -46,14 +52,25 @@ class Ring:
 
     layers: tuple[int, ...]
     window: int
+    chunked: bool = False  # the layers attend within chunks of `window` positions, not a sliding window
+
+    def visible(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """Whether each query sees each key (positions, broadcast; a key is
+        never after its query), by the window or the chunk."""
+        if self.chunked:
+            return torch.div(keys, self.window, rounding_mode="floor") == \
+                torch.div(queries, self.window, rounding_mode="floor")
+        return keys > queries - self.window
 
 
-def ring_layers(layers: list[Any], cache_len: int) -> Ring | None:
+def ring_layers(layers: list[Any], cache_len: int, chunked: frozenset[int] = frozenset()) -> Ring | None:
     """The model's window layers, from ``layers`` (transformers' own cache's
     for the model), where a ring saves memory: None for a model without
-    window layers, or whose window covers the whole context anyway. Raises
-    ValueError for window layers of different windows (one ring tensor has
-    one length)."""
+    window layers, or whose window covers the whole context anyway.
+    ``chunked``: the layers that attend within chunks (transformers keeps
+    them as window layers of the chunk's size). Raises ValueError for window
+    layers of different windows (one ring tensor has one length), or of
+    both kinds."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     windowed = {i: int(layer.sliding_window) for i, layer in enumerate(layers)
@@ -64,10 +81,13 @@ def ring_layers(layers: list[Any], cache_len: int) -> Ring | None:
     if len(windows) != 1:
         raise ValueError(f"the model's window layers have different windows ({sorted(windows)}); export it with "
                          "window_cache='full'")
+    kinds = {i in chunked for i in windowed}
+    if len(kinds) != 1:
+        raise ValueError("the model has sliding-window layers beside chunked ones; export it with window_cache='full'")
     window, = windows
     if window >= cache_len:
         return None
-    return Ring(tuple(sorted(windowed)), window)
+    return Ring(tuple(sorted(windowed)), window, chunked=kinds.pop())
 
 
 def rows(states: torch.Tensor) -> torch.Tensor:
@@ -108,12 +128,12 @@ class RingStep:
         queries = positions[:, :, None]  # [B, T, 1]
         if in_place:
             held = _entry_positions(start + count, window)[:, None, :]  # after the write
-            mask = (held >= 0) & (held <= queries) & (held > queries - window)
+            mask = (held >= 0) & (held <= queries) & ring.visible(held, queries)
             self.write_entry = torch.remainder(positions, window).reshape(-1)  # [B*T]
         else:
             held = _entry_positions(start, window)[:, None, :]  # before the chunk: all earlier than its queries
             own = positions[:, None, :]  # [B, 1, T]: the chunk's keys
-            mask = torch.cat([(held >= 0) & (held > queries - window), (own <= queries) & (own > queries - window)],
+            mask = torch.cat([(held >= 0) & ring.visible(held, queries), (own <= queries) & ring.visible(own, queries)],
                              dim=-1)
             assert real is not None
             # Each entry's new position: the chunk's last real one on it, if any.
