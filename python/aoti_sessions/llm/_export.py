@@ -27,12 +27,12 @@ from .._compile import Method, Pool, compile
 from .._package import top_folder
 from ..errors import Error, ExportError
 from ._export_check import Refused, check_shapes, refuses_one_row
-from ._export_cli import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE
 from ._export_errors import explained, ours
 from ._export_source import HUB_ID, check_folder, checked_model, hub_folder, load_model, load_tokenizer
 from ._linear_attention import layers_traceable
 from ._paged import PagedLM, paged_attention_on
-from ._spec import GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR, LLMSpec, require_transformers
+from ._spec import (DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR,
+                    LLMSpec, require_transformers)
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase

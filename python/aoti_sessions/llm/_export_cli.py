@@ -7,8 +7,7 @@ import sys
 from collections.abc import Callable
 
 # The defaults only: the exporter (and transformers) load when the command runs.
-DEFAULT_MAX_BATCH = 64
-DEFAULT_PAGE_SIZE = 16
+from ._spec import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE
 
 __all__ = ["add_arguments", "run"]
 

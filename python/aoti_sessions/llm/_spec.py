@@ -27,7 +27,11 @@ from .._package import _check_model_path, _extract, top_folder
 from ..errors import PackageError
 
 __all__ = ["LLMSpec", "LLMPackage", "read_llm_package", "require_transformers", "LLM_DIR", "SPEC_FILE", "GENERATION_CONFIG_FILE",
-           "TOKENIZER_DIR", "SPEC_VERSION", "PAD_ID"]
+           "TOKENIZER_DIR", "SPEC_VERSION", "PAD_ID", "DEFAULT_MAX_BATCH", "DEFAULT_PAGE_SIZE"]
+
+# Export's defaults, which its command line names too.
+DEFAULT_MAX_BATCH = 64  # sessions one decode call takes at most
+DEFAULT_PAGE_SIZE = 16  # positions a page of the pooled KV cache
 
 PAD_ID = -1  # pads a shorter row of a prefill call (after its tokens): the compiled prefill skips it
 
