@@ -2,7 +2,8 @@
 families the tests run exact against transformers, those export keeps the
 state of itself although transformers marks them uncompilable, and those
 known not to serve, with why. (The adaptations themselves live with what
-they adapt: ``_paged.py`` the caches, ``_linear_attention.py`` the
+they adapt: ``_paged.py`` and ``_paged_layout.py`` the caches and
+attention, ``_latent.py`` latent attention, ``_linear_attention.py`` the
 recurrent layers.)"""
 
 from __future__ import annotations

@@ -44,20 +44,23 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._latent import absorbed_attention, latent_unexpanded, takes_latents
 from ._paged_attention import paged_decode_attention
-from ._ring import Ring, RingStep, ring_layers, rows
+from ._paged_layout import KVLayout, StateLayout, attention_as, chunk_of, chunked_layers, kv_layout, layer_kinds, \
+    state_layout
+from ._ring import RingStep, rows
 from ._spec import PAD_ID
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["PagedLM", "ATTENTION", "PAD_ID", "KVLayout", "kv_layout", "StateLayout", "state_layout"]
+__all__ = ["PagedLM", "ATTENTION", "PAD_ID", "paged_attention", "paged_attention_on"]
 
 ATTENTION = "aoti_sessions_paged"  # the name our attention is registered under
 
@@ -82,121 +85,6 @@ class _Step:
 
 
 _current: list[_Step] = []  # the call being traced (one at a time)
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What an attention layer caches per position: ``parts`` tensors of
-    [heads, width] (keys and values: 2), or, for multi-head latent attention,
-    one part holding the latent and the rotary key side by side (``latent``:
-    the latent's width; the rest of ``width`` is the rotary key's)."""
-
-    parts: int
-    heads: int
-    width: int
-    latent: int = 0
-
-    @property
-    def is_latent(self) -> bool:
-        return self.latent > 0
-
-
-def kv_layout(config: Any, page_size: int) -> KVLayout:
-    """How a model's attention layers lie in the pool's pages (which layers
-    have pages: ``state_layout``)."""
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    latent = getattr(config, "kv_lora_rank", None)
-    if latent:  # multi-head latent attention: transformers caches (latent, rotary key) as one head's (key, value)
-        return KVLayout(parts=1, heads=1, width=int(latent) + int(config.qk_rope_head_dim), latent=int(latent))
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return KVLayout(parts=2, heads=heads, width=int(head_dim))
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Which layers keep KV pages and which fixed-size state, and that
-    state's shape per session and layer (without the batch) and dtype."""
-
-    attention: tuple[int, ...]  # layers with KV pages, in order (the pool's layer index)
-    recurrent: tuple[int, ...] = ()  # layers with conv / recurrent state, in order (the slots' layer index)
-    slots: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()  # (name, shape, dtype) per slot tensor
-    ring: Ring | None = None  # window layers keeping a ring of their window (slot "ring"), not pages
-
-    def slot_layers(self, name: str) -> int:
-        """The layers a slot tensor holds."""
-        return len(self.ring.layers) if name == "ring" and self.ring is not None else len(self.recurrent)
-
-
-def _layer_kinds(config: Any, layers: list[Any] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(the layers with a KV cache, the layers with linear-attention state),
-    as transformers' own cache lays out a model of ``config`` (``layers``:
-    that cache's layers, where the caller has them)."""
-    from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
-
-    layers = DynamicCache(config=config).layers if layers is None else layers
-    return (tuple(i for i, layer in enumerate(layers) if isinstance(layer, CacheLayerMixin)),
-            tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)))
-
-
-def state_layout(model: PreTrainedModel, cache_argument: str, ring_len: int | None = None) -> StateLayout:
-    """The model's layers as transformers' own cache lays them out: layers
-    with linear-attention state (conv, SSM, delta-net) learn their state's
-    shapes from one small forward with that cache (on the model's own
-    attention). ``ring_len``: the context, where window layers keep a ring
-    of their window (if it is shorter) instead of pages."""
-    from transformers.cache_utils import DynamicCache
-
-    config = model.config.get_text_config()
-    layers = DynamicCache(config=config).layers
-    attention, linear = _layer_kinds(config, layers)
-    ring = None if ring_len is None else ring_layers(layers, ring_len, _chunked_layers(config))
-    if ring is not None:
-        if linear:
-            raise ValueError(f"{type(model).__name__} has window layers beside linear-attention ones, which "
-                             "aoti_sessions does not keep in rings together; export it with window_cache='full'")
-        kv = kv_layout(config, 1)
-        if kv.is_latent:
-            raise ValueError(f"{type(model).__name__} has window layers of latent attention, which aoti_sessions "
-                             "does not keep in rings; export it with window_cache='full'")
-        return StateLayout(attention=tuple(i for i in attention if i not in ring.layers), ring=ring,
-                           slots=(("ring", (2, ring.window, kv.heads, kv.width), model.dtype),))
-    if not linear:
-        return StateLayout(attention=tuple(range(int(config.num_hidden_layers))))
-    # (attention is empty for a pure state-space model such as Mamba2: its pool's pages then hold nothing.)
-    cache = DynamicCache(config=config)
-    name = type(model).__name__
-    with _attention(model, "sdpa" if attention else None), torch.no_grad():
-        model(input_ids=torch.zeros(1, 3, dtype=torch.long, device=model.device), **{cache_argument: cache},
-              use_cache=True)
-    slots = []
-    for kind in ("conv_states", "recurrent_states"):
-        found = [getattr(cache.layers[i], kind).get(0) for i in linear]
-        if all(t is None for t in found):
-            continue
-        shapes = {(tuple(t.shape[1:]), t.dtype) for t in found if t is not None}
-        if len(shapes) != 1 or any(t is None for t in found):
-            raise ValueError(f"{name}'s layers keep {kind.replace('_', ' ')} of different shapes "
-                             f"({sorted(str(s) for s in shapes)}); the pool has one layout per state")
-        (shape, dtype), = shapes
-        slots.append(("conv" if kind == "conv_states" else "recurrent", shape, dtype))
-    return StateLayout(attention=attention, recurrent=linear, slots=tuple(slots))
-
-
-def _chunked_layers(config: Any) -> frozenset[int]:
-    """The layers that attend within chunks of ``attention_chunk_size``
-    positions (Llama 4's, by its ``layer_types``)."""
-    types = getattr(config, "layer_types", None) or ()
-    return frozenset(i for i, kind in enumerate(types) if kind == "chunked_attention")
-
-
-def _chunk(module: torch.nn.Module) -> int:
-    """The chunk an attention module's layer attends within (0: none)."""
-    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
-    if config is None or not isinstance(layer, int) or layer not in _chunked_layers(config):
-        return 0
-    return int(config.attention_chunk_size)
 
 
 # An attention module's query temperature by position, (floor, scale): the
@@ -323,7 +211,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     # Keys and values from the layer's ring (a window or chunked layer; Llama 4 names no window).
     ring = step.ring is not None and (bool(sliding_window)
                                       or getattr(module, "layer_idx", None) in step.ring.ring.layers)
-    chunk = 0 if ring else _chunk(module)
+    chunk = 0 if ring else chunk_of(module)
     if ring:
         assert step.ring is not None
         attention_mask = step.ring.mask
@@ -337,6 +225,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         seen = keys > queries - int(sliding_window) if sliding_window else \
             torch.div(keys, chunk, rounding_mode="floor") == torch.div(queries, chunk, rounding_mode="floor")
         attention_mask = attention_mask & seen[:, None]  # [B, 1, T, K]
+    if takes_latents(module):  # a latent attention layer's decode (_latent.py)
+        return absorbed_attention(module, query, key, value, attention_mask, scale), None
     if step.kernel and not ring:
         out = paged_decode_attention(query[:, :, 0], key, value, step.page_table, step.lengths, scale,
                                      int(sliding_window or 0), float(softcap or 0.0))
@@ -385,7 +275,7 @@ class PagedLM(torch.nn.Module):
         # window at most: a latent layer expands its positions into them
         # itself, and a chunked layer kept in pages attends within its chunk,
         # so such models decode by gathering.
-        chunked = _chunked_layers(config) & set(self.state.attention)
+        chunked = chunked_layers(config) & set(self.state.attention)
         self.kernel = kernel and not self.kv.is_latent and not (
             chunked and int(config.attention_chunk_size) < max_pages * page_size)
         self.logits_to_keep = "logits_to_keep" in parameters
@@ -466,7 +356,8 @@ class PagedLM(torch.nn.Module):
                slot_ids: torch.Tensor | None = None, conv: torch.Tensor | None = None,
                recurrent: torch.Tensor | None = None, ring: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, 1]: one new position for each of B sessions; logits [B, V]."""
-        with _batched_experts(self.model, self.grouped_mm):
+        latent = latent_unexpanded(self.model) if self.kv.is_latent else nullcontext()
+        with _batched_experts(self.model, self.grouped_mm), latent:
             return self._run(input_ids, kv, page_table, positions, self.kernel, slot_ids,
                              self._slots(slot_ids, conv, recurrent, ring))
 
@@ -535,13 +426,13 @@ def paged_attention_on(model: PreTrainedModel) -> Iterator[None]:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, paged_attention)
-    attention, _ = _layer_kinds(model.config.get_text_config())  # (window layers' rings included)
-    with _attention(model, ATTENTION if attention else None), _temperature_in_attention(model):
+    attention, _ = layer_kinds(model.config.get_text_config())  # (window layers' rings included)
+    with attention_as(model, ATTENTION if attention else None), _temperature_inattention_as(model):
         yield
 
 
 @contextmanager
-def _temperature_in_attention(model: PreTrainedModel) -> Iterator[None]:
+def _temperature_inattention_as(model: PreTrainedModel) -> Iterator[None]:
     """Llama 4's query temperature of its layers without rotary positions,
     which the layer takes from its cache's length (one for all rows, none in
     ours), applied by our attention from each row's positions instead."""
@@ -556,17 +447,3 @@ def _temperature_in_attention(model: PreTrainedModel) -> Iterator[None]:
         for m in tuned:
             m.attn_temperature_tuning = True
             delattr(m, TEMPERATURE)
-
-
-@contextmanager
-def _attention(model: PreTrainedModel, implementation: str | None) -> Iterator[None]:
-    """``model`` on attention ``implementation`` for the block (None: as it is)."""
-    if implementation is None:
-        yield
-        return
-    before = model.config._attn_implementation
-    model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
