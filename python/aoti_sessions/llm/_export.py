@@ -374,9 +374,13 @@ def export(
             prefill_rows = 1 if module.state.slots else max_batch
 
             def compiled(min_rows: int) -> None:
+                cast(torch.nn.Module, model).to(dev)
                 with layers_traceable(model, prefill_len), _grouped_mm_fallback(not grouped_mm):
                     compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=min_rows),
                             path=tmp, inductor_configs=inductor_configs, strict=False)
+                if dev.type == "cuda":  # (the package's copy of the weights beside the model's would double them)
+                    cast(torch.nn.Module, model).to("cpu")
+                    torch.cuda.empty_cache()
                 check_shapes(tmp, dev, int(config.vocab_size), prefill_len, prefill_rows, max_batch)
 
             _compiled_for_its_rows(compiled, max_batch)
