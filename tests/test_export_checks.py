@@ -41,6 +41,19 @@ def test_a_compiled_prefill_refusing_one_row_is_refused_at_export(tmp_path: Path
     assert not target.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_a_family_transformers_marks_uncompilable_is_refused_before_tracing(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family transformers marks not compilable, whose state export does
+    not keep itself, is refused at once, saying which families it keeps."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir("llama"), local_files_only=True)
+    monkeypatch.setattr(type(model), "_can_compile_fullgraph", False)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM does not support a static KV cache in one graph .*"
+                                         r"'llama' is not among the families whose state export keeps itself "
+                                         r"\(falcon_h1, minimax, zamba2; README: Families\)"):
+        _export.export(model, tmp_path / "x.pt2")
+    assert list(tmp_path.iterdir()) == []
+
+
 def _data_dependent(self: Any, x: torch.Tensor) -> torch.Tensor:
     """A layer that branches on its input's values (untraceable with a dynamic input)."""
     if x.sum() > 0:

@@ -313,8 +313,11 @@ def test_kv_cache_is_pooled_state(engine: ais.Engine, arch: str) -> None:
     windowed = sum(t in ("sliding_attention", "chunked_attention") for t in types)
     stateful = sum(t in ("linear_attention", "hybrid", "conv") for t in types)
     latent = getattr(config, "kv_lora_rank", None)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_shape = (1, latent + config.qk_rope_head_dim) if latent else (config.num_key_value_heads, head_dim)
+    if latent:
+        kv_shape = (1, latent + config.qk_rope_head_dim)
+    elif attention or windowed:
+        kv_shape = (config.num_key_value_heads,
+                    getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     heads = kv_shape if attention else (1, 1)  # (Mamba2: empty pages)
     tensors = [(t["name"], t["kind"], t["unit_sizes"]) for t in pool["tensors"]]
     assert tensors[0] == ("kv", "pages", [attention, 1 if latent else 2, pool["page_size"], *heads])

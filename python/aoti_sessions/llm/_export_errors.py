@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any
 
 from ..errors import ExportError
-from ._families import OWN_STATE, TESTED, UNSUPPORTED
+from ._families import OWN_STATE, TESTED
 
 __all__ = ["explained", "ours"]
 
@@ -72,8 +72,6 @@ def _operation(error: BaseException) -> str:
 
 
 def _family(model_type: str) -> str:
-    if model_type in UNSUPPORTED:
-        return f"'{model_type}' is known not to serve: {UNSUPPORTED[model_type]}"
     if model_type in TESTED or model_type in OWN_STATE:
         return (f"'{model_type}' is a family aoti-sessions runs exact in its tests: this checkpoint differs from the "
                 "tested one (its config, or a transformers version other than the tested one)")

@@ -102,6 +102,7 @@ def checked_model(model: object) -> PreTrainedModel:
     if name not in {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}:
         raise ValueError(f"{name} is not a causal language model (a *ForCausalLM class)")
     if not getattr(model, "_can_compile_fullgraph", False) and model.config.model_type not in OWN_STATE:
-        raise ValueError(f"{name} does not support a static KV cache in one graph "
-                         "(transformers marks it _can_compile_fullgraph=False)")
+        raise ValueError(f"{name} does not support a static KV cache in one graph (transformers marks it "
+                         f"_can_compile_fullgraph=False), and '{model.config.model_type}' is not among the families "
+                         f"whose state export keeps itself ({', '.join(sorted(OWN_STATE))}; README: Families)")
     return model

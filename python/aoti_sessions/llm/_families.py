@@ -1,14 +1,14 @@
 """What export knows of model families by transformers' ``model_type``: the
-families the tests run exact against transformers, those export keeps the
-state of itself although transformers marks them uncompilable, and those
-known not to serve, with why. (The adaptations themselves live with what
-they adapt: ``_paged.py`` and ``_paged_layout.py`` the caches and
+families the tests run exact against transformers, and those export keeps
+the state of itself although transformers marks them uncompilable (any
+other family so marked is refused). The adaptations themselves live with
+what they adapt: ``_paged.py`` and ``_paged_layout.py`` the caches and
 attention, ``_latent.py`` latent attention, ``_linear_attention.py`` the
-recurrent layers.)"""
+recurrent layers."""
 
 from __future__ import annotations
 
-__all__ = ["OWN_STATE", "TESTED", "UNSUPPORTED"]
+__all__ = ["OWN_STATE", "TESTED"]
 
 # Greedy tokens equal to transformers' over two chat turns and a fork (tests/test_llm_export.py, CPU float32).
 TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "qwen3_moe", "qwen3_next",
@@ -22,6 +22,3 @@ OWN_STATE = {
     "zamba2": "never marked compilable (its Mamba2 layers and shared attention blocks are)",
     "minimax": "its own cache class, of a Python list of lightning attention states",
 }
-
-# Families known not to serve, and why (a failed export names these).
-UNSUPPORTED: dict[str, str] = {}
