@@ -24,7 +24,9 @@ status=0
 echo "$(date +%T) compile" > "$OUT/stages.txt"
 # shellcheck disable=SC2086
 timeout "${COMPILE_S:-300}" python3 - $FAMILIES > "$OUT/compile.log" 2>&1 <<'PY' || status=$?
-import os, sys
+# Each package's outcome on a line of its own ("family dtype: path" or "... FAILED: why"); the guards each
+# export added (symbolic shapes' "[guard added]" lines, which say where a row count got bounded) in guards.log.
+import logging, os, sys, traceback
 from concurrent.futures import ProcessPoolExecutor
 sys.path[:0] = ["tests"]
 
@@ -33,18 +35,31 @@ def build(job: tuple[str, str]) -> str:
     import conftest  # noqa: F401  (the tests' cache)
     from llm_models import llm_package
     family, dtype = job
-    return f"{family} {dtype}: {llm_package(family, 'cuda', dtype=dtype)}"
+    guards = logging.FileHandler(os.path.join(os.environ["OUT"], "guards.log"))
+    guards.setFormatter(logging.Formatter(f"{family} {dtype}: %(message)s"))
+    guards.addFilter(lambda record: "guard added" in record.getMessage())
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    shapes.setLevel(logging.INFO)
+    shapes.addHandler(guards)
+    try:
+        return f"{family} {dtype}: {llm_package(family, 'cuda', dtype=dtype)}"
+    except Exception as e:  # noqa: BLE001 - reported, the others go on
+        traceback.print_exc()
+        return f"{family} {dtype}: FAILED: {str(e).splitlines()[0][:600]}"
+    finally:
+        shapes.removeHandler(guards)
 
 
 if __name__ == "__main__":
     jobs = [(f, d) for f in sys.argv[1:] for d in ("float32", "bfloat16")]
-    with ProcessPoolExecutor(int(os.environ.get("JOBS", "8"))) as pool:
+    with ProcessPoolExecutor(int(os.environ.get("JOBS", "16"))) as pool:
         for line in pool.map(build, jobs):
-            print(line, flush=True)
+            print("RESULT", line, flush=True)
 PY
-tail -4 "$OUT/compile.log"
+grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
 echo "$(date +%T) tests" >> "$OUT/stages.txt"
 selected=$(echo "$FAMILIES" | sed 's/ / or /g')
-timeout "${TEST_S:-240}" python3 -m pytest tests/test_llm_export.py -k "cuda and ($selected)" -q -rs -s \
-  -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" || status=$?
+timeout "${TEST_S:-240}" python3 -m pytest tests/test_llm_export.py -k "cuda and ($selected)" -v --tb=line -rs \
+  -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
+grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"
 exit $status

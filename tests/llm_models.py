@@ -29,7 +29,7 @@ import transformers  # noqa: E402
 from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
 from aoti_sessions.llm import (  # noqa: E402
-    _export, _export_check, _latent, _linear_attention, _paged, _paged_attention, _paged_layout, _ring, _spec)
+    _export, _export_check, _latent, _linear_attention, _paged, _paged_attention, _paged_layout, _ring, _rotary, _spec)
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
@@ -238,7 +238,7 @@ def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object
     """The package ``build(path)`` writes, built once: cached under the models
     folder by ``key``, this file, the exporter's and the compiler's sources."""
     sources = [inspect.getsource(module) for module in (_export, _export_check, _paged, _paged_layout, _latent,
-                                                        _paged_attention, _linear_attention, _ring, _spec, _compile,
+                                                        _paged_attention, _linear_attention, _ring, _rotary, _spec, _compile,
                                                         _pool, _program)]
     target = cache_dir() / "models" / f"{name}-{_source_key(*sources, *key)}.pt2"
     if target.is_file():

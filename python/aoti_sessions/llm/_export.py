@@ -31,6 +31,7 @@ from ._export_errors import explained, ours
 from ._export_source import HUB_ID, check_folder, checked_model, hub_folder, load_model, load_tokenizer
 from ._linear_attention import layers_traceable
 from ._paged import PagedLM, paged_attention_on
+from ._rotary import real_rotary
 from ._spec import (DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR,
                     LLMSpec, require_transformers)
 
@@ -375,7 +376,7 @@ def export(
 
             def compiled(min_rows: int) -> None:
                 cast(torch.nn.Module, model).to(dev)
-                with layers_traceable(model, prefill_len), _grouped_mm_fallback(not grouped_mm):
+                with layers_traceable(model, prefill_len), real_rotary(model), _grouped_mm_fallback(not grouped_mm):
                     compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=min_rows),
                             path=tmp, inductor_configs=inductor_configs, strict=False)
                 if dev.type == "cuda":  # (the package's copy of the weights beside the model's would double them)
