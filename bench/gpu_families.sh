@@ -3,7 +3,7 @@
 # compiles each family's float32 and bfloat16 CUDA packages in parallel (JOBS processes, within
 # COMPILE_S seconds), then runs test_llm_export's CUDA cases for them (float32 greedy equality, decode
 # captured as CUDA graphs) and the bf16 two-turn chats (test_bfloat16_two_turn_chat_on_cuda), within
-# TEST_S seconds. Wheels from .deps/wheels (bench/fetch_gpu_deps.sh). Results under $OUT.
+# TEST_S seconds (PACKAGES="family:dtype ..." and TEST_K=pytest's -k: a part of it). Wheels from .deps/wheels (bench/fetch_gpu_deps.sh). Results under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/build/gpu}
@@ -51,7 +51,8 @@ def build(job: tuple[str, str]) -> str:
 
 
 if __name__ == "__main__":
-    jobs = [(f, d) for f in sys.argv[1:] for d in ("float32", "bfloat16")]
+    chosen = os.environ.get("PACKAGES", "").split()  # "family:dtype" ..., where not every family's two
+    jobs = [tuple(p.split(":")) for p in chosen] or [(f, d) for f in sys.argv[1:] for d in ("float32", "bfloat16")]
     with ProcessPoolExecutor(int(os.environ.get("JOBS", "16"))) as pool:
         for line in pool.map(build, jobs):
             print("RESULT", line, flush=True)
@@ -59,7 +60,7 @@ PY
 grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
 echo "$(date +%T) tests" >> "$OUT/stages.txt"
 selected=$(echo "$FAMILIES" | sed 's/ / or /g')
-timeout "${TEST_S:-240}" python3 -m pytest tests/test_llm_export.py -k "cuda and ($selected)" -v --tb=line -rs \
+timeout "${TEST_S:-240}" python3 -m pytest tests/test_llm_export.py -k "${TEST_K:-cuda and ($selected)}" -v --tb=line -rs \
   -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"
 exit $status

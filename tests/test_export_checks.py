@@ -5,6 +5,7 @@ layer and operation that failed (llm/_export_errors.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import transformers
 
 from aoti_sessions.errors import ExportError
 from aoti_sessions.llm import _export, _families
+from aoti_sessions.llm._export_check import Refused, reason, refuses_one_row, stderr_read_back
 from llm_models import FAST, KNOWN, _config, hf_model_dir
 
 
@@ -90,3 +92,21 @@ def test_a_failed_export_says_the_layer_the_operation_and_the_family(tmp_path: P
         err = capsys.readouterr().err
         assert err.rstrip().splitlines()[-1] == f"aoti-sessions: error: {message}"
         assert ("Traceback (most recent call last)" in err) == traceback_shown
+
+
+def test_a_refusal_printed_by_an_older_runtime_is_read_back(capfd: pytest.CaptureFixture[str]) -> None:
+    """torch 2.11's compiled code prints why it refused a call to stderr (2.13
+    hands it to the core): the check reads that line back, so export still
+    tells a prefill that needs two rows (and compiles again) on the GPU
+    machine's torch; what was printed still reaches stderr."""
+    printed: list[str] = []
+    with stderr_read_back(printed):
+        os.write(2, b"Error: input_handles[0]: dim value is too small at 0, expected it to be >= 2, but got: 1\n")
+    assert "dim value is too small" in capfd.readouterr().err
+    message = "running the model failed for prefill: the model runtime printed the reason to stderr"
+    refused = Refused("prefill", 1, 2, reason(message, "".join(printed)))
+    assert refused.reason == "input_handles[0]: dim value is too small at 0, expected it to be >= 2, but got: 1"
+    assert refuses_one_row(refused)
+    assert not refuses_one_row(Refused("prefill", 1, 2, reason(message, "")))
+    # The core's own message wins where it has one (torch 2.13).
+    assert reason("running the model failed for decode: too large", "Error: other\n") == "too large"

@@ -9,7 +9,12 @@ written.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +22,13 @@ import torch
 from .._engine import Engine
 from ..errors import RunError
 
-__all__ = ["Refused", "check_shapes", "refuses_one_row"]
+__all__ = ["Refused", "check_shapes", "reason", "refuses_one_row", "stderr_read_back"]
 
 # What the compiled wrapper says of an input dimension below its range.
 _RUN_FAILED = re.compile(r"running the model failed for \S+: ")
+# Where a runtime older than torch 2.13 says why a call failed: a line on stderr (the core's message then
+# says so), which the check reads back.
+_PRINTED = re.compile(r"^Error: (.+)$", re.MULTILINE)
 _TOO_SMALL = re.compile(r"dim value is too small at (\d+), expected it to be >= (\d+), but got: (\d+)")
 
 
@@ -57,11 +65,43 @@ def check_shapes(path: str, device: torch.device, vocab: int, max_prefill: int, 
     with Engine(path, device=device, max_sessions=max(prefill_rows, max_batch), cuda_graphs=False) as engine:
         for method, rows, tokens in dict.fromkeys(cases):
             sessions = [engine.new_session() for _ in range(rows)]
+            printed: list[str] = []
             try:
                 ids = torch.randint(0, vocab, (rows, tokens), generator=generator).to(device)
-                engine.run_batch(method, sessions, ids)
+                with stderr_read_back(printed):
+                    engine.run_batch(method, sessions, ids)
             except RunError as e:
-                raise Refused(method, rows, tokens, _RUN_FAILED.sub("", str(e)).strip()) from None
+                raise Refused(method, rows, tokens, reason(str(e), "".join(printed))) from None
             finally:
                 for s in sessions:
                     s.close()
+
+
+def reason(message: str, printed: str) -> str:
+    """Why a run failed: the core's ``message``, or where that says the
+    runtime printed it, the runtime's last ``Error:`` line in ``printed``."""
+    said = _RUN_FAILED.sub("", message).strip()
+    lines = _PRINTED.findall(printed)
+    return lines[-1].strip() if lines and "printed the reason to stderr" in said else said
+
+
+@contextmanager
+def stderr_read_back(into: list[str]) -> Iterator[None]:
+    """What the process writes to its stderr (file descriptor 2, where C++
+    prints) during the block, appended to ``into`` and written on to stderr
+    after it: nothing is lost, and the check can read the runtime's reason."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read()
+            if text:
+                os.write(2, text)
+            into.append(text.decode(errors="replace"))
