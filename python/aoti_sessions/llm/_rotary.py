@@ -59,7 +59,8 @@ def _real_angles(rotary: torch.nn.Module) -> Callable[..., torch.Tensor]:
     @dynamic_rope_update  # type: ignore[untyped-decorator]
     def forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         angles = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        return torch.stack((angles.cos(), angles.sin()), dim=-1) * self.attention_scaling
+        cos_sin: torch.Tensor = torch.stack((angles.cos(), angles.sin()), dim=-1) * self.attention_scaling
+        return cos_sin
 
     return types.MethodType(forward, rotary)
 
@@ -75,16 +76,16 @@ def real_rotary(model: torch.nn.Module) -> Iterator[None]:
     saved = [(sys.modules[name], sys.modules[name].apply_rotary_emb) for name in modules]
     own = [(m, m.__dict__.get("forward")) for m in rotaries]  # a forward set on the module (a hook's) is put back
     for name in modules:
-        sys.modules[name].apply_rotary_emb = _COMPLEX[name]  # type: ignore[attr-defined]
+        setattr(sys.modules[name], "apply_rotary_emb", _COMPLEX[name])
     for m in rotaries:
-        m.forward = _real_angles(m)  # type: ignore[method-assign]
+        m.forward = _real_angles(m)
     try:
         yield
     finally:
         for module, original in saved:
-            module.apply_rotary_emb = original  # type: ignore[attr-defined]
+            setattr(module, "apply_rotary_emb", original)
         for m, forward in own:
             if forward is None:
                 del m.forward
             else:
-                m.forward = forward  # type: ignore[method-assign]
+                m.forward = forward
