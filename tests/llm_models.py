@@ -29,7 +29,8 @@ import transformers  # noqa: E402
 from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
 from aoti_sessions.llm import (  # noqa: E402
-    _export, _export_check, _latent, _linear_attention, _paged, _paged_attention, _paged_layout, _ring, _rotary, _spec)
+    _export, _export_check, _fused, _latent, _linear_attention, _paged, _paged_attention, _paged_layout, _quantize,
+    _ring, _rotary, _spec)
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
@@ -238,8 +239,8 @@ def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object
     """The package ``build(path)`` writes, built once: cached under the models
     folder by ``key``, this file, the exporter's and the compiler's sources."""
     sources = [inspect.getsource(module) for module in (_export, _export_check, _paged, _paged_layout, _latent,
-                                                        _paged_attention, _linear_attention, _ring, _rotary, _spec, _compile,
-                                                        _pool, _program)]
+                                                        _paged_attention, _linear_attention, _ring, _rotary, _fused,
+                                                        _quantize, _spec, _compile, _pool, _program)]
     target = cache_dir() / "models" / f"{name}-{_source_key(*sources, *key)}.pt2"
     if target.is_file():
         return target
@@ -253,12 +254,14 @@ def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object
 
 
 def llm_package(arch: str, device: str = "cpu", max_cache_len: int = 128, window_cache: str = "ring",
-                dtype: str = "float32") -> Path:
+                dtype: str = "float32", quantize: str | None = None) -> Path:
     """``hf_model_dir(arch)`` exported with ``aoti_sessions.llm.export``, once."""
     def build(path: Path) -> None:
         _export.export(hf_model_dir(arch), path, device=device, max_cache_len=max_cache_len, inductor_configs=FAST,
-                       window_cache=window_cache, dtype=dtype)
+                       window_cache=window_cache, dtype=dtype, quantize=quantize)
 
-    suffix = ("" if window_cache == "ring" else f"-{window_cache}") + ("" if dtype == "float32" else f"-{dtype}")
-    return cached_package(f"llm-{arch}-{device}{suffix}", (arch, device, str(max_cache_len), window_cache, dtype),
+    suffix = ("" if window_cache == "ring" else f"-{window_cache}") + ("" if dtype == "float32" else f"-{dtype}") \
+        + ("" if quantize is None else f"-{quantize}")
+    return cached_package(f"llm-{arch}-{device}{suffix}",
+                          (arch, device, str(max_cache_len), window_cache, dtype, *([quantize] if quantize else [])),
                           build)

@@ -185,7 +185,8 @@ def _llm_lines(model: str) -> list[str]:
     config_file = package.tokenizer_dir / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     template = (package.tokenizer_dir / "chat_template.jinja").is_file() or bool(config.get("chat_template"))
-    return [f"LLM: {spec.name} ({spec.architecture}, {spec.dtype})",
+    weights = f", weights {spec.quantization}" if spec.quantization else ""
+    return [f"LLM: {spec.name} ({spec.architecture}, {spec.dtype}{weights})",
             f"  context: {spec.max_cache_len} positions a session; prefill: up to {spec.max_prefill} tokens of "
             f"up to {spec.prefill_rows} sessions a call; vocabulary: {spec.vocab_size}",
             f"  end of sequence: {', '.join(map(str, spec.eos_token_ids)) or 'none'}; "

@@ -16,7 +16,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -31,6 +31,8 @@ from ._export_errors import explained, ours
 from ._export_source import HUB_ID, check_folder, checked_model, hub_folder, load_model, load_tokenizer
 from ._linear_attention import layers_traceable
 from ._paged import PagedLM, paged_attention_on
+from ._fused import fused_projections
+from ._quantize import check_scheme, check_target, quantized_weights
 from ._rotary import real_rotary
 from ._spec import (DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR,
                     LLMSpec, require_transformers)
@@ -295,6 +297,8 @@ def export(
     max_batch: int = DEFAULT_MAX_BATCH,
     page_size: int = DEFAULT_PAGE_SIZE,
     window_cache: str = "ring",
+    fuse: bool = True,
+    quantize: str | None = None,
 ) -> str:
     """Compile a transformers causal LM into one LLM package at ``path`` (.pt2).
 
@@ -322,6 +326,13 @@ def export(
     pool that rewinds only to a turn's start, as recurrent state does;
     ``llm/_ring.py``) or "full" (pages of every position, as global layers:
     rewinds anywhere, feeds generated tokens a step ahead, pads prefill rows).
+    ``fuse``: each layer's query, key and value projections compiled as one
+    matrix multiply, and its MLP's gate and up projections as one
+    (``llm/_fused.py``; the same results, fewer kernels a step); False keeps
+    the model's projections as they are.
+    ``quantize``: ``"int8wo"`` or ``"int4wo"``: weight-only quantization of
+    every linear layer but the output head (torchao, ``llm/_quantize.py``;
+    the spec records it); None (default): the weights in ``dtype``.
     Returns the package path.
     """
     require_transformers()
@@ -329,12 +340,17 @@ def export(
     target = os.fspath(path)
     if not target.endswith(".pt2"):
         raise ValueError(f"package path must end in .pt2, got {target}")
+    check_scheme(quantize)
+    if not isinstance(fuse, bool):
+        raise ValueError(f"fuse must be True or False, got {fuse!r}")
     if window_cache not in ("ring", "full"):
         raise ValueError(f"window_cache must be 'ring' or 'full', got {window_cache!r}")
     for name, value, low in (("max_batch", max_batch, 1), ("page_size", page_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     torch_dtype = None if dtype is None else _as_dtype(dtype)
+    if torch_dtype is not None:  # (before any weight is read; else once the model's dtype is known)
+        check_target(quantize, torch.device(device), torch_dtype)
     source: Path | None = None
     hub_id: str | None = None
     if isinstance(model_or_dir, (str, os.PathLike)):
@@ -356,6 +372,7 @@ def export(
             model = copy.deepcopy(model)  # converting the caller's weights back and forth would round them
 
     dev = torch.device(device)
+    check_target(quantize, dev, torch_dtype or model.dtype)
     generation = model.generation_config  # what the package records: the model's own defaults
     with _exportable(model, dev, torch_dtype, restore=model is model_or_dir), \
             tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(target))) as staging:
@@ -376,7 +393,9 @@ def export(
 
             def compiled(min_rows: int) -> None:
                 cast(torch.nn.Module, model).to(dev)
-                with layers_traceable(model, prefill_len), real_rotary(model), _grouped_mm_fallback(not grouped_mm):
+                with layers_traceable(model, prefill_len), real_rotary(model), \
+                        fused_projections(model) if fuse else nullcontext(), quantized_weights(model, quantize), \
+                        _grouped_mm_fallback(not grouped_mm):
                     compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=min_rows),
                             path=tmp, inductor_configs=inductor_configs, strict=False)
                 if dev.type == "cuda":  # (the package's copy of the weights beside the model's would double them)
@@ -406,7 +425,7 @@ def export(
             pad_token_id=_first_id(generation.pad_token_id, getattr(config, "pad_token_id", None), tok.pad_token_id),
             dtype=str(model.dtype).removeprefix("torch."), name=hub_id or _model_name(model, source),
             prefill_rows=prefill_rows, recurrent=bool(module.state.slots),
-            window_ring=module.state.ring.window if module.state.ring else 0)
+            window_ring=module.state.ring.window if module.state.ring else 0, quantization=quantize)
         _append_files(tmp, {SPEC_FILE: spec.to_json().encode(),
                             GENERATION_CONFIG_FILE: generation.to_json_string().encode(),
                             **_tokenizer_files(tok)})

@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-cache", choices=["ring", "full"], default="ring",
                         help="sliding-window layers: a ring of the window a session (default; rewinds only to a "
                              "turn's start, as recurrent state) or every position in pages")
+    parser.add_argument("--quantize", choices=["int8wo", "int4wo"], default=None,
+                        help="weight-only quantization of the linear layers but the output head (torchao; int4wo: "
+                             "CUDA and bfloat16 only); default: none")
+    parser.add_argument("--no-fuse", dest="fuse", action="store_false",
+                        help="keep each layer's q/k/v and gate/up projections apart (default: one matrix multiply each)")
     parser.add_argument("--verbose", action="store_true",
                         help="where export fails in the model's tracing or compiling, the whole traceback too")
 
@@ -54,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = export(args.model_dir, args.output, device=args.device, max_cache_len=args.max_cache_len,
                       max_prefill=args.max_prefill, dtype=args.dtype, max_batch=args.max_batch,
-                      page_size=args.page_size, window_cache=args.window_cache)
-    except (Error, ValueError, TypeError, OSError) as e:
+                      page_size=args.page_size, window_cache=args.window_cache, fuse=args.fuse,
+                      quantize=args.quantize)
+    except (Error, ValueError, TypeError, OSError, ImportError) as e:
         if args.verbose and isinstance(e, ExportError) and e.details:
             sys.stderr.write(e.details)
         sys.stderr.write(f"aoti-sessions: error: {e}\n")

@@ -65,6 +65,8 @@ class LLMSpec:
     # Window layers keep a ring of this many positions a session (0: no ring;
     # their rings rewind as recurrent state does).
     window_ring: int = 0
+    # Weight-only quantization export applied (llm/_quantize.py: "int8wo", "int4wo"); None: the model's dtype.
+    quantization: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -118,7 +120,18 @@ def _spec(doc: Field) -> LLMSpec:
         dtype=doc["dtype"].string(), name=doc["name"].string(), version=version,
         prefill_rows=rows.integer(minimum=1) if (rows := doc.get("prefill_rows")) is not None else 1,
         recurrent=flag.boolean() if (flag := doc.get("recurrent")) is not None else False,
-        window_ring=ring.integer(minimum=0) if (ring := doc.get("window_ring")) is not None else 0)
+        window_ring=ring.integer(minimum=0) if (ring := doc.get("window_ring")) is not None else 0,
+        quantization=_quantization(doc))
+
+
+def _quantization(doc: Field) -> str | None:
+    value = doc.get("quantization")
+    if value is None:
+        return None
+    scheme = value.string()
+    if scheme not in ("int8wo", "int4wo"):
+        raise PackageError(f"{doc.where('quantization')}: unknown quantization {scheme!r} (int8wo, int4wo)")
+    return scheme
 
 
 def _read_entry(archive: zipfile.ZipFile, name: str, package: Path) -> Field:
