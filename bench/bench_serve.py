@@ -63,7 +63,8 @@ import httpx  # noqa: E402
 import transformers  # noqa: E402
 
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import LLM, _export, _linear_attention, _paged, _paged_attention, export  # noqa: E402
+from aoti_sessions.llm import (LLM, _export, _fused, _linear_attention, _paged, _paged_attention,  # noqa: E402
+                               _quantize, export)
 from aoti_sessions.serve._cli import compute_threads  # noqa: E402
 from llm_models import hf_model_dir  # noqa: E402
 
@@ -143,14 +144,18 @@ def family_config(family: str, size: dict[str, Any], base: dict[str, Any]) -> tr
 
 
 def bench_package(device: str, family: str = "qwen3", **overrides: object) -> Path:
-    """The bench model of ``family`` (``overrides``: config fields, or ``dtype``), exported once per device and
-    size."""
+    """The bench model of ``family`` (``overrides``: config fields, or ``dtype``, ``fuse`` or ``quantize``:
+    export's), exported once per device and size."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     layers = {} if family == "qwen3" else {"num_hidden_layers": FAMILY_LAYERS[kind]}
     size = {**SIZES[kind], **layers, **overrides}
     # The exporter's source and attention choices are in the key: a change to what it compiles re-exports.
+    fuse = bool(size.pop("fuse", True))
+    quantize = size.pop("quantize", None)
     key = (f"{torch.__version__}-{transformers.__version__}-{sorted(size.items())}-{CONTEXT}-{PREFILL}-"
            f"{inspect.getsource(_export)}-{inspect.getsource(_paged)}-{inspect.getsource(_paged_attention)}-"
+           f"{inspect.getsource(_fused) if fuse else 'unfused'}-"
+           f"{'' if quantize is None else f'{quantize}-{inspect.getsource(_quantize)}'}-"
            f"{_export.PREFILL_ATTENTION}-{_export.DECODE_ATTENTION}")
     if family != "qwen3":  # (the dense model's key as before)
         key += f"-{family}-{inspect.getsource(family_config)}-{inspect.getsource(_linear_attention)}"
@@ -172,7 +177,8 @@ def bench_package(device: str, family: str = "qwen3", **overrides: object) -> Pa
     tokenizer.save_pretrained(folder)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name("tmp-" + target.name)
-    export(folder, tmp, device=device, max_cache_len=CONTEXT, max_prefill=PREFILL, dtype=dtype)
+    export(folder, tmp, device=device, max_cache_len=CONTEXT, max_prefill=PREFILL, dtype=dtype, fuse=fuse,
+           quantize=None if quantize is None else str(quantize))
     os.replace(tmp, target)
     return target
 

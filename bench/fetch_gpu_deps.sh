@@ -16,7 +16,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d .deps/wheels \
-  transformers==5.24.0 fastapi uvicorn uvloop httptools httpx openai llguidance==1.9.1 jsonschema
+  transformers==5.24.0 fastapi uvicorn uvloop httptools httpx openai llguidance==1.9.1 jsonschema torchao==0.18.0
 rm -f .deps/wheels/numpy-* .deps/wheels/hf_xet-* .deps/wheels/pygments-* .deps/wheels/rich-* \
   .deps/wheels/markdown_it_py-* .deps/wheels/mdurl-*
 tmp=$(mktemp -d)

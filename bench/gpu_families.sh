@@ -1,25 +1,14 @@
 #!/usr/bin/env bash
-# Issue 37's GPU part in one call: the families added in stop 47 (FAMILIES) on CUDA. Builds with CUDA,
-# compiles each family's float32 and bfloat16 CUDA packages in parallel (JOBS processes, within
-# COMPILE_S seconds), then runs test_llm_export's CUDA cases for them (float32 greedy equality, decode
-# captured as CUDA graphs) and the bf16 two-turn chats (test_bfloat16_two_turn_chat_on_cuda), within
-# TEST_S seconds (PACKAGES="family:dtype ..." and TEST_K=pytest's -k: a part of it). Wheels from .deps/wheels (bench/fetch_gpu_deps.sh). Results under $OUT.
+# Issue 37's GPU part in one call: the families added in stop 47 (FAMILIES) on CUDA. Builds with CUDA
+# (bench/gpu_setup.sh), compiles each family's float32 and bfloat16 CUDA packages in parallel (JOBS
+# processes, within COMPILE_S seconds), then runs test_llm_export's CUDA cases for them (float32 greedy
+# equality, decode captured as CUDA graphs) and the bf16 two-turn chats (test_bfloat16_two_turn_chat_on_cuda),
+# within TEST_S seconds. A part of it: PACKAGES="family:dtype ..." and TEST_K (pytest's -k). Results under
+# $OUT: results.txt (each package's outcome, each test's), compile.log, pytest.log, guards.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/build/gpu}
-mkdir -p "$OUT"
-export OUT CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1  # (the system compiler: docs/aoti-runtime.md)
-export AOTI_SESSIONS_CACHE=${AOTI_SESSIONS_CACHE:-/tmp/ais-cache}
+# shellcheck source=bench/gpu_setup.sh
+source "$(dirname "$0")/gpu_setup.sh"
 FAMILIES=${FAMILIES:-deepseek_v2 deepseek_v3 llama4 ernie4_5_moe jamba falcon_h1 zamba2 minimax}
-if [ -d .deps/wheels ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ais-site .deps/wheels/*.whl \
-    > /dev/null 2>&1
-  export PYTHONPATH=/tmp/ais-site${PYTHONPATH:+:$PYTHONPATH}
-fi
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch; print('torch', torch.__version__)"; } | tee "$OUT/machine.txt"
-python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
-python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'" || exit 1
 status=0
 echo "$(date +%T) compile" > "$OUT/stages.txt"
 # shellcheck disable=SC2086

@@ -416,49 +416,20 @@ ONE_CHAT_SHAPE = dict(num_hidden_layers=28, head_dim=128)
 def one_chat(rounds: int) -> None:
     """One chat of the Qwen3-0.6B shape (random weights, bf16, CUDA): its
     inter-token time streaming 128 greedy tokens, against the device's work
-    a decode step: torch.profiler's kernel time (sampling included) over a
-    turn of 128 tokens less that over a turn of 1 (the prompt's prefill and
-    first sample), divided by the 127 decode steps; each round both, in this
-    call. The ratio is how much longer a token takes than the device's work
-    for it: 1.0 where the host never keeps the device waiting."""
-    from torch.profiler import ProfilerActivity, profile
+    a decode step (bench_decode.one_chat_rounds: torch.profiler's kernel time
+    over a turn of 128 tokens less that over a turn of 1, divided by the 127
+    decode steps). The ratio is how much longer a token takes than the
+    device's work for it: 1.0 where the host never keeps the device waiting."""
+    from bench_decode import one_chat_rounds
 
     package = bench_package("cuda", **ONE_CHAT_SHAPE)  # type: ignore[arg-type]
-    prompt = [{"role": "user", "content": user_message(0, 0)}]
-    tokens = 128
     with LLM(package, device="cuda") as llm:
         print(f"{llm}: {ONE_CHAT_SHAPE}, {torch.cuda.get_device_name()}", flush=True)
-        chat = llm.new_session()
-
-        def stream(n: int) -> list[float]:
-            chat.reset()
-            times = []
-            for _ in chat.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True):
-                times.append(time.perf_counter())
-            return times
-
-        def kernel_ms(n: int) -> tuple[float, int]:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                stream(n)
-                torch.cuda.synchronize()
-            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-            return sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels)
-
-        stream(tokens)  # warm: graphs captured, allocations made
         rows = []
-        for rnd in range(1, rounds + 1):
-            times = stream(tokens)
-            gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # (the first token's: prefill's)
-            itl = 1e3 * statistics.median(gaps)
-            whole, count = kernel_ms(tokens)
-            first, count1 = kernel_ms(1)
-            device = (whole - first) / (tokens - 1)
-            if count == count1 or device <= 0:
-                raise SystemExit(f"torch.profiler saw no decode kernels ({count} and {count1} kernel events)")
-            rows.append((itl, device, itl / device))
-            print(f"round {rnd}: inter-token median {itl:.3f} ms (min {1e3 * gaps[0]:.3f}, max "
-                  f"{1e3 * gaps[-1]:.3f}); device work a decode step {device:.3f} ms "
-                  f"({(count - count1) / (tokens - 1):.0f} kernels); inter-token / device {itl / device:.3f}",
+        for rnd, r in enumerate(one_chat_rounds(llm, 128, rounds), 1):
+            rows.append((r.ms_a_token, r.device_ms, r.ms_a_token / r.device_ms))
+            print(f"round {rnd}: inter-token median {r.ms_a_token:.3f} ms; device work a decode step "
+                  f"{r.device_ms:.3f} ms ({r.kernels:.0f} kernels); inter-token / device {rows[-1][2]:.3f}",
                   flush=True)
         for name, at in (("inter-token ms", 0), ("device ms a step", 1), ("ratio", 2)):
             values = sorted(r[at] for r in rows)

@@ -1,0 +1,203 @@
+"""One chat's decode against the memory's speed (issue 38), CUDA.
+
+    python bench/bench_decode.py [--shapes 0.6b,4b-slice] [--variants fused,unfused,int8wo,int4wo]
+                                 [--rounds 3] [--tokens 128] [--anchor] [--hbm-tbs 4.8]
+
+Per model shape (random weights, bf16) and export variant (``fused``: the
+default export, q/k/v and gate/up each one projection; ``unfused``: export's
+``fuse=False``, the model's projections as they are; ``int8wo``, ``int4wo``:
+the default export with weight-only quantization), in this one process
+and call: one chat streaming ``--tokens`` greedy tokens (``ChatSession.stream``,
+decode captured as CUDA graphs): ms a token (the median gap between tokens
+after the first), device ms a decode step and kernels a step
+(torch.profiler's kernel time and count over a turn of ``--tokens`` less
+those over a turn of 1, divided by the decode steps), the HBM roofline of a
+step (the package's weight bytes and the KV cache read at the turn's middle
+position, at ``--hbm-tbs`` TB/s: the card's, by its name, where not given)
+and the share of it each time reaches. ``--anchor``: transformers' compiled
+``generate`` at B = 1 on each shape's model (static cache, torch.compile
+reduce-overhead: bench_serve's anchor), in a process of its own.
+Rounds: each variant measured ``--rounds`` times, interleaved; min / median / max.
+Quantized variants' accuracy against ``fused`` (bf16): over 8 fixed prompts,
+``fused``'s greedy continuation of 32 tokens fed to both, position by
+position: the share of positions where their greedy tokens agree, and the
+largest logit error relative to the largest logit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import bench_package, model_folder, run_anchor, user_message  # noqa: E402
+
+from aoti_sessions.llm import LLM  # noqa: E402
+
+# The shapes of issue 38 (random weights; the tokenizer and vocabulary are bench_serve's tiny Qwen3's).
+SHAPES: dict[str, dict[str, object]] = {
+    "0.6b": dict(num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128),
+    "4b-slice": dict(num_hidden_layers=12, hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
+    "4b": dict(num_hidden_layers=36, hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128),
+}
+VARIANTS: dict[str, dict[str, object]] = {"fused": {}, "unfused": {"fuse": False}, "int8wo": {"quantize": "int8wo"},
+                                          "int4wo": {"quantize": "int4wo"}}
+ACCURACY_PROMPTS = 8
+ACCURACY_TOKENS = 32
+# HBM bandwidth by the card's name, TB/s (vendors' figures).
+HBM_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
+
+
+@dataclass
+class Round:
+    ms_a_token: float
+    device_ms: float
+    kernels: float
+
+
+def one_chat_rounds(llm: LLM, tokens: int, rounds: int) -> list[Round]:
+    """``rounds`` measurements of one chat on ``llm`` (see the module's doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = [{"role": "user", "content": user_message(0, 0)}]
+    chat = llm.new_session()
+
+    def stream(n: int) -> list[float]:
+        chat.reset()
+        times = []
+        for _ in chat.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True):
+            times.append(time.perf_counter())
+        return times
+
+    def kernel_ms(n: int) -> tuple[float, int]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            stream(n)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        return sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels)
+
+    stream(tokens)  # warm: graphs captured, allocations made
+    out = []
+    for _ in range(rounds):
+        times = stream(tokens)
+        gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # (the first token's: prefill's)
+        whole, count = kernel_ms(tokens)
+        first, count1 = kernel_ms(1)
+        device = (whole - first) / (tokens - 1)
+        if count == count1 or device <= 0:
+            raise SystemExit(f"torch.profiler saw no decode kernels ({count} and {count1} kernel events)")
+        out.append(Round(1e3 * statistics.median(gaps), device, (count - count1) / (tokens - 1)))
+    return out
+
+
+def step_bytes(llm: LLM, size: dict[str, object], position: int) -> int:
+    """What a decode step must read at least: every weight once, and the KV
+    cache of ``position`` positions (keys and values of every layer of the
+    shape ``size``, in the package's dtype)."""
+    weights = sum(int(w["bytes"]) for w in llm.engine.weights())
+    width = torch.finfo(getattr(torch, llm.spec.dtype)).bits // 8
+    per_position = 2 * int(size["num_hidden_layers"]) * int(size["num_key_value_heads"]) * int(size["head_dim"])
+    return weights + per_position * position * width
+
+
+def _teacher_forced(package: Path, prompts: list[list[int]], continuations: list[list[int]] | None,
+                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt prefilled, then its continuation fed a token at a time
+    (None: the package's own greedy tokens): the tokens fed and every
+    position's logits (float32, on the host)."""
+    fed, logits = [], []
+    with LLM(package, device="cuda") as llm:
+        for i, prompt in enumerate(prompts):
+            with llm.engine.new_session() as session:
+                rows = [session.run("prefill", torch.tensor([prompt], device="cuda"))[0].float().cpu()]
+                tokens: list[int] = []
+                for step in range(ACCURACY_TOKENS):
+                    tokens.append(int(rows[-1].argmax()) if continuations is None else continuations[i][step])
+                    rows.append(session.run("decode", torch.tensor([[tokens[-1]]], device="cuda"))[0].float().cpu())
+                fed.append(tokens)
+                logits.append(torch.stack(rows[:-1]))
+    return fed, logits
+
+
+def accuracy(reference: Path, quantized: Path) -> tuple[float, float]:
+    """(greedy agreement, largest logit error / largest logit) of
+    ``quantized`` against ``reference`` (see the module's doc)."""
+    with LLM(reference, device="cuda") as llm:
+        prompts = [llm.encode(user_message(i, 0)) for i in range(ACCURACY_PROMPTS)]
+    tokens, want = _teacher_forced(reference, prompts, None)
+    _, got = _teacher_forced(quantized, prompts, tokens)
+    agree = sum(int((w.argmax(-1) == g.argmax(-1)).sum()) for w, g in zip(want, got)) / sum(len(w) for w in want)
+    error = max(float((w - g).abs().max() / w.abs().max()) for w, g in zip(want, got))
+    return agree, error
+
+
+def spread(values: list[float], digits: int = 3) -> str:
+    s = sorted(values)
+    return f"{s[0]:.{digits}f} / {statistics.median(s):.{digits}f} / {s[-1]:.{digits}f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="0.6b,4b-slice")
+    parser.add_argument("--variants", default="fused,unfused")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--anchor", action="store_true")
+    parser.add_argument("--hbm-tbs", type=float, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode measures CUDA decode steps: no CUDA device here")
+    name = torch.cuda.get_device_name()
+    hbm = args.hbm_tbs or next((tbs for card, tbs in HBM_TBS.items() if card in name), None)
+    if hbm is None:
+        raise SystemExit(f"no HBM bandwidth known for {name}: give --hbm-tbs")
+    print(f"# bench_decode: {name}, HBM {hbm} TB/s, torch {torch.__version__}; {args.tokens} tokens a turn, "
+          f"{args.rounds} rounds", flush=True)
+    print("| shape | variant | ms a token | device ms a step | kernels a step | kernels a layer | roofline ms | "
+          "share (wall) | share (device) | tokens/s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    for shape in args.shapes.split(","):
+        size = SHAPES[shape]
+        results: dict[str, list[Round]] = {}
+        roofline = {}
+        packages = {v: bench_package("cuda", dtype="bfloat16", **VARIANTS[v], **size)
+                    for v in args.variants.split(",")}
+        for _ in range(args.rounds):  # variants interleaved round by round: drift hits them alike
+            for variant, package in packages.items():
+                with LLM(package, device="cuda") as llm:
+                    results.setdefault(variant, []).extend(one_chat_rounds(llm, args.tokens, 1))
+                    roofline[variant] = step_bytes(llm, size, args.tokens // 2) / (hbm * 1e12) * 1e3
+        for variant, rounds in results.items():
+            ms = [r.ms_a_token for r in rounds]
+            dev = [r.device_ms for r in rounds]
+            kernels = statistics.median(r.kernels for r in rounds)
+            roof = roofline[variant]
+            print(f"| {shape} | {variant} | {spread(ms)} | {spread(dev)} | {kernels:.0f} | "
+                  f"{kernels / int(size['num_hidden_layers']):.1f} | {roof:.3f} | "
+                  f"{roof / statistics.median(ms):.0%} | {roof / statistics.median(dev):.0%} | "
+                  f"{1e3 / statistics.median(ms):,.0f} |", flush=True)
+        if "fused" in packages:
+            for variant in (v for v in packages if v.startswith("int")):
+                agree, error = accuracy(packages["fused"], packages[variant])
+                print(f"| {shape} | {variant} against fused bf16 | greedy agreement {agree:.1%}, largest logit "
+                      f"error {error:.1%} of the largest logit ({ACCURACY_PROMPTS} prompts x {ACCURACY_TOKENS} "
+                      "positions) |", flush=True)
+        if args.anchor:
+            anchor = run_anchor(model_folder(next(iter(packages.values()))), "cuda", 1, args.rounds)
+            if anchor.error:
+                print(f"| {shape} | transformers compiled, B = 1 | {anchor.error} |", flush=True)
+            else:
+                print(f"| {shape} | transformers compiled, B = 1 | {spread([1e3 / r for r in anchor.rates])} | | | | | "
+                      f"| | {statistics.median(anchor.rates):,.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

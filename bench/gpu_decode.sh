@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 38's GPU part in one call: fused projections and quantized weights. Builds with CUDA
+# (bench/gpu_setup.sh), compiles bench_decode's packages (SHAPES x VARIANTS, bf16) and the tests' quantized
+# CUDA packages in parallel (JOBS processes, within COMPILE_S seconds), runs the CUDA cases of
+# tests/test_quantize.py and tests/test_fused.py and, where TEST_K is given, of test_llm_export (pytest's
+# -k), within TEST_S seconds; then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
+# B = 1) within BENCH_S seconds. Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
+set -uo pipefail
+# shellcheck source=bench/gpu_setup.sh
+source "$(dirname "$0")/gpu_setup.sh"
+SHAPES=${SHAPES:-0.6b,4b-slice}
+VARIANTS=${VARIANTS:-fused,unfused,int8wo,int4wo}
+status=0
+echo "$(date +%T) compile" > "$OUT/stages.txt"
+timeout "${COMPILE_S:-300}" python3 - "$SHAPES" "$VARIANTS" > "$OUT/compile.log" 2>&1 <<'PY' || status=$?
+import os, sys, traceback
+from concurrent.futures import ProcessPoolExecutor
+sys.path[:0] = ["bench", "tests"]
+
+
+def build(job: tuple[str, str]) -> str:
+    import conftest  # noqa: F401  (the tests' cache)
+    kind, what = job
+    try:
+        if kind == "bench":
+            from bench_decode import SHAPES, VARIANTS
+            from bench_serve import bench_package
+            shape, variant = what.split(":")
+            return f"{what}: {bench_package('cuda', dtype='bfloat16', **VARIANTS[variant], **SHAPES[shape])}"
+        from test_quantize import _package
+        return f"{what}: {_package('cuda', 'bfloat16', what)}"
+    except Exception as e:  # noqa: BLE001 - reported, the others go on
+        traceback.print_exc()
+        return f"{what}: FAILED: {str(e).splitlines()[0][:600]}"
+
+
+if __name__ == "__main__":
+    shapes, variants = sys.argv[1].split(","), sys.argv[2].split(",")
+    jobs = [("bench", f"{s}:{v}") for s in shapes for v in variants] + [("test", q) for q in ("int8wo", "int4wo")]
+    with ProcessPoolExecutor(int(os.environ.get("JOBS", "12"))) as pool:
+        for line in pool.map(build, jobs):
+            print("RESULT", line, flush=True)
+PY
+grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
+echo "$(date +%T) tests" >> "$OUT/stages.txt"
+timeout "${TEST_S:-150}" python3 -m pytest tests/test_quantize.py tests/test_fused.py \
+  ${TEST_K:+tests/test_llm_export.py} -k "${TEST_K:+($TEST_K) or }cuda or fused" -v --tb=line -rs \
+  -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
+grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"
+echo "$(date +%T) bench" >> "$OUT/stages.txt"
+timeout "${BENCH_S:-240}" python3 bench/bench_decode.py --shapes "$SHAPES" --variants "$VARIANTS" \
+  --rounds "${ROUNDS:-3}" ${ANCHOR:+--anchor} 2>&1 | tee "$OUT/decode.md" | grep -E '^[|#]' || status=$?
+exit $status
