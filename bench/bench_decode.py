@@ -6,7 +6,9 @@
 Per model shape (random weights, bf16) and export variant (``fused``: the
 default export, q/k/v and gate/up each one projection; ``unfused``: export's
 ``fuse=False``, the model's projections as they are; ``int8wo``, ``int4wo``:
-the default export with weight-only quantization), in this one process
+the default export with weight-only quantization; ``autotune``: the default
+export with Inductor's max-autotune and coordinate-descent tuning), in this
+one process
 and call: one chat streaming ``--tokens`` greedy tokens (``ChatSession.stream``,
 decode captured as CUDA graphs): ms a token (the median gap between tokens
 after the first), device ms a decode step and kernels a step
@@ -49,8 +51,11 @@ SHAPES: dict[str, dict[str, object]] = {
     "4b": dict(num_hidden_layers=36, hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128),
 }
-VARIANTS: dict[str, dict[str, object]] = {"fused": {}, "unfused": {"fuse": False}, "int8wo": {"quantize": "int8wo"},
-                                          "int4wo": {"quantize": "int4wo"}}
+VARIANTS: dict[str, dict[str, object]] = {
+    "fused": {}, "unfused": {"fuse": False}, "int8wo": {"quantize": "int8wo"}, "int4wo": {"quantize": "int4wo"},
+    # Inductor autotuning its matmul and pointwise kernels for the traced shapes (slow to compile: opt-in).
+    "autotune": {"inductor_configs": {"max_autotune": True, "coordinate_descent_tuning": True}},
+}
 ACCURACY_PROMPTS = 8
 ACCURACY_TOKENS = 32
 # HBM bandwidth by the card's name, TB/s (vendors' figures).

@@ -144,18 +144,20 @@ def family_config(family: str, size: dict[str, Any], base: dict[str, Any]) -> tr
 
 
 def bench_package(device: str, family: str = "qwen3", **overrides: object) -> Path:
-    """The bench model of ``family`` (``overrides``: config fields, or ``dtype``, ``fuse`` or ``quantize``:
-    export's), exported once per device and size."""
+    """The bench model of ``family`` (``overrides``: config fields, or ``dtype``, ``fuse``, ``quantize`` or
+    ``inductor_configs``: export's), exported once per device and size."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     layers = {} if family == "qwen3" else {"num_hidden_layers": FAMILY_LAYERS[kind]}
     size = {**SIZES[kind], **layers, **overrides}
     # The exporter's source and attention choices are in the key: a change to what it compiles re-exports.
     fuse = bool(size.pop("fuse", True))
     quantize = size.pop("quantize", None)
+    configs = size.pop("inductor_configs", None)
     key = (f"{torch.__version__}-{transformers.__version__}-{sorted(size.items())}-{CONTEXT}-{PREFILL}-"
            f"{inspect.getsource(_export)}-{inspect.getsource(_paged)}-{inspect.getsource(_paged_attention)}-"
            f"{inspect.getsource(_fused) if fuse else 'unfused'}-"
            f"{'' if quantize is None else f'{quantize}-{inspect.getsource(_quantize)}'}-"
+           f"{'' if configs is None else sorted(dict(configs).items())}-"
            f"{_export.PREFILL_ATTENTION}-{_export.DECODE_ATTENTION}")
     if family != "qwen3":  # (the dense model's key as before)
         key += f"-{family}-{inspect.getsource(family_config)}-{inspect.getsource(_linear_attention)}"
@@ -178,7 +180,7 @@ def bench_package(device: str, family: str = "qwen3", **overrides: object) -> Pa
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name("tmp-" + target.name)
     export(folder, tmp, device=device, max_cache_len=CONTEXT, max_prefill=PREFILL, dtype=dtype, fuse=fuse,
-           quantize=None if quantize is None else str(quantize))
+           quantize=None if quantize is None else str(quantize), inductor_configs=configs)
     os.replace(tmp, target)
     return target
 
