@@ -18,7 +18,10 @@ step (the package's weight bytes and the KV cache read at the turn's middle
 position, at ``--hbm-tbs`` TB/s: the card's, by its name, where not given)
 and the share of it each time reaches. ``--anchor``: transformers' compiled
 ``generate`` at B = 1 on each shape's model (static cache, torch.compile
-reduce-overhead: bench_serve's anchor), in a process of its own.
+reduce-overhead: bench_serve's anchor), in a process of its own. And a
+decode step of ``--rows`` sessions (the engine's batched decode alone,
+captured: bench_pool's step time), so a variant that speeds one chat can be
+seen not to slow a full batch.
 Rounds: each variant measured ``--rounds`` times, interleaved; min / median / max.
 Quantized variants' accuracy against ``fused`` (bf16): over 8 fixed prompts,
 ``fused``'s greedy continuation of 32 tokens fed to both, position by
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pool import step_times  # noqa: E402
 from bench_serve import bench_package, model_folder, run_anchor, user_message  # noqa: E402
 
 from aoti_sessions.llm import LLM  # noqa: E402
@@ -67,6 +71,7 @@ class Round:
     ms_a_token: float
     device_ms: float
     kernels: float
+    batch_ms: float = 0.0  # a decode step of --rows sessions
 
 
 def one_chat_rounds(llm: LLM, tokens: int, rounds: int) -> list[Round]:
@@ -158,6 +163,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--anchor", action="store_true")
     parser.add_argument("--hbm-tbs", type=float, default=None)
+    parser.add_argument("--rows", type=int, default=64)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode measures CUDA decode steps: no CUDA device here")
@@ -168,7 +174,8 @@ def main() -> None:
     print(f"# bench_decode: {name}, HBM {hbm} TB/s, torch {torch.__version__}; {args.tokens} tokens a turn, "
           f"{args.rounds} rounds", flush=True)
     print("| shape | variant | ms a token | device ms a step | kernels a step | kernels a layer | roofline ms | "
-          "share (wall) | share (device) | tokens/s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+          f"share (wall) | share (device) | tokens/s | ms a step of {args.rows} rows |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for shape in args.shapes.split(","):
         size = SHAPES[shape]
         results: dict[str, list[Round]] = {}
@@ -177,8 +184,10 @@ def main() -> None:
                     for v in args.variants.split(",")}
         for _ in range(args.rounds):  # variants interleaved round by round: drift hits them alike
             for variant, package in packages.items():
-                with LLM(package, device="cuda") as llm:
-                    results.setdefault(variant, []).extend(one_chat_rounds(llm, args.tokens, 1))
+                with LLM(package, device="cuda", max_sessions=args.rows + 1) as llm:
+                    one = one_chat_rounds(llm, args.tokens, 1)[0]
+                    one.batch_ms = step_times(llm.engine, llm.spec, args.rows, 1, "cuda")[0]
+                    results.setdefault(variant, []).append(one)
                     roofline[variant] = step_bytes(llm, size, args.tokens // 2) / (hbm * 1e12) * 1e3
         for variant, rounds in results.items():
             ms = [r.ms_a_token for r in rounds]
@@ -188,7 +197,7 @@ def main() -> None:
             print(f"| {shape} | {variant} | {spread(ms)} | {spread(dev)} | {kernels:.0f} | "
                   f"{kernels / int(size['num_hidden_layers']):.1f} | {roof:.3f} | "
                   f"{roof / statistics.median(ms):.0%} | {roof / statistics.median(dev):.0%} | "
-                  f"{1e3 / statistics.median(ms):,.0f} |", flush=True)
+                  f"{1e3 / statistics.median(ms):,.0f} | {spread([r.batch_ms for r in rounds])} |", flush=True)
         if "fused" in packages:
             for variant in (v for v in packages if v.startswith("int")):
                 agree, error = accuracy(packages["fused"], packages[variant])
