@@ -103,6 +103,13 @@ def test_int8_weights_package_computes_what_the_quantized_model_computes() -> No
 
 
 def test_quantizing_leaves_the_callers_model_as_it_was(tmp_path: Path) -> None:
+    """The caller's weights, and the process's Inductor settings (torchao
+    sets its recommended ones globally unless told not to: export passes them
+    to its own compile alone)."""
+    from torch._inductor import config
+
+    settings = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")
+    inductor = {name: getattr(config, name) for name in settings}
     model = _eager("cpu")
     before = {name: p.clone() for name, p in model.state_dict().items()}
     export(model, tmp_path / "q.pt2", max_cache_len=64, max_prefill=16, max_batch=2, quantize="int8wo",
@@ -111,6 +118,7 @@ def test_quantizing_leaves_the_callers_model_as_it_was(tmp_path: Path) -> None:
     assert sorted(after) == sorted(before)
     for name, value in before.items():
         assert type(after[name]) is torch.Tensor and torch.equal(after[name], value), name
+    assert {name: getattr(config, name) for name in settings} == inductor
 
 
 def test_bad_quantization_requests_are_refused_before_anything_is_read(tmp_path: Path) -> None:

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-import torch._inductor.config
 
 from ._package import (METADATA_KEY, METADATA_VERSION, OP_MODULES, WEIGHTS_ALIGN, WEIGHTS_BLOB, WEIGHTS_INDEX,
                        WEIGHTS_VERSION, cache_dir, top_folder)
@@ -148,7 +147,7 @@ def compile(
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     steps = _verify_steps(verify)
-    configs = {**_DYNAMIC_SAFE, **(inductor_configs or {})}
+    configs = {**_dynamic_safe(), **(inductor_configs or {})}
     if isinstance(args, Mapping):
         if kwargs is not None or dynamic_shapes is not None:
             raise TypeError("with a mapping of methods, give kwargs and dynamic_shapes per method")
@@ -182,8 +181,10 @@ def compile(
 #   (``rows < 64``), and the compiled library then refuses every call above it (torch 2.11, CUDA);
 # - a scatter of a scalar into a constant tensor rewritten as a pointwise ``where`` takes the scalar's dtype
 #   (int64) for the tensor's (torch 2.11's CUDA compile of DeepSeek-V2's group-limited router fails on it).
-_DYNAMIC_SAFE = {key: False for key in ("shape_padding", "optimize_scatter_upon_const_tensor")
-                 if hasattr(torch._inductor.config, key)}
+def _dynamic_safe() -> dict[str, Any]:
+    from torch._inductor import config  # (imported when compiling, not with the package)
+
+    return {key: False for key in ("shape_padding", "optimize_scatter_upon_const_tensor") if hasattr(config, key)}
 
 
 def _named_methods(methods: Mapping[str, Method | tuple[Any, ...]]) -> list[tuple[str, Method]]:

@@ -33,6 +33,7 @@ from ._linear_attention import layers_traceable
 from ._paged import PagedLM, paged_attention_on
 from ._fused import fused_projections
 from ._quantize import check_scheme, check_target, quantized_weights
+from ._quantize import inductor_configs as quantize_configs
 from ._rotary import real_rotary
 from ._spec import (DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR,
                     LLMSpec, require_transformers)
@@ -397,7 +398,8 @@ def export(
                         fused_projections(model) if fuse else nullcontext(), quantized_weights(model, quantize), \
                         _grouped_mm_fallback(not grouped_mm):
                     compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=min_rows),
-                            path=tmp, inductor_configs=inductor_configs, strict=False)
+                            path=tmp, inductor_configs={**quantize_configs(quantize), **(inductor_configs or {})},
+                            strict=False)
                 if dev.type == "cuda":  # (the package's copy of the weights beside the model's would double them)
                     cast(torch.nn.Module, model).to("cpu")
                     torch.cuda.empty_cache()

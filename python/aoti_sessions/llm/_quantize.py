@@ -24,7 +24,7 @@ import torch
 
 from ._fused import FusedLinear
 
-__all__ = ["SCHEMES", "check_scheme", "check_target", "quantized_weights"]
+__all__ = ["SCHEMES", "check_scheme", "check_target", "inductor_configs", "quantized_weights"]
 
 SCHEMES = ("int8wo", "int4wo")
 INT4_GROUP = 128
@@ -55,10 +55,23 @@ def check_target(scheme: str | None, device: torch.device, dtype: torch.dtype) -
 def _config(scheme: str, device: torch.device) -> Any:
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig  # type: ignore[import-untyped]
 
+    # set_inductor_config=False: torchao would set Inductor's global config for the rest of the process
+    # (every later compile tuned by coordinate descent); export passes them to this compile alone instead.
     if scheme == "int8wo":
-        return Int8WeightOnlyConfig()
+        return Int8WeightOnlyConfig(set_inductor_config=False)
     # int4: packed in the tiles torch's CUDA kernel (tinygemm, _weight_int4pack_mm) reads.
-    return Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
+    return Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d",
+                                set_inductor_config=False)
+
+
+def inductor_configs(scheme: str | None) -> dict[str, Any]:
+    """The Inductor settings torchao recommends for quantized models (its
+    ``recommended_inductor_config_setter``: tuned Triton kernels, the int8
+    matmul fused with its scale), for a compile of ``scheme``; none for None."""
+    if scheme is None:
+        return {}
+    return {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
+            "force_fuse_int_mm_with_mul": True}
 
 
 def _quantizable(module: torch.nn.Module, head: torch.nn.Module | None, scheme: str) -> bool:
