@@ -11,20 +11,8 @@
 # (bench/fetch_gpu_deps.sh). Results under $OUT; each stage's start time in
 # $OUT/stages.txt.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/build/gpu}
-mkdir -p "$OUT"
-export OUT CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1  # (the system compiler: docs/aoti-runtime.md)
-export AOTI_SESSIONS_CACHE=${AOTI_SESSIONS_CACHE:-/tmp/ais-cache}
-if [ -d .deps/wheels ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ais-site .deps/wheels/*.whl \
-    > /dev/null 2>&1
-  export PYTHONPATH=/tmp/ais-site${PYTHONPATH:+:$PYTHONPATH}
-fi
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch; print('torch', torch.__version__)"; git log --oneline -1; } | tee "$OUT/machine.txt"
-python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
-python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'" || exit 1
+# shellcheck source=bench/gpu_setup.sh
+source "$(dirname "$0")/gpu_setup.sh"
 status=0
 echo "$(date +%T) compile" > "$OUT/stages.txt"
 # The bench model and the tests' CUDA packages compile in parallel processes, beside each other.

@@ -1,5 +1,5 @@
-# Sourced by the one-call GPU scripts (bench/gpu_families.sh, bench/gpu_decode.sh): from the repo root,
-# $OUT made, the system compiler (docs/aoti-runtime.md), the tests' package cache outside the carried tree,
+# Sourced by the one-call GPU scripts (bench/gpu_agents.sh, bench/gpu_families.sh, bench/gpu_decode.sh):
+# from the repo root, $OUT made, the system compiler (docs/aoti-runtime.md), the tests' package cache outside the carried tree,
 # the wheels of .deps/wheels (bench/fetch_gpu_deps.sh) on the path, the machine written to $OUT/machine.txt,
 # and aoti_sessions built with CUDA and installed (the script exits where it is not).
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1

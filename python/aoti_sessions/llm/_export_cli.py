@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 
 # The defaults only: the exporter (and transformers) load when the command runs.
-from ._spec import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE
+from ._spec import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, QUANTIZATIONS
 
 __all__ = ["add_arguments", "run"]
 
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-cache", choices=["ring", "full"], default="ring",
                         help="sliding-window layers: a ring of the window a session (default; rewinds only to a "
                              "turn's start, as recurrent state) or every position in pages")
-    parser.add_argument("--quantize", choices=["int8wo", "int4wo"], default=None,
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
                         help="weight-only quantization of the linear layers but the output head (torchao; int4wo: "
                              "CUDA and bfloat16 only); default: none")
     parser.add_argument("--no-fuse", dest="fuse", action="store_false",

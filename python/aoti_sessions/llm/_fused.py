@@ -28,9 +28,10 @@ import torch.nn.functional as F
 
 __all__ = ["FusedLinear", "fused_projections", "SIBLINGS"]
 
-# The sibling projections a module may hold, fused in this order (the names transformers' families use).
-SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# The sibling projections a module may hold (the names transformers' families use), fused in this order,
+# and the name of the fused projection on their module.
 _NAMES = {("q_proj", "k_proj", "v_proj"): "fused_qkv", ("gate_proj", "up_proj"): "fused_gate_up"}
+SIBLINGS: tuple[tuple[str, ...], ...] = tuple(_NAMES)
 
 
 class FusedLinear(torch.nn.Module):

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from ._fused import FusedLinear
+from ._spec import QUANTIZATIONS
 
 __all__ = ["SCHEMES", "check_scheme", "check_target", "inductor_configs", "quantized_weights"]
 
-SCHEMES = ("int8wo", "int4wo")
+SCHEMES = QUANTIZATIONS
 INT4_GROUP = 128
 
 

@@ -27,7 +27,8 @@ from .._package import _check_model_path, _extract, top_folder
 from ..errors import PackageError
 
 __all__ = ["LLMSpec", "LLMPackage", "read_llm_package", "require_transformers", "LLM_DIR", "SPEC_FILE", "GENERATION_CONFIG_FILE",
-           "TOKENIZER_DIR", "SPEC_VERSION", "PAD_ID", "DEFAULT_MAX_BATCH", "DEFAULT_PAGE_SIZE"]
+           "TOKENIZER_DIR", "SPEC_VERSION", "PAD_ID", "DEFAULT_MAX_BATCH", "DEFAULT_PAGE_SIZE",
+           "QUANTIZATIONS"]
 
 # Export's defaults, which its command line names too.
 DEFAULT_MAX_BATCH = 64  # sessions one decode call takes at most
@@ -40,6 +41,8 @@ SPEC_FILE = "llm.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_DIR = "tokenizer"
 SPEC_VERSION = 1
+# The weight-only quantization schemes export applies and a spec may record.
+QUANTIZATIONS = ("int8wo", "int4wo")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class LLMSpec:
     # Window layers keep a ring of this many positions a session (0: no ring;
     # their rings rewind as recurrent state does).
     window_ring: int = 0
-    # Weight-only quantization export applied (llm/_quantize.py: "int8wo", "int4wo"); None: the model's dtype.
+    # Weight-only quantization export applied (one of QUANTIZATIONS, llm/_quantize.py); None: the model's dtype.
     quantization: str | None = None
 
     def to_json(self) -> str:
@@ -129,8 +132,9 @@ def _quantization(doc: Field) -> str | None:
     if value is None:
         return None
     scheme = value.string()
-    if scheme not in ("int8wo", "int4wo"):
-        raise PackageError(f"{doc.where('quantization')}: unknown quantization {scheme!r} (int8wo, int4wo)")
+    if scheme not in QUANTIZATIONS:
+        raise PackageError(f"{doc.where('quantization')}: unknown quantization {scheme!r} "
+                           f"({', '.join(QUANTIZATIONS)})")
     return scheme
 
 
