@@ -77,9 +77,18 @@ def test_siblings_of_different_shapes_stay_apart() -> None:
 
 def test_an_exported_package_holds_the_fused_weights_alone() -> None:
     """test_llm_export's Qwen3 package (exported with the default fuse=True):
-    one q/k/v weight and one gate/up weight a layer, no parts beside them."""
+    one q/k/v weight and one gate/up weight a layer, no parts beside them;
+    both methods take a lone session's one row (the parts' views do not bound
+    the rows, so no call pads a scratch row)."""
     import aoti_sessions as ais
+    from aoti_sessions._package import open_model
     from llm_models import llm_package
+
+    methods = open_model(llm_package("qwen3"))
+    assert sorted(f.name for f in methods) == ["decode", "prefill"]
+    for f in methods:
+        assert f.metadata is not None and f.metadata.pool is not None
+        assert f.metadata.pool.min_rows == 1, f.name
 
     with ais.Engine(llm_package("qwen3")) as engine:
         names = [w["fqn"] for w in engine.weights()]
@@ -88,3 +97,27 @@ def test_an_exported_package_holds_the_fused_weights_alone() -> None:
     assert sum(n.endswith("fused_gate_up.weight") for n in names) == layers
     assert not [n for n in names if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
                                                 "up_proj.weight"))]
+
+
+def test_tied_siblings_share_one_fused_projection() -> None:
+    """Two blocks whose q/k/v weights are tied (Zamba2's shared blocks are):
+    one fused projection serves both, so the weights stay tied (held once),
+    each block's projections are still its own, and both come back tied."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Module(), torch.nn.Module()
+    for block in (model.a, model.b):
+        block.q_proj, block.k_proj, block.v_proj = (torch.nn.Linear(8, w, bias=False) for w in (8, 4, 4))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(model.b, name).weight = getattr(model.a, name).weight
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = [getattr(block, name)(x) for block in (model.a, model.b) for name in ("q_proj", "k_proj", "v_proj")]
+        with fused_projections(model) as fused:
+            assert fused == 2
+            assert model.a.fused_qkv is model.b.fused_qkv
+            assert [n for n, _ in model.named_parameters()] == ["a.fused_qkv.weight"]
+            got = [getattr(block, name)(x) for block in (model.a, model.b) for name in ("q_proj", "k_proj", "v_proj")]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert all(getattr(model.b, n).weight is getattr(model.a, n).weight for n in ("q_proj", "k_proj", "v_proj"))

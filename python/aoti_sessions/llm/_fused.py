@@ -54,7 +54,12 @@ class FusedLinear(torch.nn.Module):
         if self._input is not x:
             self._input = x
             self._parts = tuple(torch.split(F.linear(x, self.weight, self.bias), self.widths, dim=-1))
-        out = self._parts[index]
+        # A copy, in a layout of its own: Inductor's lowering of the model's
+        # ``.view`` of a column slice guards the rows (> 1, its stride rule for a
+        # non-contiguous view), so the package would refuse a lone session's
+        # row; the copy is a pointwise read fused into its consumer, not a
+        # kernel. (Not ``.contiguous()``: its check guards the rows as well.)
+        out = self._parts[index].clone(memory_format=torch.contiguous_format)
         if index == len(self.widths) - 1:  # the last sibling: nothing held past the layer's call
             self._input, self._parts = None, ()
         return out
@@ -95,27 +100,39 @@ def _fusable(parent: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.L
 def fused_projections(model: torch.nn.Module) -> Iterator[int]:
     """Every fusable set of sibling projections in ``model`` (see the
     module's doc) fused for the block; yields how many sets were fused.
-    The model's modules are put back afterwards."""
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.device]] = []
+    Sets whose weights are tied (the same parameters, as Zamba2's shared
+    blocks hold them) share one fused projection, so the package holds it
+    once, as it holds a tied weight once. The model's modules are put back
+    afterwards."""
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
     added: list[tuple[torch.nn.Module, str]] = []
+    fused_by_weights: dict[tuple[int, ...], FusedLinear] = {}
+    parked: list[tuple[torch.nn.Linear, torch.device]] = []
     try:
         for parent in list(model.modules()):
             for names in SIBLINGS:
                 linears = _fusable(parent, names)
                 if linears is None:
                     continue
-                fused = FusedLinear(linears)
+                tied = tuple(id(layer.weight) for layer in linears)
+                if tied not in fused_by_weights:
+                    fused_by_weights[tied] = FusedLinear(linears)
+                fused = fused_by_weights[tied]
                 parent.add_module(_NAMES[names], fused)
                 added.append((parent, _NAMES[names]))
                 for index, (name, layer) in enumerate(zip(names, linears)):
-                    swapped.append((parent, name, layer, layer.weight.device))
+                    swapped.append((parent, name, layer))
                     setattr(parent, name, _Part(fused, index, layer))
-                    if layer.weight.device.type == "cuda":
-                        layer.to("cpu")
+                    parked.append((layer, layer.weight.device))
+        # The parts out of the device once every set is fused (a tied part moved earlier would move its twin).
+        for layer, device in parked:
+            if device.type == "cuda":
+                layer.to("cpu")
         yield len(added)
     finally:
-        for parent, name, original, device in reversed(swapped):
-            original.to(device)
+        for layer, device in reversed(parked):
+            layer.to(device)
+        for parent, name, original in reversed(swapped):
             setattr(parent, name, original)
         for parent, name in added:
             delattr(parent, name)
