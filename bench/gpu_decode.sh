@@ -3,7 +3,7 @@
 # (bench/gpu_setup.sh), compiles bench_decode's packages (SHAPES x VARIANTS, bf16) and the tests' quantized
 # CUDA packages in parallel (JOBS processes, within COMPILE_S seconds), runs the CUDA cases of
 # tests/test_quantize.py and tests/test_fused.py and, where TEST_K is given, of test_llm_export (pytest's
-# -k), within TEST_S seconds; then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
+# -k), within TEST_S seconds (TESTS=0: neither the tests nor their packages); then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
 # B = 1) within BENCH_S seconds. Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
@@ -36,14 +36,15 @@ def build(job: tuple[str, str]) -> str:
 
 if __name__ == "__main__":
     shapes, variants = sys.argv[1].split(","), sys.argv[2].split(",")
-    jobs = [("bench", f"{s}:{v}") for s in shapes for v in variants] + [("test", q) for q in ("int8wo", "int4wo")]
+    tests = [("test", q) for q in ("int8wo", "int4wo")] if os.environ.get("TESTS", "1") != "0" else []
+    jobs = [("bench", f"{s}:{v}") for s in shapes for v in variants] + tests
     with ProcessPoolExecutor(int(os.environ.get("JOBS", "12"))) as pool:
         for line in pool.map(build, jobs):
             print("RESULT", line, flush=True)
 PY
 grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
 echo "$(date +%T) tests" >> "$OUT/stages.txt"
-timeout "${TEST_S:-150}" python3 -m pytest tests/test_quantize.py tests/test_fused.py \
+[ "${TESTS:-1}" = 0 ] || timeout "${TEST_S:-150}" python3 -m pytest tests/test_quantize.py tests/test_fused.py \
   ${TEST_K:+tests/test_llm_export.py} -k "${TEST_K:+($TEST_K) or }cuda or fused" -v --tb=line -rs \
   -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"

@@ -3,6 +3,8 @@
 # the wheels of .deps/wheels (bench/fetch_gpu_deps.sh) on the path, the machine written to $OUT/machine.txt,
 # and aoti_sessions built with CUDA and installed (the script exits where it is not).
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+# Once a call: a script sourcing this after another one did (a call running two) finds it done.
+[ -n "${AIS_GPU_SETUP_DONE:-}" ] && return 0
 OUT=${OUT:-$PWD/build/gpu}
 mkdir -p "$OUT"
 export OUT CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1
@@ -16,3 +18,4 @@ fi
   python3 -c "import torch; print('torch', torch.__version__)"; git log --oneline -1 2>/dev/null; } | tee "$OUT/machine.txt"
 python3 -m pip install -q --no-build-isolation --no-deps --no-compile . 2>&1 | tail -3
 python3 -c "import aoti_sessions._core as c; assert c.built_with_cuda(), 'built without CUDA'" || exit 1
+export AIS_GPU_SETUP_DONE=1
