@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from aoti_sessions.errors import ExportError
-from aoti_sessions.llm import _export, _families
+from aoti_sessions.llm import _export, _families, _fused
 from aoti_sessions.llm._export_check import Refused, reason, refuses_one_row, stderr_read_back
 from llm_models import FAST, KNOWN, _config, hf_model_dir
 
@@ -24,18 +25,32 @@ def test_the_families_export_names_as_tested_are_the_tests_families() -> None:
     assert sorted(_families.TESTED) == sorted(_config(arch, 512, {}).model_type for arch in KNOWN)
 
 
+def _uncopied_part(self: _fused.FusedLinear, index: int, x: torch.Tensor) -> torch.Tensor:
+    """A fused sibling's columns handed over as the slice itself (no copy):
+    Inductor's view of it guards the rows > 1 (docs/aoti-runtime.md)."""
+    if self._input is not x:
+        self._input = x
+        self._parts = tuple(torch.split(F.linear(x, self.weight, self.bias), self.widths, dim=-1))
+    out = self._parts[index]
+    if index == len(self.widths) - 1:
+        self._input, self._parts = None, ()
+    return out
+
+
 def test_a_compiled_prefill_refusing_one_row_is_refused_at_export(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ernie 4.5 MoE's compiled prefill takes two rows at least though its
-    trace declared one (Inductor narrows the row count while compiling):
-    export finds it by running the package, and compiles again for two rows
-    (test_llm_export's batch of one then runs). Kept from that second try, it
-    refuses the package, saying which call the code refused, before any
-    request could meet it."""
+    """A package whose compiled prefill takes two rows at least though its
+    trace declared one (Inductor narrows the row count while compiling; here
+    its view of a fused projection's columns handed over uncopied, as export
+    once did) is found by running the package before it is written: export
+    compiles again for two rows (a lone session's call then pads a scratch
+    row). Kept from that second try, it refuses the package, saying which call
+    the code refused, before any request could meet it."""
+    monkeypatch.setattr(_fused.FusedLinear, "part", _uncopied_part)
     monkeypatch.setattr(_export, "refuses_one_row", lambda refused: False)
-    target = tmp_path / "ernie.pt2"
+    target = tmp_path / "qwen3.pt2"
     with pytest.raises(ExportError) as refused:
-        _export.export(hf_model_dir("ernie4_5_moe"), target, max_cache_len=64, max_prefill=16, max_batch=4,
+        _export.export(hf_model_dir("qwen3"), target, max_cache_len=64, max_prefill=16, max_batch=4,
                        inductor_configs=FAST)
     assert "the compiled 'prefill' refuses a call of 1 row of 2 tokens, which the package declares" in str(refused.value)
     assert "expected it to be >= 2, but got: 1" in str(refused.value)
@@ -51,7 +66,7 @@ def test_a_family_transformers_marks_uncompilable_is_refused_before_tracing(tmp_
     monkeypatch.setattr(type(model), "_can_compile_fullgraph", False)
     with pytest.raises(ValueError, match=r"LlamaForCausalLM does not support a static KV cache in one graph .*"
                                          r"'llama' is not among the families whose state export keeps itself "
-                                         r"\(falcon_h1, minimax, zamba2; README: Families\)"):
+                                         r"\(falcon_h1, minimax, zamba2; docs/models.md: Families\)"):
         _export.export(model, tmp_path / "x.pt2")
     assert list(tmp_path.iterdir()) == []
 

@@ -1,7 +1,7 @@
 """Engine: the documented Python API over the C++ core's engine. This layer
 turns Python arguments into the core's typed options (types and 64-bit range
 here; every rule on the values is the core's) and the core's typed results
-into the dictionaries the README documents."""
+into the dictionaries docs/python-api.md documents."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ class Engine(Closable):
             stream share their memory: such a view is valid until the next
             graph run on that stream, of any session.
         trust_op_modules: op modules (``op_modules.json``) the package may have imported: by default only
-            installed transformers' and aoti_sessions' (README: "A package is code"); names: those too; True: any.
+            installed transformers' and aoti_sessions' (docs/safety.md: "A package is code"); names: those too; True: any.
 
     Each weight is held once, whatever the number of methods: libraries
     compiled without weights (multi-method ``ais.compile``) bind to the

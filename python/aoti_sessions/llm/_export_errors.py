@@ -75,7 +75,7 @@ def _family(model_type: str) -> str:
     if model_type in TESTED or model_type in OWN_STATE:
         return (f"'{model_type}' is a family aoti-sessions runs exact in its tests: this checkpoint differs from the "
                 "tested one (its config, or a transformers version other than the tested one)")
-    return f"'{model_type}' is not among the families aoti-sessions tests (README: Families)"
+    return f"'{model_type}' is not among the families aoti-sessions tests (docs/models.md: Families)"
 
 
 def ours(error: BaseException) -> bool:

@@ -104,5 +104,5 @@ def checked_model(model: object) -> PreTrainedModel:
     if not getattr(model, "_can_compile_fullgraph", False) and model.config.model_type not in OWN_STATE:
         raise ValueError(f"{name} does not support a static KV cache in one graph (transformers marks it "
                          f"_can_compile_fullgraph=False), and '{model.config.model_type}' is not among the families "
-                         f"whose state export keeps itself ({', '.join(sorted(OWN_STATE))}; README: Families)")
+                         f"whose state export keeps itself ({', '.join(sorted(OWN_STATE))}; docs/models.md: Families)")
     return model

@@ -1,4 +1,4 @@
-"""Connections under abuse (README "Running it safely"): uvicorn's HTTP
+"""Connections under abuse (docs/safety.md): uvicorn's HTTP
 protocol with a deadline for each request's head (a client that sends half a
 header and waits holds nothing for long), the server's connection limit
 (more are answered 503), an open-file limit raised to room for them, and

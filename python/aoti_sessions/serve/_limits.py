@@ -1,4 +1,4 @@
-"""The server's limits and their defaults (README "Running it safely"), in
+"""The server's limits and their defaults (docs/safety.md), in
 one place the command line reads without importing the server."""
 
 from __future__ import annotations
