@@ -139,3 +139,13 @@ def test_scripts_run_rebuilds_only_when_a_source_changed(tmp_path: Path) -> None
     assert digest() != first
     script = (ROOT / "scripts" / "run").read_text()
     assert 'source-hash' in script and '.aoti-sessions-installed' in script
+
+
+def test_scripts_run_refuses_an_unknown_job_before_setting_up(tmp_path: Path) -> None:
+    """A mistyped job is refused at once, naming the jobs, with nothing set up."""
+    venv = tmp_path / "venv"
+    done = subprocess.run([str(ROOT / "scripts" / "run"), "serv", "model.pt2"], capture_output=True, text=True,
+                          env={**os.environ, "AOTI_SESSIONS_VENV": str(venv)}, timeout=60)
+    assert done.returncode == 2
+    assert "unknown job 'serv': demo, test, bench, serve, export or cluster" in done.stderr
+    assert not venv.exists()

@@ -9,6 +9,7 @@ import itertools
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import pytest
 import torch
 import transformers
 
+import aoti_sessions as ais
 from aoti_sessions.errors import EngineProcessError, SessionBusyError, SessionClosedError
 from aoti_sessions.llm import LLM, Constraint, RemoteLLM
 from aoti_sessions.serve._cli import compute_threads
@@ -611,6 +613,35 @@ def test_cli_threads_default_and_refusals() -> None:
     result = subprocess.run([sys.executable, "-m", "aoti_sessions", "serve", "x.pt2", "--threads", "0"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--threads: must be at least 1, got 0" in result.stderr, result.stderr
+
+
+def test_cli_refuses_a_model_folder_and_a_taken_port_before_loading(package: Path) -> None:
+    """serve given what export takes (a saved transformers folder, a hub id)
+    says the export command that makes a package of it; given a taken port it
+    says so before the model loads (no line of the loaded model, at once);
+    --version says what runs."""
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "aoti_sessions", "serve", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    folder = hf_model_dir("qwen3")
+    result = serve(str(folder))
+    assert result.returncode == 2, result.stderr
+    assert f"{folder} is a saved transformers model" in result.stderr
+    assert f"aoti-sessions export {folder} -o model.pt2" in result.stderr
+    result = serve("Qwen/Qwen3-0.6B")
+    assert result.returncode == 2 and "aoti-sessions export Qwen/Qwen3-0.6B -o model.pt2" in result.stderr, result.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = serve(str(package), "--port", str(port), "--no-engine-process")
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "give another --port" in result.stderr
+    assert " on cpu" not in result.stderr and "limits:" not in result.stderr  # (the model was never loaded)
+    version = subprocess.run([sys.executable, "-m", "aoti_sessions", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith(f"aoti-sessions {ais.__version__} ("), version.stdout
+    assert f"torch {torch.__version__}" in version.stdout
 
 
 def test_engine_process_failures_are_clean(package: Path, device: str, tmp_path: Path) -> None:

@@ -24,8 +24,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _version() -> str:
+    """This aoti-sessions, the torch it runs on, and whether its core was built with CUDA."""
+    import torch
+
+    from . import __version__, _core
+
+    cuda = "with CUDA" if _core.built_with_cuda() else "CPU only"
+    return f"aoti-sessions {__version__} ({cuda}; torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aoti-sessions", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="decode several sessions of the built-in decoder, check isolation")
     demo.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")

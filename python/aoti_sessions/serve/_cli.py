@@ -237,9 +237,51 @@ def compute_threads(requested: int | None, device: str) -> int | None:
     return max(1, usable_cpus() - 1)
 
 
+# A Hugging Face hub id (``owner/name``), which serve does not take but export does.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+
+
+def not_a_package(package: str) -> str | None:
+    """Why ``package`` is a model export would take rather than a package
+    (a saved transformers folder, a hub id), with the command that makes one;
+    None where it may be a package (the engine says what else is wrong)."""
+    path = Path(package)
+    if path.is_dir() and (path / "config.json").is_file():
+        what = f"{package} is a saved transformers model (it has config.json), not a package"
+    elif not path.exists() and not package.endswith(".pt2") and _HUB_ID.fullmatch(package):
+        what = f"{package} is no file here; as a Hugging Face hub id it names a model, not a package"
+    else:
+        return None
+    return (f"{what}: serve takes a .pt2 package that export makes from it: aoti-sessions export {package} "
+            f"-o model.pt2 [--device cuda --dtype bfloat16], then aoti-sessions serve model.pt2")
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (bound as uvicorn binds it),
+    or None: checked before the model loads, so a taken port costs no load."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"cannot listen on {host}: {e}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror or e} (give another --port)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     api_keys = read_api_keys(args.api_keys) if args.api_keys is not None else []
     Keys(args.api_key, api_keys)  # (a bad key refused at once)
+    for problem in (not_a_package(args.package), port_taken(args.host, args.port)):
+        if problem is not None:
+            print(f"aoti-sessions serve: {problem}", file=sys.stderr)
+            return 2
     try:
         import fastapi  # noqa: F401
         import uvicorn
