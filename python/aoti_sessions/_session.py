@@ -4,10 +4,10 @@ into the flat tensor lists the compiled methods take."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from typing_extensions import Self
 
@@ -15,12 +15,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _core
+from ._core import BufferInfo, Engine as CoreEngine
 from ._words import shown
 
-if TYPE_CHECKING:
-    from ._engine import Engine
-
-__all__ = ["Session", "PooledState", "MethodCall", "to_handles", "from_handles", "Closable"]
+__all__ = ["Session", "SessionsEngine", "PooledState", "MethodCall", "to_handles", "from_handles", "Closable"]
 
 # Tensors <-> owning AtenTensorHandle capsules, the only way tensors cross into
 # the core (which links no torch C++ API).
@@ -172,6 +170,39 @@ class PooledState(dict[str, torch.Tensor]):
         self.length = length
 
 
+class SessionsEngine(Protocol):
+    """What a :class:`Session` holds of the engine that made it
+    (:class:`aoti_sessions.Engine` is one): the device and methods, its
+    counters, and what runs a call (the core, the method calls, the buffers'
+    layout, the stream the calls are ordered on). A protocol, so that
+    sessions never import the engine that imports them."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def methods(self) -> tuple[str, ...]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def captures(self, method: str) -> bool: ...
+
+    @property
+    def _core(self) -> CoreEngine: ...
+
+    @property
+    def _only(self) -> MethodCall | None: ...
+
+    @property
+    def _methods(self) -> Mapping[str, MethodCall]: ...
+
+    @property
+    def _buffers(self) -> Sequence[BufferInfo]: ...
+
+    @property
+    def _stream(self) -> Callable[[], int]: ...
+
+
 class Session(Closable):
     """One conversation's state on an :class:`Engine`; made by ``Engine.new_session``.
 
@@ -179,7 +210,7 @@ class Session(Closable):
     session may be used and closed from any thread; its calls are serialised.
     """
 
-    def __init__(self, engine: Engine, core: _core.Session) -> None:
+    def __init__(self, engine: SessionsEngine, core: _core.Session) -> None:
         self._engine = engine
         self._core = core
 
@@ -188,7 +219,8 @@ class Session(Closable):
         return int(self._core.id)
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> SessionsEngine:
+        """The engine that made this session (an :class:`aoti_sessions.Engine`)."""
         return self._engine
 
     @property

@@ -27,9 +27,10 @@ from ._sampling import Sampler
 from ._text import TextStream, decoded
 
 if TYPE_CHECKING:
-    from ._llm import ChatSession
+    from ._roles import GenerationSession
 
 __all__ = ["Completion", "Generation", "Pieces", "Event", "TokenEvent", "Held"]
+
 
 # What a generation hands out: a piece of text, None once finished, or the
 # error that ended it.
@@ -166,7 +167,7 @@ class Generation(Pieces):
     per generated token; possibly empty), or ``None`` once finished.
     """
 
-    def __init__(self, session: ChatSession, prompt: list[int], params: SamplingParams) -> None:
+    def __init__(self, session: GenerationSession, prompt: list[int], params: SamplingParams) -> None:
         llm = session.llm
         vocab = llm.spec.vocab_size
         if params.biases and params.biases[-1][0] >= vocab:  # (in id order)
@@ -383,7 +384,7 @@ class Held:
     token the step fed stays held until :meth:`Generation._take_token`
     records it (a fork or save then sees its cache and tokens agree)."""
 
-    def __init__(self, sessions: Sequence[ChatSession]) -> None:
+    def __init__(self, sessions: Sequence[GenerationSession]) -> None:
         self._sessions = sorted(sessions, key=lambda s: s.id)
         self._kept: set[int] = set()
 
@@ -399,7 +400,7 @@ class Held:
             raise
         return self
 
-    def keep(self, session: ChatSession) -> None:
+    def keep(self, session: GenerationSession) -> None:
         self._kept.add(id(session))
 
     def __exit__(self, *exc: object) -> None:

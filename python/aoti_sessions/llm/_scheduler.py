@@ -54,7 +54,7 @@ from ._spec import PAD_ID
 
 if TYPE_CHECKING:
     from ._generation import Generation
-    from ._llm import LLM
+    from ._roles import StepModel
 
 __all__ = ["Scheduler"]
 
@@ -94,7 +94,7 @@ class _Step:
 class Scheduler:
     """The step loop of one LLM (a thread, started with the first generation)."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: StepModel) -> None:
         self._llm = llm
         self._engine = llm.engine
         pool = self._engine.pool
