@@ -31,7 +31,7 @@ gets, CUDA replicas one GPU each). Per round:
 
 Then affinity: 40 chats of 3 turns on clusters of ``--affinity-replicas``
 replicas; the share of follow-up turns that reused their session's cache
-(``cached_tokens > 0``). Writes bench/RESULTS_cluster_<device>.md.
+(``cached_tokens > 0``). Writes bench/results/cluster_<device>.md.
 """
 
 from __future__ import annotations
@@ -440,7 +440,7 @@ def main() -> None:
 
 def write(lines: list[str], args: argparse.Namespace) -> None:
     """The results so far (written after each phase: a run stopped midway keeps them)."""
-    out = Path(args.out or ROOT / "bench" / f"RESULTS_cluster_{args.device.split(':')[0]}.md")
+    out = Path(args.out or ROOT / "bench" / "results" / f"cluster_{args.device.split(':')[0]}.md")
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 

@@ -11,7 +11,7 @@ For each model (default: the built-in small and large decoders):
      another) against the same sessions all resident, for bursts of 1 and 16
      tokens per turn. Tokens are checked equal between the two.
 
-Writes a Markdown report (default bench/RESULTS_lifecycle.md) and prints it.
+Writes a Markdown report (default bench/results/lifecycle.md) and prints it.
 
     python bench/bench_lifecycle.py [--models small,large] [--device cuda] [--out ...]
 """
@@ -258,7 +258,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=640, help="tokens per round-robin measurement (about)")
     parser.add_argument("--disk-dir", default=None, help="folder on the disk to measure (default: the temp dir)")
-    parser.add_argument("--out", default=str(Path(__file__).with_name("RESULTS_lifecycle.md")))
+    parser.add_argument("--out", default=str(Path(__file__).parent.joinpath("results", "lifecycle.md")))
     args = parser.parse_args()
     report, ok = run(args)
     Path(args.out).write_text(report)

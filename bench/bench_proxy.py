@@ -6,7 +6,7 @@ aoti_sessions/_proxy.py) against torch's own runner (``aoti_load_package``,
 its OSSProxyExecutor), on the same package, in the same process.
 
     python bench/bench_proxy.py --device cpu
-    python bench/bench_proxy.py --device cuda --out bench/RESULTS_proxy_cuda.md
+    python bench/bench_proxy.py --device cuda --out bench/results/proxy_cuda.md
 
 Rounds alternate the two runners; each round times ``--iters`` calls of one
 token ([1, 1, hidden]) after a warm-up. Figures: median (min / max) over rounds.

@@ -31,7 +31,7 @@ compile state touch neither the server's figures nor the other B's. The
 summary puts the server's N chats against transformers at B = N.
 
 The model is a random-weight Qwen3 (the test tokenizer; larger on CUDA),
-exported once and cached. Writes bench/RESULTS_serve_<device>.md.
+exported once and cached. Writes bench/results/serve_<device>.md.
 """
 
 from __future__ import annotations
@@ -743,7 +743,7 @@ def report(args: argparse.Namespace, device: str, package: Path, chats: list[int
     doc += ["## Targets", "", "| target | |", "|---|---|"]
     doc += [f"| {t} | {'met' if ok else 'MISSED'} |" for t, ok in targets]
     text = "\n".join(doc) + "\n"
-    out = args.out or str(ROOT / "bench" / f"RESULTS_serve_{device.split(':')[0]}.md")
+    out = args.out or str(ROOT / "bench" / "results" / f"serve_{device.split(':')[0]}.md")
     Path(out).write_text(text)
     print(text)
 

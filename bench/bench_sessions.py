@@ -11,7 +11,7 @@ For each model:
   4. device memory for N = 1, 2, 4, 8 sessions against W + N x S, and against N
      separately loaded packages.
 
-Writes a Markdown report (default bench/RESULTS.md) with the card, torch
+Writes a Markdown report (default bench/results/sessions.md) with the card, torch
 version and date, and prints it.
 
 ``--suite graphs`` (issue 11) measures instead, per model, with min / median /
@@ -24,8 +24,8 @@ stream (graphs on, and off with 8 lanes); device memory with 8 captured
 sessions against W + 8 S, per graph and per pool; and what one extra lane
 (container) costs in load time and device memory.
 
-    python bench/bench_sessions.py [--models small,large] [--out bench/RESULTS.md]
-    python bench/bench_sessions.py --suite graphs [--models small,large] [--out bench/RESULTS_graphs.md]
+    python bench/bench_sessions.py [--models small,large] [--out bench/results/sessions.md]
+    python bench/bench_sessions.py --suite graphs [--models small,large] [--out bench/results/graphs.md]
 """
 
 from __future__ import annotations
@@ -547,16 +547,16 @@ def main() -> int:
     parser.add_argument("--models", default="small,large")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--out", default=None, help="default bench/RESULTS.md (graphs: RESULTS_graphs.md)")
+    parser.add_argument("--out", default=None, help="default bench/results/sessions.md (graphs: bench/results/graphs.md)")
     parser.add_argument("--suite", choices=("sessions", "graphs"), default="sessions")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_sessions needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.suite == "graphs":
-        args.out = args.out or str(Path(__file__).with_name("RESULTS_graphs.md"))
+        args.out = args.out or str(Path(__file__).parent.joinpath("results", "graphs.md"))
         return graphs_suite(args)
-    args.out = args.out or str(Path(__file__).with_name("RESULTS.md"))
+    args.out = args.out or str(Path(__file__).parent.joinpath("results", "sessions.md"))
     doc = [
         "# aoti-sessions on a GPU (bench/bench_sessions.py)",
         "",

@@ -36,11 +36,11 @@ process reading NVML (``libnvidia-ml.so.1``), which keeps sampling while a
 call holds the GIL (torch's loader does); without NVML, by a thread in this
 process (``--sampler thread``), which cannot.
 
-Writes a Markdown report (default bench/RESULTS_weights.md) with the card,
+Writes a Markdown report (default bench/results/weights.md) with the card,
 torch version and date, and prints it. Compiling needs the system compiler on
 the GPU machines (CXX=/usr/bin/g++ CC=/usr/bin/gcc).
 
-    python bench/bench_weights.py [--config large|small] [--out bench/RESULTS_weights.md]
+    python bench/bench_weights.py [--config large|small] [--out bench/results/weights.md]
 """
 
 from __future__ import annotations
@@ -752,7 +752,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured loads before each measured one")
     parser.add_argument("--sampler", choices=("auto", "process", "thread"), default="auto",
                         help="peak sampler: NVML in a helper process (auto: if available) or a thread")
-    parser.add_argument("--out", default=str(Path(__file__).with_name("RESULTS_weights.md")))
+    parser.add_argument("--out", default=str(Path(__file__).parent.joinpath("results", "weights.md")))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_weights needs a CUDA GPU", file=sys.stderr)

@@ -2,7 +2,7 @@
 # On a GPU machine (torch with CUDA installed, possibly no package index):
 # builds and installs aoti-sessions with CUDA, runs every test suite there
 # (CPU and GPU variants, GoogleTest with its CUDA cases) and the benchmarks,
-# writing logs and bench/RESULTS.md. Wheels and GoogleTest come from .deps/
+# writing logs and bench/results/sessions.md. Wheels and GoogleTest come from .deps/
 # when present (bench/fetch_gpu_deps.sh makes it). Logs go to $OUT (default
 # build/gpu).
 set -euo pipefail
@@ -43,30 +43,30 @@ if [ "$stage" = some ]; then
 fi
 if [ "$stage" = all ] || [ "$stage" = bench ]; then
   python3 bench/bench_switch.py --device cuda 2>&1 | tee "$OUT/bench_switch.txt"
-  python3 bench/bench_sessions.py --out bench/RESULTS.md 2>&1 | tee "$OUT/bench_sessions.txt"
-  cp bench/RESULTS.md "$OUT/RESULTS.md"
-  python3 bench/bench_sessions.py --suite graphs --out bench/RESULTS_graphs.md 2>&1 | tee "$OUT/bench_graphs.txt"
-  cp bench/RESULTS_graphs.md "$OUT/" 2>/dev/null || true
+  python3 bench/bench_sessions.py --out bench/results/sessions.md 2>&1 | tee "$OUT/bench_sessions.txt"
+  cp bench/results/sessions.md "$OUT/sessions.md"
+  python3 bench/bench_sessions.py --suite graphs --out bench/results/graphs.md 2>&1 | tee "$OUT/bench_graphs.txt"
+  cp bench/results/graphs.md "$OUT/" 2>/dev/null || true
 fi
 if [ "$stage" = all ] || [ "$stage" = weights ]; then
-  python3 bench/bench_weights.py --out bench/RESULTS_weights.md 2>&1 | tee "$OUT/bench_weights.txt" || status=$?
-  cp bench/RESULTS_weights.md "$OUT/" 2>/dev/null || true
+  python3 bench/bench_weights.py --out bench/results/weights.md 2>&1 | tee "$OUT/bench_weights.txt" || status=$?
+  cp bench/results/weights.md "$OUT/" 2>/dev/null || true
 fi
 if [ "$stage" = all ] || [ "$stage" = lifecycle ]; then
   # Session files go to the repository's disk, not a RAM-backed /tmp.
   mkdir -p build/disk
-  python3 bench/bench_lifecycle.py --disk-dir build/disk --out bench/RESULTS_lifecycle.md 2>&1 \
+  python3 bench/bench_lifecycle.py --disk-dir build/disk --out bench/results/lifecycle.md 2>&1 \
     | tee "$OUT/bench_lifecycle.txt" || status=$?
-  cp bench/RESULTS_lifecycle.md "$OUT/" 2>/dev/null || true
+  cp bench/results/lifecycle.md "$OUT/" 2>/dev/null || true
 fi
 if [ "$stage" = all ] || [ "$stage" = serve ]; then
   # The chat server under multi-turn load and transformers' generate at
   # B = each chat count (CHATS, TURNS, ROUNDS to shorten it; ANCHOR=--no-anchor
   # skips transformers, whose compile takes a while per B).
   python3 bench/bench_serve.py --device cuda --chats "${CHATS:-1,4,16,64}" --turns "${TURNS:-8}" \
-    --rounds "${ROUNDS:-3}" "${ANCHOR:---anchor}" --out bench/RESULTS_serve_cuda.md 2>&1 \
+    --rounds "${ROUNDS:-3}" "${ANCHOR:---anchor}" --out bench/results/serve_cuda.md 2>&1 \
     | tee "$OUT/bench_serve.txt" || status=$?
-  cp bench/RESULTS_serve_cuda.md "$OUT/" 2>/dev/null || true
+  cp bench/results/serve_cuda.md "$OUT/" 2>/dev/null || true
 fi
 if [ "$stage" = pool ]; then
   # Batched decode over pooled state, one model family after another

@@ -135,3 +135,11 @@ def test_shell_blocks_commands_exist(page: Path) -> None:
             wrong += [f"aoti-sessions {sub} has no option {w}" for w in (w.strip("[]").split("=")[0] for w in words)
                       if w.startswith("--") and not re.search(rf"{re.escape(w)}(?![\w-])", text)]
     assert not wrong, f"{page.relative_to(ROOT)}: {wrong}"
+
+
+def test_every_results_file_is_indexed() -> None:
+    """docs/benchmarks.md lists every results file under bench/results/."""
+    linked = {Path(t.partition("#")[0]).name for t in LINK.findall(_prose(ROOT / "docs" / "benchmarks.md"))
+              if "bench/results/" in t}
+    missing = sorted(p.name for p in (ROOT / "bench" / "results").glob("*.md") if p.name not in linked)
+    assert not missing, f"docs/benchmarks.md does not list {missing}"

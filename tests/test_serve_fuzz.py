@@ -7,7 +7,7 @@ Qwen3 package, with an API key and a session dir.
 
 A short run in the default suite (FUZZ_EXAMPLES per operation and mode);
 ``AOTI_SESSIONS_FUZZ_EXAMPLES=1000 pytest tests/test_serve_fuzz.py`` runs a
-long one (bench/RESULTS_fuzz.md has its counts)."""
+long one (bench/results/fuzz.md has its counts)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ process, behind the single server's uvicorn (its connection limits and
 deadlines), calling the engine replicas through a deployment handle.
 
 Ray Serve's HTTP proxy costs a process hop per request (on a 2-core machine
-about 9 ms, and a ceiling near 190 requests/s; see bench/RESULTS_cluster_*);
+about 9 ms, and a ceiling near 190 requests/s; see bench/results/cluster_*);
 a handle call from here costs one hop fewer. ``serve run`` / ``serve
 deploy`` users get the same ingress as a Serve deployment
 (:func:`aoti_sessions.cluster.app`) instead.

@@ -103,7 +103,7 @@ def _first_id(*values: Any) -> int | None:
     return None
 
 
-# Attention backends per method (bench/RESULTS_attention_cuda.md). Prefill:
+# Attention backends per method (bench/results/attention_cuda.md). Prefill:
 # not cuDNN's, which builds an execution plan for every new input shape, cached
 # per thread: about 50 ms on an H100 (torch 2.11) that a prefill of a length
 # not seen before on that thread (most chat turns) would add to its time to
