@@ -143,9 +143,10 @@ def family_config(family: str, size: dict[str, Any], base: dict[str, Any]) -> tr
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 
-def bench_package(device: str, family: str = "qwen3", **overrides: object) -> Path:
+def bench_package(device: str, family: str = "qwen3", build: bool = True, **overrides: object) -> Path:
     """The bench model of ``family`` (``overrides``: config fields, or ``dtype``, ``fuse``, ``quantize`` or
-    ``inductor_configs``: export's), exported once per device and size."""
+    ``inductor_configs``: export's), exported once per device and size (``build`` False: FileNotFoundError
+    where it is not yet)."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     layers = {} if family == "qwen3" else {"num_hidden_layers": FAMILY_LAYERS[kind]}
     size = {**SIZES[kind], **layers, **overrides}
@@ -165,6 +166,8 @@ def bench_package(device: str, family: str = "qwen3", **overrides: object) -> Pa
     target = cache_dir() / "models" / f"bench-{family}-{device.split(':')[0]}-{digest}.pt2"
     if target.is_file():
         return target
+    if not build:
+        raise FileNotFoundError(f"no {family} bench package for {sorted(size.items())} yet ({target.name})")
     tiny = hf_model_dir("qwen3")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny, local_files_only=True)
     base = transformers.AutoConfig.from_pretrained(tiny, local_files_only=True).to_dict()

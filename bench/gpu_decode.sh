@@ -4,7 +4,8 @@
 # CUDA packages in parallel (JOBS processes, within COMPILE_S seconds), runs the CUDA cases of
 # tests/test_quantize.py and tests/test_fused.py and, where TEST_K is given, of test_llm_export (pytest's
 # -k), within TEST_S seconds (TESTS=0: neither the tests nor their packages); then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
-# B = 1) within BENCH_S seconds. Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
+# B = 1) within BENCH_S seconds, on the packages the compile stage built (a variant it did not finish is named, not
+# compiled then). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
 source "$(dirname "$0")/gpu_setup.sh"
@@ -50,5 +51,5 @@ echo "$(date +%T) tests" >> "$OUT/stages.txt"
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"
 echo "$(date +%T) bench" >> "$OUT/stages.txt"
 timeout "${BENCH_S:-240}" python3 bench/bench_decode.py --shapes "$SHAPES" --variants "$VARIANTS" \
-  --rounds "${ROUNDS:-3}" ${ANCHOR:+--anchor} 2>&1 | tee "$OUT/decode.md" | grep -E '^[|#]' || status=$?
+  --rounds "${ROUNDS:-3}" ${ANCHOR:+--anchor} --only-built 2>&1 | tee "$OUT/decode.md" | grep -E '^[|#]' || status=$?
 exit $status
