@@ -32,12 +32,12 @@ from ._tenants import Keys
 from ._threads import in_thread
 
 if TYPE_CHECKING:
-    from ..llm import LLM, RemoteLLM
+    from ._model import ServedLLM
     from ._shared import SharedRegistry
 
 log = logging.getLogger("aoti_sessions.serve")
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
-def new_registry(llm: LLM | RemoteLLM, *, session_dir: str | os.PathLike[str] | None = None,
+def new_registry(llm: ServedLLM, *, session_dir: str | os.PathLike[str] | None = None,
                  session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
                  checkpoint_sessions: bool = False, max_session_files: int = DEFAULT_MAX_SESSION_FILES,
                  max_session_files_bytes: int = DEFAULT_MAX_SESSION_FILES_BYTES, **_: Any) -> Registry:
@@ -50,7 +50,7 @@ def new_registry(llm: LLM | RemoteLLM, *, session_dir: str | os.PathLike[str] | 
                     max_files=max_session_files, max_file_bytes=max_session_files_bytes)
 
 
-def create_app(llm: LLM | RemoteLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
+def create_app(llm: ServedLLM, *, api_key: str | None = None, session_dir: str | os.PathLike[str] | None = None,
                model_name: str | Sequence[str] | None = None, retry_after: int = 1, max_body_bytes: int | None = None,
                session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
                body_timeout: float = DEFAULT_BODY_TIMEOUT, checkpoint_sessions: bool = False,

@@ -13,7 +13,8 @@ from ._logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from ._protocol import ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM, ReplyStream, ToolCall
+    from ..llm import ReplyStream, ToolCall
+    from ._model import ServedGeneration, ServedLLM
     from ..llm._logprobs import TokenLogprob
     from ._sessions import Entry
 
@@ -26,7 +27,7 @@ class Choice:
     pieces (its reasoning and tool calls, where the model's reply format
     reads any; else None) and what it has reported so far."""
 
-    def __init__(self, index: int, generation: Generation | RemoteGeneration, session: Any,
+    def __init__(self, index: int, generation: ServedGeneration, session: Any,
                  reply: ReplyStream | None) -> None:
         self.index, self.generation, self.session, self.reply = index, generation, session, reply
         self.calls_out = 0  # (streamed) tool calls given out
@@ -49,7 +50,7 @@ class Choice:
 class Bodies:
     """What a generation request answers, made from its state (the job's)."""
 
-    llm: LLM | RemoteLLM
+    llm: ServedLLM
     id: str
     created: int
     model: str
@@ -57,7 +58,7 @@ class Bodies:
     request: ChatRequest | CompletionRequest
     entry: Entry | None
     choices: list[Choice]
-    prefill: Generation | RemoteGeneration | None
+    prefill: ServedGeneration | None
     texts: TokenTexts | None
     _piece_frames: dict[int, tuple[bytes, bytes]]
 

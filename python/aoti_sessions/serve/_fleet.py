@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import _stats_log
 from ._response_store import ResponseStore
@@ -45,7 +45,7 @@ from ._shared import METRICS_TIMEOUT_S, Link
 from ._threads import in_thread
 
 if TYPE_CHECKING:
-    from ..llm import RemoteLLM
+    from ..llm import RemoteLLM, RemoteSession
     from ..llm._remote_engine import EngineAddress
 
 log = logging.getLogger("aoti_sessions.serve")
@@ -170,7 +170,8 @@ class Hub:
                 self._dropped.add(key)  # released once acquired
             return
         if entry.session is not None and tokens is not None:
-            entry.session.counted(tokens)  # type: ignore[union-attr]
+            # (The fleet's registry holds the engine process's sessions.)
+            cast("RemoteSession", entry.session).counted(tokens)
             entry.tokens = tokens
         await self.registry.release(entry)
 

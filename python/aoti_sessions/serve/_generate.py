@@ -35,7 +35,7 @@ from ._sessions import Entry
 from ._threads import in_thread
 
 if TYPE_CHECKING:
-    from ..llm import LLM, Generation, RemoteGeneration, RemoteLLM
+    from ._model import ServedGeneration, ServedLLM
     from ..llm._prompts import ChatPrompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -53,7 +53,7 @@ _PREFILL_ONLY: dict[str, Any] = {"max_tokens": 1, "temperature": 0}
 class Job(Bodies):
     """A generation request: its session, its choices' generations, and what it reports."""
 
-    def __init__(self, llm: LLM | RemoteLLM, request: ChatRequest | CompletionRequest, model: str,
+    def __init__(self, llm: ServedLLM, request: ChatRequest | CompletionRequest, model: str,
                  metrics: ServerMetrics) -> None:
         self.llm, self.request, self.model, self.metrics = llm, request, model, metrics
         self.entry: Entry | None = None
@@ -65,7 +65,7 @@ class Job(Bodies):
         self.choices: list[Choice] = []
         # n > 1: the generation that prefilled the prompt once, and the forks of its session (one a choice after
         # the first, which keeps the request's session).
-        self.prefill: Generation | RemoteGeneration | None = None
+        self.prefill: ServedGeneration | None = None
         self.forks: list[Any] = []
         self.cancelled = False
         self._counted = False
@@ -82,7 +82,7 @@ class Job(Bodies):
         self._piece_frames: dict[int, tuple[bytes, bytes]] = {}  # piece_chunk's bytes around the text, by choice
 
     @property
-    def generation(self) -> Generation | RemoteGeneration | None:
+    def generation(self) -> ServedGeneration | None:
         """The first choice's generation (None before start())."""
         return self.choices[0].generation if self.choices else None
 
@@ -213,7 +213,7 @@ class Job(Bodies):
             return self.params
         return dataclasses.replace(self.params, seed=(seed + index) % (1 << 64))
 
-    def _choice(self, index: int, generation: Generation | RemoteGeneration, session: Any) -> Choice:
+    def _choice(self, index: int, generation: ServedGeneration, session: Any) -> Choice:
         reply = None
         if self._reply_after is not None:
             reply = self.llm.reply_format.stream(self._reply_after, tools=self._tools is not None)

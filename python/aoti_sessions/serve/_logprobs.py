@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..llm import LLM, RemoteLLM
+    from ._model import ServedLLM
     from ..llm._logprobs import TokenLogprob
 
 __all__ = ["TokenTexts", "token_texts", "chat_logprobs", "completion_logprobs"]
@@ -42,7 +42,7 @@ class TokenTexts:
         return known
 
 
-def token_texts(llm: LLM | RemoteLLM) -> TokenTexts:
+def token_texts(llm: ServedLLM) -> TokenTexts:
     """``llm``'s TokenTexts (its tokenizer's view made at the first call:
     about a second for a large vocabulary; call it in a worker thread)."""
     with _lock:

@@ -49,7 +49,8 @@ from ._routes import GENERATED, answer, check_model, tenant_of
 from ._sessions import Entry
 
 if TYPE_CHECKING:
-    from ..llm import LLM, RemoteLLM, ToolCall
+    from ..llm import ToolCall
+    from ._model import ServedLLM
     from ._sessions import Registry
     from ._shared import SharedRegistry
 
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 _FIELDS = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
-def install(app: FastAPI, llm: LLM | RemoteLLM, registry: Registry | SharedRegistry, metrics: ServerMetrics,
+def install(app: FastAPI, llm: ServedLLM, registry: Registry | SharedRegistry, metrics: ServerMetrics,
             names: Sequence[str], retry_after: int) -> None:
     """Adds the Responses API's routes to ``app`` (serve/_app.py's create_app;
     ``names``: the model's, the first reported)."""
@@ -104,7 +105,7 @@ def _renamed(error: APIError) -> APIError:
 
 
 class _Responses:
-    def __init__(self, llm: LLM | RemoteLLM, registry: Registry | SharedRegistry, metrics: ServerMetrics,
+    def __init__(self, llm: ServedLLM, registry: Registry | SharedRegistry, metrics: ServerMetrics,
                  names: Sequence[str], retry_after: int) -> None:
         self.llm, self.registry, self.metrics, self.retry_after = llm, registry, metrics, retry_after
         self.names, self.model = names, names[0]

@@ -78,7 +78,7 @@ from ._tenants import DEFAULT_TENANT, TENANTS_DIR, cache_namespace, scoped
 from ._threads import in_thread
 
 if TYPE_CHECKING:
-    from ..llm import LLM, ChatSession, RemoteLLM, RemoteSession
+    from ._model import ServedLLM, ServedSession
 
 log = logging.getLogger("aoti_sessions.serve")
 PARKED_DIR = ".live"  # in --session-dir: parked sessions (a name no client's file can take)
@@ -105,7 +105,7 @@ class Entry:
 
     id: str | None
     tenant: str = DEFAULT_TENANT  # whose it is (serve/_tenants.py)
-    session: ChatSession | RemoteSession | None = None  # None while being created
+    session: ServedSession | None = None  # None while being created
     busy: bool = True  # a request holds it (a generation, a fork, a save)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
@@ -131,7 +131,7 @@ class Entry:
 class Registry:
     """Named sessions, plus the throwaway ones of requests that name none."""
 
-    def __init__(self, llm: LLM | RemoteLLM, session_dir: str | os.PathLike[str] | None = None, *,
+    def __init__(self, llm: ServedLLM, session_dir: str | os.PathLike[str] | None = None, *,
                  ttl: float | None = None, persist: bool = False, checkpoint: bool = False,
                  max_files: int = DEFAULT_MAX_SESSION_FILES,
                  max_file_bytes: int = DEFAULT_MAX_SESSION_FILES_BYTES) -> None:
@@ -417,7 +417,7 @@ class Registry:
             raise self._missing(session_id)
         return await self._add(tenant, session_id, self.llm.new_session)
 
-    async def _add(self, tenant: str, session_id: str, make: Callable[[], ChatSession | RemoteSession], *,
+    async def _add(self, tenant: str, session_id: str, make: Callable[[], ServedSession], *,
                    unparking: bool = False) -> Entry:
         """A new entry, held, under an id checked free, in memory and (unless
         ``unparking`` it) parked; made in a thread (its placeholder makes a
@@ -433,7 +433,7 @@ class Registry:
             raise
         return entry
 
-    async def _made(self, make: Callable[[], ChatSession | RemoteSession]) -> ChatSession | RemoteSession:
+    async def _made(self, make: Callable[[], ServedSession]) -> ServedSession:
         """A new session from ``make()`` (created, loaded, forked), in a
         thread. While the engine has no room for it, an idle session is
         parked (as the TTL sweep parks it: the next request naming it brings
@@ -487,7 +487,7 @@ class Registry:
                 parked.unlink(missing_ok=True)  # (else another server would bring it back)
 
     @asynccontextmanager
-    async def _held(self, tenant: str, session_id: str) -> AsyncIterator[tuple[Entry, ChatSession | RemoteSession]]:
+    async def _held(self, tenant: str, session_id: str) -> AsyncIterator[tuple[Entry, ServedSession]]:
         """The named session, held for one operation (409 while a request holds it)."""
         entry = self._take(await self.lookup(tenant, session_id))
         try:
@@ -680,7 +680,7 @@ def _signature(path: Path) -> tuple[int, int, int] | None:
 
 
 
-def _save(session: ChatSession | RemoteSession, path: Path) -> None:
+def _save(session: ServedSession, path: Path) -> None:
     """Writes ``session`` to ``path``, making its folder first (a tenant's,
     at its first file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
