@@ -1,33 +1,27 @@
-"""The FastAPI application: OpenAI's chat, completion and model endpoints,
-session management, ``/metrics`` and ``/health``; the Responses API's
-routes come from serve/_responses.py."""
+"""The FastAPI application, wired: its options checked, its session
+registry and metrics, errors and middleware, ``/health`` and ``/metrics``,
+and the route modules: OpenAI's model, chat and completion endpoints
+(serve/_openai_routes.py), the session endpoints (serve/_session_routes.py),
+the Responses API (serve/_responses.py)."""
 
 from __future__ import annotations
 
-import logging
 import os
-import re
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from . import _errors, _middleware, _responses, _stats_log
-from ._bodies import DONE
-from ._errors import APIError, runtime_error, sse_error, unexpected
-from ._generate import Job
+from . import _errors, _middleware, _openai_routes, _responses, _session_routes, _stats_log
 from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES,
-                      DEFAULT_SESSION_TTL, default_body_limit)
-from ._metrics import CONTENT_TYPE, ServerMetrics
-from ._protocol import (SESSION_ID_PATTERN, ChatRequest, CompletionRequest, ErrorBody, ForkRequest, LoadRequest,
-                        SaveRequest)
+                      DEFAULT_SESSION_TTL, check_options, default_body_limit)
+from ._metrics import CONTENT_TYPE, ServerMetrics, count_registry
 from ._middleware import check_origins
-from ._routes import GENERATED, answer, check_model, tenant_of
-from ._sessions import Registry, described_one
+from ._protocol import ErrorBody
+from ._sessions import Registry
 from ._tenants import Keys
 from ._threads import in_thread
 
@@ -35,8 +29,7 @@ if TYPE_CHECKING:
     from ._model import ServedLLM
     from ._shared import SharedRegistry
 
-log = logging.getLogger("aoti_sessions.serve")
-_SESSION_ID = re.compile(SESSION_ID_PATTERN)
+
 def new_registry(llm: ServedLLM, *, session_dir: str | os.PathLike[str] | None = None,
                  session_ttl: float | None = DEFAULT_SESSION_TTL, persist_sessions: bool | None = None,
                  checkpoint_sessions: bool = False, max_session_files: int = DEFAULT_MAX_SESSION_FILES,
@@ -115,22 +108,9 @@ def create_app(llm: ServedLLM, *, api_key: str | None = None, session_dir: str |
     (llm/_prefix.py: within the request's tenant and ``prompt_cache_key``),
     kept there when it ends.
     """
-    if max_body_bytes is not None and (isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int)
-                                       or max_body_bytes < 1):
-        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    check_options(max_body_bytes, session_ttl, body_timeout, max_session_files, max_session_files_bytes,
+                  stats_interval)
     body_limit = max_body_bytes if max_body_bytes is not None else default_body_limit(llm.max_context)
-    if session_ttl is not None and not (isinstance(session_ttl, (int, float)) and not isinstance(session_ttl, bool)
-                                        and 0 < session_ttl < float("inf")):
-        raise ValueError(f"session_ttl must be a number of seconds > 0 (or None: never), got {session_ttl!r}")
-    if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < 1e9:
-        raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
-    for name, limit in (("max_session_files", max_session_files), ("max_session_files_bytes", max_session_files_bytes)):
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {limit!r}")
-    if stats_interval is not None and (isinstance(stats_interval, bool) or not isinstance(stats_interval, (int, float))
-                                       or not 0 < stats_interval < 1e9):
-        raise ValueError(f"stats_interval must be a number of seconds > 0 (or None: no stats log), got "
-                         f"{stats_interval!r}")
     origins = check_origins(allowed_origins)
     names = served_names(model_name, llm.name)
     keys = Keys(api_key, api_keys)
@@ -139,29 +119,7 @@ def create_app(llm: ServedLLM, *, api_key: str | None = None, session_dir: str |
         checkpoint_sessions=checkpoint_sessions, max_session_files=max_session_files,
         max_session_files_bytes=max_session_files_bytes)
     metrics = ServerMetrics(llm.stats, lambda: len(registry), lambda: int(registry.figure("throwaway")))
-    counters: tuple[tuple[str, str, Callable[[], float]], ...] = (
-            ("sessions_expired_total", "Named sessions parked (saved with persistence on, then closed) after their TTL.",
-             lambda: registry.figure("expired")),
-            ("sessions_unparked_total", "Parked sessions brought back by a request naming them.",
-             lambda: registry.figure("unparked")),
-            ("sessions_parked_for_room_total", "Idle sessions parked (saved with persistence on, then closed) to make "
-             "room for another: a stored response's, or with persistence any named one.",
-             lambda: registry.figure("parked_for_room")),
-            ("session_park_failures_total", "Parks that failed (a full disk): the session stays in memory, or is "
-             "lost when the server stops.", lambda: registry.figure("park_failures")),
-            ("checkpoints_total", "Checkpoint writes of named sessions (with checkpoints on).",
-             lambda: registry.figure("checkpoints")),
-            ("checkpoint_failures_total", "Checkpoint writes that failed (logged).",
-             lambda: registry.figure("checkpoint_failures")),
-            ("checkpoint_seconds_total", "Seconds spent writing checkpoints, off the request path.",
-             lambda: registry.figure("checkpoint_seconds")),
-            ("checkpoint_wait_seconds_total", "Seconds requests waited for their session's checkpoint write.",
-             lambda: registry.figure("checkpoint_wait_seconds")),
-            ("sessions_superseded_total", "Session copies dropped because another server changed their checkpoint.",
-             lambda: registry.figure("superseded")))
-    for name, what, read in counters:
-        metrics.registry.gauge(f"aoti_sessions_{name}", what, read, kind="counter")
-    model = names[0]  # (what answers report)
+    count_registry(metrics, registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -210,98 +168,12 @@ def create_app(llm: ServedLLM, *, api_key: str | None = None, session_dir: str |
         others = await registry.peer_metrics()
         return PlainTextResponse(await in_thread(lambda: metrics.render(others)), media_type=CONTENT_TYPE)
 
-    started = int(time.time())
-
-    def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": started, "owned_by": "aoti-sessions",
-                "max_model_len": llm.max_context}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in names]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def one_model(model_id: str) -> dict[str, Any]:
-        check_model(model_id, names)
-        return model_card(model_id)
-
     async def stats_figures() -> _stats_log.Figures:
         engine = await in_thread(llm.stats)
         return _stats_log.figures([metrics.snapshot()], engine, len(registry), int(registry.figure("throwaway")))
 
-    async def generate(request: Request, body: ChatRequest | CompletionRequest, header_id: str | None,
-                       tenant: str) -> Response:
-        session_id = _session_id(body.session_id, header_id)
-        if body.model is not None:
-            check_model(body.model, names)
-        job = Job(llm, body, model, metrics)
-        await job.tokenize()
-        # (A throwaway session starts from the prefix cache: its prompt picks the kept session.)
-        entry = await registry.acquire(tenant, session_id, create=True, cache_key=body.prompt_cache_key,
-                                       prompt=job.prompt_ids() if session_id is None else None)
-        headers = {"X-Session-ID": session_id} if session_id else {}
-
-        async def whole() -> Response:
-            async for choice, piece in job.pieces(request.is_disconnected):
-                choice.text.append(piece)
-            if job.cancelled:
-                return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-            return JSONResponse(job.response(), headers=headers)
-
-        return await answer(job, entry, registry, bool(body.stream), whole,
-                            lambda release: _events(job, request, retry_after, release), headers)
-
-    @app.post("/v1/chat/completions", responses=GENERATED)
-    async def chat(request: Request, body: ChatRequest, x_session_id: str | None = Header(default=None),
-                   tenant: str = Depends(tenant_of)) -> Response:
-        return await generate(request, body, x_session_id, tenant)
-
-    @app.post("/v1/completions", responses=GENERATED)
-    async def complete(request: Request, body: CompletionRequest, x_session_id: str | None = Header(default=None),
-                       tenant: str = Depends(tenant_of)) -> Response:
-        return await generate(request, body, x_session_id, tenant)
-
-    @app.get("/v1/sessions")
-    async def sessions(tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return {"object": "list", "data": await registry.listing(tenant)}
-
-    @app.post("/v1/sessions/load")
-    async def load(body: LoadRequest, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return await described_one(await registry.load(tenant, body.name, body.session_id))
-
-    @app.get("/v1/sessions/{session_id}")
-    async def session(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return await described_one(await registry.lookup(tenant, session_id))
-
-    @app.delete("/v1/sessions/{session_id}")
-    async def delete(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        await registry.delete(tenant, session_id)
-        return {"id": session_id, "object": "session.deleted", "deleted": True}
-
-    @app.post("/v1/sessions/{session_id}/reset")
-    async def reset(session_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return await described_one(await registry.reset(tenant, session_id))
-
-    @app.post("/v1/sessions/{session_id}/fork")
-    async def fork(session_id: str, body: ForkRequest | None = None,
-                   tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return await described_one(await registry.fork(tenant, session_id, body.session_id if body else None))
-
-    @app.post("/v1/sessions/{session_id}/save")
-    async def save(session_id: str, body: SaveRequest, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        size = await registry.save(tenant, session_id, body.name)
-        return {"id": session_id, "object": "session.saved", "name": body.name, "bytes": size}
-
-    @app.get("/v1/session-files")
-    async def session_files(tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        return {"object": "list", "data": await registry.files(tenant), "max_files": max_session_files,
-                "max_bytes": max_session_files_bytes}
-
-    @app.delete("/v1/session-files/{name}")
-    async def delete_session_file(name: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        await registry.delete_file(tenant, name)
-        return {"name": name, "object": "session_file.deleted", "deleted": True}
-
+    _openai_routes.install(app, llm, registry, metrics, names, retry_after)
+    _session_routes.install(app, registry, max_session_files, max_session_files_bytes)
     _responses.install(app, llm, registry, metrics, names, retry_after)  # /v1/responses (serve/_responses.py)
     return app
 
@@ -313,48 +185,3 @@ def served_names(model_name: str | Sequence[str] | None, default: str) -> list[s
         raise ValueError(f"model_name must be one or more non-empty names (at most 256 characters, no spaces "
                          f"around them), got {model_name!r}")
     return list(dict.fromkeys(names))
-
-
-def _session_id(in_body: str | None, in_header: str | None) -> str | None:
-    if in_header is not None and not _SESSION_ID.fullmatch(in_header):
-        raise APIError(400, f"X-Session-ID: invalid session id {in_header!r} (1-128 letters, digits, '.', '_', "
-                            "':', '-')", "invalid_value", "X-Session-ID")
-    if in_body is not None and in_header is not None and in_body != in_header:
-        raise APIError(400, "session_id and the X-Session-ID header name different sessions", "invalid_value",
-                       "session_id")
-    return in_body if in_body is not None else in_header
-
-
-async def _events(job: Job, request: Request, retry_after: int,
-                  release: Callable[[], Awaitable[None]]) -> AsyncGenerator[bytes, None]:
-    """The stream's server-sent events: OpenAI's chunks, then ``[DONE]``; an
-    error met on the way is one last event. The session is released before
-    the last event goes: a client's next turn, sent once it has read it (to
-    any front end), finds the session free."""
-    if job.chat:
-        for choice in job.choices:
-            yield job.chunk(choice, None, first=True)
-    try:
-        async for choice, piece in job.pieces(request.is_disconnected):
-            for chunk in job.stream_chunks(choice, piece):
-                yield chunk
-        for choice in job.choices:
-            for chunk in job.stream_chunks(choice, None):
-                yield chunk
-    except Exception as e:  # the stream has begun: the error goes in it
-        error = e if isinstance(e, APIError) else runtime_error(e, retry_after)
-        if error is None:
-            error = unexpected("in a streamed generation", e)
-        with anyio.CancelScope(shield=True):
-            await release()
-        yield sse_error(error)
-        return
-    if job.cancelled:
-        return
-    with anyio.CancelScope(shield=True):
-        await release()
-    for choice in job.choices:
-        yield job.chunk(choice, None, finish_reason=job.finish_reason(choice))
-    if job.request.include_usage():
-        yield job.usage_chunk()
-    yield DONE

@@ -271,6 +271,10 @@ def port_taken(host: str, port: int) -> str | None:
         try:
             probe.bind(address)
         except OSError as e:
+            from ._fleet import TAKEN, holds_port
+
+            if holds_port(port):
+                return TAKEN.format(port=port)
             return f"cannot listen on {host}:{port}: {e.strerror or e} (give another --port)"
     return None
 

@@ -280,6 +280,23 @@ class ServeError(RuntimeError):
     """The server cannot start as asked (said in one line, exit status 2)."""
 
 
+TAKEN = "port {port} is taken by another aoti-sessions server with several front ends"
+
+
+def holds_port(port: int) -> bool:
+    """Whether a server of this user's with several front ends holds ``port``
+    (its lock, :func:`_port_guard`'s, is taken)."""
+    path = os.path.join(tempfile.gettempdir(), f"aoti-sessions-ports-{os.getuid()}", f"{port}.lock")
+    try:
+        with open(path) as lock:  # (taken and given back at once where free)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return False
+
+
 def _port_guard(port: int) -> Any:
     """An exclusive lock on ``port`` among this user's servers with several
     front ends: SO_REUSEPORT would let a second one bind the port beside the
@@ -293,7 +310,7 @@ def _port_guard(port: int) -> Any:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         lock.close()
-        raise ServeError(f"port {port} is taken by another aoti-sessions server with several front ends") from None
+        raise ServeError(TAKEN.format(port=port)) from None
     return lock
 
 

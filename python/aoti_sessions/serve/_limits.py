@@ -49,3 +49,23 @@ def default_budgets(device: str, available: int) -> tuple[int | None, int]:
     device budget (the device's own memory bounds it); offloaded sessions a
     quarter of ``available`` either way."""
     return (available // 2 if device.startswith("cpu") else None), available // 4
+
+
+def check_options(max_body_bytes: int | None, session_ttl: float | None, body_timeout: float,
+                  max_session_files: int, max_session_files_bytes: int, stats_interval: float | None) -> None:
+    """create_app's limits checked: ValueError naming a bad one."""
+    if max_body_bytes is not None and (isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int)
+                                       or max_body_bytes < 1):
+        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    if session_ttl is not None and not (isinstance(session_ttl, (int, float)) and not isinstance(session_ttl, bool)
+                                        and 0 < session_ttl < float("inf")):
+        raise ValueError(f"session_ttl must be a number of seconds > 0 (or None: never), got {session_ttl!r}")
+    if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < 1e9:
+        raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
+    for name, limit in (("max_session_files", max_session_files), ("max_session_files_bytes", max_session_files_bytes)):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {limit!r}")
+    if stats_interval is not None and (isinstance(stats_interval, bool) or not isinstance(stats_interval, (int, float))
+                                       or not 0 < stats_interval < 1e9):
+        raise ValueError(f"stats_interval must be a number of seconds > 0 (or None: no stats log), got "
+                         f"{stats_interval!r}")

@@ -253,3 +253,30 @@ class ServerMetrics:
 
     def render(self, others: Sequence[Snapshot] = ()) -> str:
         return self.registry.render(others)
+
+
+def count_registry(metrics: ServerMetrics, registry: Any) -> None:
+    """The session registry's counters (serve/_sessions.py's figures) among
+    ``metrics``' gauges, read when /metrics is."""
+    counters: tuple[tuple[str, str, Callable[[], float]], ...] = (
+            ("sessions_expired_total", "Named sessions parked (saved with persistence on, then closed) after their TTL.",
+             lambda: registry.figure("expired")),
+            ("sessions_unparked_total", "Parked sessions brought back by a request naming them.",
+             lambda: registry.figure("unparked")),
+            ("sessions_parked_for_room_total", "Idle sessions parked (saved with persistence on, then closed) to make "
+             "room for another: a stored response's, or with persistence any named one.",
+             lambda: registry.figure("parked_for_room")),
+            ("session_park_failures_total", "Parks that failed (a full disk): the session stays in memory, or is "
+             "lost when the server stops.", lambda: registry.figure("park_failures")),
+            ("checkpoints_total", "Checkpoint writes of named sessions (with checkpoints on).",
+             lambda: registry.figure("checkpoints")),
+            ("checkpoint_failures_total", "Checkpoint writes that failed (logged).",
+             lambda: registry.figure("checkpoint_failures")),
+            ("checkpoint_seconds_total", "Seconds spent writing checkpoints, off the request path.",
+             lambda: registry.figure("checkpoint_seconds")),
+            ("checkpoint_wait_seconds_total", "Seconds requests waited for their session's checkpoint write.",
+             lambda: registry.figure("checkpoint_wait_seconds")),
+            ("sessions_superseded_total", "Session copies dropped because another server changed their checkpoint.",
+             lambda: registry.figure("superseded")))
+    for name, what, read in counters:
+        metrics.registry.gauge(f"aoti_sessions_{name}", what, read, kind="counter")
