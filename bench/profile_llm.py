@@ -307,7 +307,7 @@ def step_loop(rows_list: list[int], device: str) -> None:
     import pstats
 
     package = bench_package(device)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # (as a server's processes do: serve/_engine.py)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # (as a server's processes do: serve/_open.py)
     for rows in rows_list:
         firsts = [[{"role": "user", "content": user_message(i, 0)}] for i in range(rows)]
 

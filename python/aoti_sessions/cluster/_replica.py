@@ -33,7 +33,7 @@ class Replica:
         from ray import serve
 
         from ..serve import create_app
-        from ..serve._engine import open_llm
+        from ..serve._open import open_llm
 
         device = _visible_device(device)
         self.engine_options = dict(engine or {})

@@ -294,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
               "pip install 'aoti-sessions[serve]'", file=sys.stderr)
         return 2
     from ._app import create_app, served_names
-    from ._engine import open_llm
+    from ._open import open_llm
     from ._middleware import check_origins
 
     check_origins(args.allowed_origins or ())  # (refused at once: ValueError, exit status 2)
