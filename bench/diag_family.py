@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +77,9 @@ def _eager_logits(family: str, device: str, dtype: str, prompt: list[int], fed: 
     """The rewritten model, eagerly, fed ``prompt`` then ``fed`` a token at a time: each step's logits."""
     import torch
     import transformers
-    from aoti_sessions.llm._export import _exportable, _grouped_mm_compiles, _grouped_mm_fallback
-    from aoti_sessions.llm._fused import fused_projections
+    from aoti_sessions.llm._export import _exportable, _grouped_mm_compiles, rewritten
     from aoti_sessions.llm._linear_attention import layers_traceable
     from aoti_sessions.llm._paged import PagedLM
-    from aoti_sessions.llm._rotary import real_rotary
     from llm_models import hf_model_dir
 
     dev, options = torch.device(device), VARIANTS[variant]
@@ -94,8 +91,7 @@ def _eager_logits(family: str, device: str, dtype: str, prompt: list[int], fed: 
         with layers_traceable(model, 64):
             module = PagedLM(model, 16, max_pages=width, kernel=options.get("kernel", dev.type == "cuda"),
                              grouped_mm=grouped)
-        fused = fused_projections(model) if options.get("fuse", True) else nullcontext()
-        with layers_traceable(model, 64), real_rotary(model), fused, _grouped_mm_fallback(not grouped):
+        with rewritten(model, 64, options.get("fuse", True), None, grouped):
             kv = module.pool_example(pages, getattr(torch, dtype), dev)
             slots = module.slot_examples(3, dev)
             state = {"slot_ids": torch.tensor([1], dtype=torch.int32, device=dev), **slots} if slots else {}

@@ -240,6 +240,20 @@ def _grouped_mm_fallback(on: bool) -> Iterator[None]:
 
 
 @contextmanager
+def rewritten(model: PreTrainedModel, max_prefill: int, fuse: bool, quantize: str | None,
+              grouped_mm: bool) -> Iterator[None]:
+    """``model`` as export traces it, for the block: its linear-attention and
+    state-space layers traceable, its rotary in real arithmetic, its sibling
+    projections fused (``fuse``), its weights quantized (``quantize``), its
+    MoE experts off torch's grouped mm where AOTInductor cannot compile it.
+    (bench/diag_family.py runs the model so, eagerly.)"""
+    with layers_traceable(model, max_prefill), real_rotary(model), \
+            fused_projections(model) if fuse else nullcontext(), quantized_weights(model, quantize), \
+            _grouped_mm_fallback(not grouped_mm):
+        yield
+
+
+@contextmanager
 def _exportable(model: PreTrainedModel, device: torch.device, dtype: torch.dtype | None,
                 restore: bool) -> Iterator[None]:
     """``model`` on ``device`` in ``dtype``, in eval mode and no_grad, running
@@ -394,9 +408,7 @@ def export(
 
             def compiled(min_rows: int) -> None:
                 cast(torch.nn.Module, model).to(dev)
-                with layers_traceable(model, prefill_len), real_rotary(model), \
-                        fused_projections(model) if fuse else nullcontext(), quantized_weights(model, quantize), \
-                        _grouped_mm_fallback(not grouped_mm):
+                with rewritten(model, prefill_len, fuse, quantize, grouped_mm):
                     compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=min_rows),
                             path=tmp, inductor_configs={**quantize_configs(quantize), **(inductor_configs or {})},
                             strict=False)

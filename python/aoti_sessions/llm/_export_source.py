@@ -5,13 +5,13 @@ tokenizer; and whether export can take a model at all."""
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._families import OWN_STATE
+from ._spec import HUB_ID
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -20,8 +20,6 @@ __all__ = ["HUB_ID", "hub_folder", "check_folder", "load_model", "load_tokenizer
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # save_pretrained writes both
 
-# A hub id: "name" or "owner/name" (the hub's own rule for the characters).
-HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 # What a hub snapshot needs for export: config, weights, tokenizer and template.
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 

@@ -104,10 +104,9 @@ def fused_projections(model: torch.nn.Module) -> Iterator[int]:
     blocks hold them) share one fused projection, so the package holds it
     once, as it holds a tied weight once. The model's modules are put back
     afterwards."""
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear, torch.device]] = []  # (and the part's device)
     added: list[tuple[torch.nn.Module, str]] = []
     fused_by_weights: dict[tuple[int, ...], FusedLinear] = {}
-    parked: list[tuple[torch.nn.Linear, torch.device]] = []
     try:
         for parent in list(model.modules()):
             for names in SIBLINGS:
@@ -121,18 +120,17 @@ def fused_projections(model: torch.nn.Module) -> Iterator[int]:
                 parent.add_module(_NAMES[names], fused)
                 added.append((parent, _NAMES[names]))
                 for index, (name, layer) in enumerate(zip(names, linears)):
-                    swapped.append((parent, name, layer))
+                    swapped.append((parent, name, layer, layer.weight.device))
                     setattr(parent, name, _Part(fused, index, layer))
-                    parked.append((layer, layer.weight.device))
         # The parts out of the device once every set is fused (a tied part moved earlier would move its twin).
-        for layer, device in parked:
+        for _, _, layer, device in swapped:
             if device.type == "cuda":
                 layer.to("cpu")
         yield len(added)
     finally:
-        for layer, device in reversed(parked):
+        for _, _, layer, device in reversed(swapped):
             layer.to(device)
-        for parent, name, original in reversed(swapped):
+        for parent, name, original, _ in reversed(swapped):
             setattr(parent, name, original)
         for parent, name in added:
             delattr(parent, name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from ..errors import PackageError
 
 __all__ = ["LLMSpec", "LLMPackage", "read_llm_package", "require_transformers", "LLM_DIR", "SPEC_FILE", "GENERATION_CONFIG_FILE",
            "TOKENIZER_DIR", "SPEC_VERSION", "PAD_ID", "DEFAULT_MAX_BATCH", "DEFAULT_PAGE_SIZE",
-           "QUANTIZATIONS"]
+           "QUANTIZATIONS", "HUB_ID"]
 
 # Export's defaults, which its command line names too.
 DEFAULT_MAX_BATCH = 64  # sessions one decode call takes at most
@@ -43,6 +44,9 @@ TOKENIZER_DIR = "tokenizer"
 SPEC_VERSION = 1
 # The weight-only quantization schemes export applies and a spec may record.
 QUANTIZATIONS = ("int8wo", "int4wo")
+# A hub id: "name" or "owner/name" (the hub's own rule for the characters): what export reads a model by,
+# and what serve, which takes packages, names as a model export would take.
+HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..llm._remote import ENGINE_TIMEOUT_S, STEP_TIMEOUT_S
+from ..llm._spec import HUB_ID
 from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_SESSION_FILES,
                       DEFAULT_MAX_SESSION_FILES_BYTES, DEFAULT_SESSION_TTL, DEFAULT_STATS_INTERVAL, available_memory,
                       default_budgets)
@@ -237,18 +238,15 @@ def compute_threads(requested: int | None, device: str) -> int | None:
     return max(1, usable_cpus() - 1)
 
 
-# A Hugging Face hub id (``owner/name``), which serve does not take but export does.
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
-
-
 def not_a_package(package: str) -> str | None:
     """Why ``package`` is a model export would take rather than a package
-    (a saved transformers folder, a hub id), with the command that makes one;
+    (a saved transformers folder, an ``owner/name`` hub id: a bare name is
+    more likely a mistyped file), with the command that makes one;
     None where it may be a package (the engine says what else is wrong)."""
     path = Path(package)
     if path.is_dir() and (path / "config.json").is_file():
         what = f"{package} is a saved transformers model (it has config.json), not a package"
-    elif not path.exists() and not package.endswith(".pt2") and _HUB_ID.fullmatch(package):
+    elif not path.exists() and not package.endswith(".pt2") and "/" in package and HUB_ID.fullmatch(package):
         what = f"{package} is no file here; as a Hugging Face hub id it names a model, not a package"
     else:
         return None

@@ -286,9 +286,8 @@ TAKEN = "port {port} is taken by another aoti-sessions server with several front
 def holds_port(port: int) -> bool:
     """Whether a server of this user's with several front ends holds ``port``
     (its lock, :func:`_port_guard`'s, is taken)."""
-    path = os.path.join(tempfile.gettempdir(), f"aoti-sessions-ports-{os.getuid()}", f"{port}.lock")
     try:
-        with open(path) as lock:  # (taken and given back at once where free)
+        with open(_lock_path(port)) as lock:  # (taken and given back at once where free)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except FileNotFoundError:
         return False
@@ -297,15 +296,21 @@ def holds_port(port: int) -> bool:
     return False
 
 
+def _lock_path(port: int) -> str:
+    """The file whose lock holds ``port`` for one of this user's servers with several front ends."""
+    return os.path.join(tempfile.gettempdir(), f"aoti-sessions-ports-{os.getuid()}", f"{port}.lock")
+
+
 def _port_guard(port: int) -> Any:
     """An exclusive lock on ``port`` among this user's servers with several
     front ends: SO_REUSEPORT would let a second one bind the port beside the
     first and take half its connections; it is refused instead."""
-    folder = os.path.join(tempfile.gettempdir(), f"aoti-sessions-ports-{os.getuid()}")
+    path = _lock_path(port)
+    folder = os.path.dirname(path)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     if os.stat(folder).st_uid != os.getuid() or os.stat(folder).st_mode & 0o077:
         raise ServeError(f"{folder} is not this user's private folder")
-    lock = open(os.path.join(folder, f"{port}.lock"), "w")  # noqa: SIM115 - held while the server runs
+    lock = open(path, "w")  # noqa: SIM115 - held while the server runs
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
