@@ -395,26 +395,38 @@ def test_bfloat16_moe_experts_compile_and_decode_as_graphs() -> None:
         assert llm.engine.captures("decode")
 
 
-def _follows(got: list[int], model: Any, exact: Any, prompt: list[int]) -> int:
+def _follows(got: list[int], model: Any, exact: Any, prompt: list[int], turn: str = "") -> int:
     """How many of ``got``'s tokens are ``model``'s (transformers in
     bfloat16) greedy choices, stopping at the first that is not. There the
     histories part, and ``exact`` (the same model in float32, on the same
     tokens) judges: ours must be its choice, or within what bfloat16 can
-    tell apart there: 2% of the logits' largest magnitude, or transformers'
-    own bfloat16 error at that position (its bfloat16 logits against its
-    float32 ones), whichever is larger. A different kernel order rounds
-    differently; ours is held to float32, not to transformers' rounding."""
+    tell apart on this model: 2% of the logits' largest magnitude, or
+    transformers' own bfloat16 error (its bfloat16 logits against its float32
+    ones) at that position or at any position of its own greedy turn,
+    whichever is largest. A different kernel order rounds differently, and
+    where a model's logits jump (an MoE router's choice flipping between
+    experts, a lightning attention layer's state) bfloat16's error at one
+    position says little of the next: MiniMax's rewrite, run eagerly in
+    bfloat16 on the CPU, is off float32 by 9.8 at one step of a turn where it
+    is within 1.4 elsewhere and transformers' own bfloat16 is off by up to
+    7.5 (bench/results/families_cuda.md). Ours is held to float32, not to
+    transformers' rounding."""
     tokens, logits = _reference(model, prompt, len(got))
     for i, (mine, theirs, row) in enumerate(zip(got, tokens, logits)):
         if mine != theirs:
             with torch.no_grad():
-                truth = exact(torch.tensor([prompt + got[:i]], device=exact.device)).logits[0, -1].float()
+                def truth_after(history: list[int]) -> torch.Tensor:
+                    return exact(torch.tensor([prompt + history], device=exact.device)).logits[0, -1].float()
+
+                truth = truth_after(got[:i])
+                noise = float((row[0] - truth).abs().max())
+                turn_noise = max(float((r[0] - truth_after(tokens[:j])).abs().max()) for j, r in enumerate(logits))
             gap = float(truth.max() - truth[mine])
-            noise = float((row[0] - truth).abs().max())
-            allowed = max(0.02 * float(truth.abs().max()), noise)
-            assert gap <= allowed, (f"token {i}: {mine} where transformers' greedy token is {theirs} in bfloat16, "
-                                    f"{int(truth.argmax())} in float32 (float32 logit gap {gap:.4f}, allowed "
-                                    f"{allowed:.4f}: transformers' own bfloat16 error there {noise:.4f})")
+            allowed = max(0.02 * float(truth.abs().max()), noise, turn_noise)
+            assert gap <= allowed, (f"{turn} token {i}: {mine} where transformers' greedy token is {theirs} in "
+                                    f"bfloat16, {int(truth.argmax())} in float32 (float32 logit gap {gap:.4f}, "
+                                    f"allowed {allowed:.4f}: transformers' own bfloat16 error there {noise:.4f}, "
+                                    f"over its turn up to {turn_noise:.4f})")
             return i
     return len(got)
 
@@ -439,16 +451,16 @@ def _bfloat16_chat(family: str, device: str) -> None:
         s = llm.new_session()
         first = llm.encode("The quick brown fox")
         one = s.generate(first, max_tokens=24, temperature=0, ignore_eos=True)
-        followed = [_follows(one.token_ids, model, exact, first)]
+        followed = [_follows(one.token_ids, model, exact, first, "turn 1")]
         fork = s.fork()
         second = first + one.token_ids + llm.encode(" and the old mill")
         two = s.generate(second, max_tokens=24, temperature=0, ignore_eos=True)
         assert two.cached_tokens == len(first) + 23
-        followed.append(_follows(two.token_ids, model, exact, second))
+        followed.append(_follows(two.token_ids, model, exact, second, "turn 2"))
         branch = first + one.token_ids[:23] + llm.encode(" by the bridge")
         other = fork.generate(branch, max_tokens=24, temperature=0, ignore_eos=True)
         assert other.cached_tokens == len(first) + 23
-        followed.append(_follows(other.token_ids, model, exact, branch))
+        followed.append(_follows(other.token_ids, model, exact, branch, "the fork's turn"))
         assert llm.engine.captures("decode") == (device == "cuda")
     print(f"{family}: tokens equal to transformers' bf16 ones before the two part, per turn: {followed}")
 
