@@ -143,3 +143,15 @@ def test_every_results_file_is_indexed() -> None:
               if "bench/results/" in t}
     missing = sorted(p.name for p in (ROOT / "bench" / "results").glob("*.md") if p.name not in linked)
     assert not missing, f"docs/benchmarks.md does not list {missing}"
+
+
+def test_plots_are_what_their_results_draw() -> None:
+    """docs/plots/ holds what bench/plots.py draws from the results files now
+    (a results file changed and its plot not redrawn fails), and the guide
+    shows each plot."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "plots.py"), "--check"], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    shown = {Path(t).name for t in LINK.findall(_prose(ROOT / "docs" / "benchmarks.md")) if "plots/" in t}
+    drawn = {p.name for p in (ROOT / "docs" / "plots").glob("*.svg")}
+    assert drawn and drawn <= shown, f"docs/benchmarks.md does not show {sorted(drawn - shown)}"
