@@ -24,7 +24,8 @@ from ._llm import LLM, ChatSession, ContextLengthError, Prompt
 from ._logprobs import TokenLogprob
 from ._params import ParamError, SamplingParams
 from ._reasoning import Reasoning
-from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteGeneration, RemoteLLM, RemoteSession
+from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteLLM
+from ._remote_session import RemoteGeneration, RemoteSession
 from ._replies import Reply, ReplyFormat, ReplyStream, ToolCallStream, parse_tool_calls, tool_call_constraint
 from ._tools import ToolCall
 

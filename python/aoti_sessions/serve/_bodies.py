@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..llm import ReplyStream, ToolCall
     from ._model import ServedGeneration, ServedLLM
     from ..llm._logprobs import TokenLogprob
-    from ._sessions import Entry
+    from ._entry import Entry
 
 __all__ = ["Bodies", "Choice", "DONE"]
 

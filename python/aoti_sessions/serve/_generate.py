@@ -31,7 +31,7 @@ from ._errors import APIError
 from ._logprobs import TokenTexts, token_texts
 from ._metrics import ServerMetrics
 from ._protocol import ChatRequest, CompletionRequest
-from ._sessions import Entry
+from ._entry import Entry
 from ._threads import in_thread
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ from ._metrics import ServerMetrics
 from ._response_store import Stored
 from ._responses_protocol import ResponsesRequest
 from ._routes import GENERATED, answer, check_model, tenant_of
-from ._sessions import Entry
+from ._entry import Entry
 
 if TYPE_CHECKING:
     from ..llm import ToolCall

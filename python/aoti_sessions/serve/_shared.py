@@ -32,7 +32,7 @@ import anyio
 
 from ..errors import EngineProcessError
 from ._response_store import RemoteResponses
-from ._sessions import Entry
+from ._entry import Entry
 
 if TYPE_CHECKING:
     from ..llm import RemoteLLM
