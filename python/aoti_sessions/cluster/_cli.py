@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     session_dir = args.session_dir or tempfile.mkdtemp(prefix="aoti-sessions-cluster-")
     replicas, cpu = args.replicas, args.device.startswith("cpu")
-    from ..llm._llm import usable_cpus
+    from ..llm.runtime._llm import usable_cpus
     from . import _local
     from ._app import engines
     from ._front import serve_front

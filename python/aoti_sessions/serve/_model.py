@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from ..llm._generation import Event
-    from ..llm._logprobs import TokenLogprob
-    from ..llm._params import SamplingParams
-    from ..llm._prompts import ChatPrompt, Prompt
-    from ..llm._replies import ReplyFormat
+    from ..llm.runtime._generation import Event
+    from ..llm.runtime._logprobs import TokenLogprob
+    from ..llm.runtime._params import SamplingParams
+    from ..llm.runtime._prompts import ChatPrompt, Prompt
+    from ..llm.runtime._replies import ReplyFormat
     from ..llm._spec import LLMSpec
 
 __all__ = ["ServedLLM", "ServedSession", "ServedGeneration"]

@@ -8,7 +8,7 @@ threads, shielded from cancellation so that a client hanging up cannot leak a
 session half made.
 
 A request without a session id gets a throwaway session from the LLM's
-prefix cache (llm/_prefix.py), in its tenant's namespace: a fork of the
+prefix cache (llm/runtime/_prefix.py), in its tenant's namespace: a fork of the
 kept session sharing the longest start with its prompt, kept there itself
 when the request ends.
 
@@ -351,7 +351,7 @@ class Registry:
 
     async def release(self, entry: Entry) -> None:
         """Ends a request's hold; a throwaway session is closed (kept in the
-        prefix cache: llm/_prefix.py)."""
+        prefix cache: llm/runtime/_prefix.py)."""
         entry.last_used = time.time()
         if entry.id is not None:
             entry.busy = False

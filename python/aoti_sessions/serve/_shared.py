@@ -127,7 +127,7 @@ class Link:
 
 
 def _portable(error: BaseException) -> BaseException:
-    from ..llm._remote_engine import portable
+    from ..llm.process._remote_engine import portable
 
     return portable(error)
 

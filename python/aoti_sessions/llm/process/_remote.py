@@ -55,11 +55,11 @@ from typing import Any
 
 import torch
 
-from .._session import Closable
-from ..errors import EngineProcessError, EngineUnresponsiveError, Error, SessionClosedError
-from ._generation import TokenEvent
-from ._logprobs import TokenLogprob
-from ._prompts import Prompt, Prompts
+from ..._session import Closable
+from ...errors import EngineProcessError, EngineUnresponsiveError, Error, SessionClosedError
+from ..runtime._generation import TokenEvent
+from ..runtime._logprobs import TokenLogprob
+from ..runtime._prompts import Prompt, Prompts
 from ._remote_wire import EngineAddress, Finals, Outbox, Started
 from ._remote_session import RemoteGeneration, RemoteSession
 
@@ -122,7 +122,7 @@ class RemoteLLM(Prompts, Closable):
         here, there = socket.socketpair()
         with there:
             self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-m", "aoti_sessions.llm._engine_main", str(there.fileno())],
+                [sys.executable, "-m", "aoti_sessions.llm.process._engine_main", str(there.fileno())],
                 pass_fds=(there.fileno(),), stdin=subprocess.DEVNULL)
         self._conn = Connection(here.detach())
         self._conn.send((os.fspath(package), str(device), threads, engine_options, self._tick))

@@ -1,5 +1,5 @@
 """The proxies of a :class:`~aoti_sessions.llm.RemoteLLM`'s sessions and
-generations (llm/_remote.py): :class:`RemoteSession` for a chat session of the
+generations (llm/process/_remote.py): :class:`RemoteSession` for a chat session of the
 engine process, :class:`RemoteGeneration` for a generation, whose pieces
 arrive from the engine process on the connection's reader thread. Each calls
 the engine through its connection (:class:`EngineLink`, the RemoteLLM)."""
@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, TypeGuard
 
-from .._session import Closable
-from ..errors import EngineProcessError, SessionBusyError, SessionClosedError
-from ._generation import Pieces, TokenEvent
-from ._logprobs import TokenLogprob
-from ._params import SamplingParams, sampling_params
-from ._prompts import ChatPrompt, Prompt
+from ..._session import Closable
+from ...errors import EngineProcessError, SessionBusyError, SessionClosedError
+from ..runtime._generation import Pieces, TokenEvent
+from ..runtime._logprobs import TokenLogprob
+from ..runtime._params import SamplingParams, sampling_params
+from ..runtime._prompts import ChatPrompt, Prompt
 from ._remote_wire import Finals, Started
-from ._text import TextStream
+from ..runtime._text import TextStream
 
 
 class EngineLink(Protocol):

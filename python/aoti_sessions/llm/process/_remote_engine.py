@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 from ._remote_wire import EngineAddress, Finals, Outbox, Started
 
 if TYPE_CHECKING:
-    from ._generation import Generation, TokenEvent
-    from ._llm import LLM, ChatSession
+    from ..runtime._generation import Generation, TokenEvent
+    from ..runtime._llm import LLM, ChatSession
 
 __all__ = ["child_main", "StepWatch"]
 
@@ -87,7 +87,7 @@ def child_main(conn: Connection, package: str, device: str, threads: int | None,
     """The engine process: loads the LLM, says so, and serves calls (with a
     heartbeat every ``beat`` seconds) until told to close or until the other
     end goes."""
-    from ._llm import LLM
+    from ..runtime._llm import LLM
 
     # The parent decides when this process ends (it closes the pipe): a
     # Ctrl+C or SIGTERM meant for the server (its process group) must not
@@ -251,7 +251,7 @@ class _Engine:
         return sid, session.token_count
 
     def _session(self, sid: int) -> ChatSession:
-        from ..errors import SessionClosedError
+        from ...errors import SessionClosedError
 
         session = self._sessions.get(sid)
         if session is None:
@@ -361,7 +361,7 @@ def _finals(g: Generation) -> Finals:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m aoti_sessions.llm._engine_main FD``: the pipe is FD, its
+    """``python -m aoti_sessions.llm.process._engine_main FD``: the pipe is FD, its
     first message the LLM's arguments and the heartbeat's period."""
     conn = Connection(int(argv[0]))
     try:

@@ -1,5 +1,5 @@
-"""What the two ends of a RemoteLLM's pipe share (llm/_remote.py, the
-caller's end; llm/_remote_engine.py, the engine process's): the messages
+"""What the two ends of a RemoteLLM's pipe share (llm/process/_remote.py, the
+caller's end; llm/process/_remote_engine.py, the engine process's): the messages
 that are more than plain values, and the outbox each end sends through."""
 
 from __future__ import annotations
