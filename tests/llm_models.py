@@ -28,9 +28,10 @@ import transformers  # noqa: E402
 
 from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import (  # noqa: E402
+from aoti_sessions.llm import _spec  # noqa: E402
+from aoti_sessions.llm.exporting import (  # noqa: E402
     _export, _export_check, _fused, _latent, _linear_attention, _paged, _paged_attention, _paged_layout, _quantize,
-    _ring, _rotary, _spec)
+    _ring, _rotary)
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.

@@ -24,7 +24,8 @@ import aoti_sessions as ais
 import aoti_sessions.__main__
 from aoti_sessions.__main__ import main
 from aoti_sessions._package import cache_dir
-from aoti_sessions.llm import LLM, _export_cli, export
+from aoti_sessions.llm import LLM, export
+from aoti_sessions.llm.exporting import _export_cli
 from aoti_sessions.llm.exporting._export import DEFAULT_MAX_BATCH
 from aoti_sessions.llm._spec import LLM_DIR, SPEC_FILE, read_llm_package
 from conftest import requires_cuda

@@ -15,7 +15,7 @@ from ._protocol import ChatRequest, CompletionRequest
 if TYPE_CHECKING:
     from ..llm import ReplyStream, ToolCall
     from ._model import ServedGeneration, ServedLLM
-    from ..llm.runtime._logprobs import TokenLogprob
+    from ..llm.interface import TokenLogprob
     from ._entry import Entry
 
 __all__ = ["Bodies", "Choice", "DONE"]

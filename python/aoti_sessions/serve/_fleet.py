@@ -47,7 +47,7 @@ from ._threads import in_thread
 
 if TYPE_CHECKING:
     from ..llm import RemoteLLM, RemoteSession
-    from ..llm.process._remote_wire import EngineAddress
+    from ..llm.interface import EngineAddress
 
 log = logging.getLogger("aoti_sessions.serve")
 STOP_TIMEOUT_S = 60.0  # front ends finishing what they serve when the server stops
@@ -392,7 +392,7 @@ def front_end_main() -> int:
     from .._logs import configure_here
     from ..llm import RemoteLLM
     from ._app import create_app
-    from ..llm.process._remote_engine import SWITCH_INTERVAL_S
+    from ..llm.interface import SWITCH_INTERVAL_S
     from ._http import server_config, stop_when_the_engine_dies
     from ._shared import SharedRegistry
 

@@ -36,7 +36,7 @@ from ._threads import in_thread
 
 if TYPE_CHECKING:
     from ._model import ServedGeneration, ServedLLM
-    from ..llm.runtime._prompts import ChatPrompt
+    from ..llm.interface import ChatPrompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # How often a request asks whether its client left (Starlette's check costs
@@ -88,7 +88,7 @@ class Job(Bodies):
 
     # -- start -----------------------------------------------------------
     def _params(self) -> Any:
-        from ..llm.runtime._params import ParamError, SamplingParams
+        from ..llm.interface import ParamError, SamplingParams
 
         r = self.request
         field, limit = r.limit()

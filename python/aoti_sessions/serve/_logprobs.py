@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._model import ServedLLM
-    from ..llm.runtime._logprobs import TokenLogprob
+    from ..llm.interface import TokenLogprob
 
 __all__ = ["TokenTexts", "token_texts", "chat_logprobs", "completion_logprobs"]
 

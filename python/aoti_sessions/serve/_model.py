@@ -15,12 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from ..llm.runtime._generation import Event
-    from ..llm.runtime._logprobs import TokenLogprob
-    from ..llm.runtime._params import SamplingParams
-    from ..llm.runtime._prompts import ChatPrompt, Prompt
-    from ..llm.runtime._replies import ReplyFormat
-    from ..llm._spec import LLMSpec
+    from ..llm.interface import ChatPrompt, Event, LLMSpec, Prompt, ReplyFormat, SamplingParams, TokenLogprob
 
 __all__ = ["ServedLLM", "ServedSession", "ServedGeneration"]
 

@@ -307,7 +307,7 @@ class ChatRequest(_Generate, NoOpFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        from ..llm.runtime._prompts import TEMPLATE_CALL_ARGS
+        from ..llm.interface import TEMPLATE_CALL_ARGS
 
         reserved = sorted(TEMPLATE_CALL_ARGS.intersection(kwargs or {}))
         if reserved:

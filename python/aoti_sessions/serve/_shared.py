@@ -127,7 +127,7 @@ class Link:
 
 
 def _portable(error: BaseException) -> BaseException:
-    from ..llm.process._remote_engine import portable
+    from ..llm.interface import portable
 
     return portable(error)
 
