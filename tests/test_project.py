@@ -143,6 +143,14 @@ def test_python_imports_run_one_way() -> None:
 
     circles = [c for m in sorted(graph) if (c := circle(m, [])) is not None]
     assert not circles, circles[0]
+    # A subpackage uses a sibling's documented API or its interface module, never its private modules.
+    def room(m: str) -> str:
+        parts = m.split(".")
+        return parts[1] if len(parts) > 2 or (len(parts) == 2 and not parts[1].startswith("_")) else ""
+
+    private = [f"{m} imports {t}" for m, targets in imports.items() for t, _ in targets
+               if room(m) and room(t) and room(m) != room(t) and any(p.startswith("_") for p in t.split(".")[2:])]
+    assert not private, private
     allowed = {"aoti_sessions.__main__", "aoti_sessions.llm"}
     export_time = [f"{m} imports {t}" for m, targets in imports.items() for t, _ in targets
                    if t.startswith("aoti_sessions.llm.exporting") and not m.startswith("aoti_sessions.llm.exporting")
