@@ -188,7 +188,7 @@ def counters(bases: list[str]) -> dict[str, float]:
     return out
 
 
-GROUPS = (("engine processes", b"aoti_sessions.llm._engine_main"), ("replicas", b"ServeReplica"),
+GROUPS = (("engine processes", b"aoti_sessions.llm.process._engine_main"), ("replicas", b"ServeReplica"),
           ("front (command)", None), ("Ray and Serve (other)", b""))
 
 

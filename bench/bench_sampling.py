@@ -1,4 +1,4 @@
-"""The batched sampler alone (aoti_sessions.llm._sampling.sample): the time
+"""The batched sampler alone (aoti_sessions.llm.runtime._sampling.sample): the time
 of one call over ROWS rows of a real vocabulary's logits, for each mix of
 settings, min / median / max over rounds (each round the mean of CALLS calls).
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from aoti_sessions.llm._sampling import Sampler, SamplingParams, sample
+from aoti_sessions.llm.runtime._sampling import Sampler, SamplingParams, sample
 
 PLAIN: dict[str, list[dict[str, Any]]] = {
     "greedy": [{"temperature": 0}],
@@ -50,7 +50,7 @@ def rows_of(mix: list[dict[str, Any]], rows: int, device: torch.device, vocab: i
     """``rows`` samplers of ``mix``'s settings in turn (penalized rows' prompt: 64 tokens)."""
     if not has_new_fields():  # (the sampler before penalties: bench it as it was)
         return [Sampler(SamplingParams(seed=r, **mix[r % len(mix)]), {}, device) for r in range(rows)]
-    from aoti_sessions.llm._penalties import Penalties
+    from aoti_sessions.llm.runtime._penalties import Penalties
 
     shared = Penalties(device)  # (as a step loop's)
     return [Sampler(SamplingParams(seed=r, **mix[r % len(mix)]), {}, device, [t % vocab for t in range(r, r + 64)],

@@ -63,8 +63,9 @@ import httpx  # noqa: E402
 import transformers  # noqa: E402
 
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import (LLM, _export, _fused, _linear_attention, _paged, _paged_attention,  # noqa: E402
-                               _quantize, export)
+from aoti_sessions.llm import LLM, export  # noqa: E402
+from aoti_sessions.llm.exporting import (_export, _fused, _linear_attention, _paged, _paged_attention,  # noqa: E402
+                                         _quantize)
 from aoti_sessions.serve._cli import compute_threads  # noqa: E402
 from llm_models import hf_model_dir  # noqa: E402
 
@@ -366,7 +367,7 @@ def server_figures(port: int, pid: int) -> dict[str, float]:
 
 def _is_engine(pid: int) -> bool:
     try:
-        return b"aoti_sessions.llm._engine_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"aoti_sessions.llm.process._engine_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

@@ -9,7 +9,7 @@ processes of their own, before this one touches the device; the tests' package c
 running the paged attention kernel), ``precise`` (Inductor's ``emulate_precision_casts``). Each variant
 then runs the prompt through the engine (prefill, then decode steps fed the package's own greedy
 tokens; CUDA graphs on and off) and through ``LLM.generate`` (the scheduler's path), and the same
-tokens go through the rewritten model eagerly (``llm/_paged.py``'s PagedLM, the export's context) and
+tokens go through the rewritten model eagerly (``llm/exporting/_paged.py``'s PagedLM, the export's context) and
 through transformers in float32. Per step: the package's token, the eager rewrite's and float32's on
 the same history, the largest logit difference of package against eager rewrite and of eager rewrite
 against float32, and float32's logit gap for the package's token. A step where the package departs
@@ -38,8 +38,8 @@ def build(job: tuple[str, str, str, str]) -> str:
     """The package of one variant (cached by the tests' cache where it is the tests' own)."""
     family, device, dtype, variant = job
     import conftest  # noqa: F401  (the tests' cache)
-    import aoti_sessions.llm._paged as paged
-    from aoti_sessions.llm import _export
+    import aoti_sessions.llm.exporting._paged as paged
+    from aoti_sessions.llm.exporting import _export
     from llm_models import FAST, cached_package, hf_model_dir, llm_package
 
     options = VARIANTS[variant]
@@ -77,9 +77,9 @@ def _eager_logits(family: str, device: str, dtype: str, prompt: list[int], fed: 
     """The rewritten model, eagerly, fed ``prompt`` then ``fed`` a token at a time: each step's logits."""
     import torch
     import transformers
-    from aoti_sessions.llm._export import _exportable, _grouped_mm_compiles, rewritten
-    from aoti_sessions.llm._linear_attention import layers_traceable
-    from aoti_sessions.llm._paged import PagedLM
+    from aoti_sessions.llm.exporting._export import _exportable, _grouped_mm_compiles, rewritten
+    from aoti_sessions.llm.exporting._linear_attention import layers_traceable
+    from aoti_sessions.llm.exporting._paged import PagedLM
     from llm_models import hf_model_dir
 
     dev, options = torch.device(device), VARIANTS[variant]

@@ -43,7 +43,7 @@ if [ "$stage" = spy ]; then
   # the thread holding the GIL (--gil), per thread, for the run's middle; then the step loop alone.
   spy=$(python3 -c 'import sys, os; print(os.path.join(os.path.dirname(sys.executable), "py-spy"))')
   [ -x /tmp/ais-site/bin/py-spy ] && spy=/tmp/ais-site/bin/py-spy
-  ( for i in $(seq 600); do pid=$(pgrep -f llm._engine_main | head -1); [ -n "$pid" ] && break; sleep 0.5; done
+  ( for i in $(seq 600); do pid=$(pgrep -f llm.process._engine_main | head -1); [ -n "$pid" ] && break; sleep 0.5; done
     sleep "${SPY_AFTER:-20}"
     "$spy" record --pid "$pid" --gil --threads --rate 250 --duration "${SPY_FOR:-40}" --format raw \
       -o "$runs/spy-gil.txt" > "$runs/spy-gil.log" 2>&1 &

@@ -1,4 +1,4 @@
-"""GPU probe for the paged decode-attention op (aoti_sessions.llm._paged_attention):
+"""GPU probe for the paged decode-attention op (aoti_sessions.llm.exporting._paged_attention):
 its error against the reference, its time against the masked SDPA over a
 static cache that the decode step uses now, a small sweep of its launch
 parameters, and the op inside an AOTInductor package (dynamic batch and pool),
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from aoti_sessions.llm import _paged_attention as pa
+from aoti_sessions.llm.exporting import _paged_attention as pa
 
 LAYERS, PAGE, HKV, HQ, D, CTX = 16, 16, 8, 16, 64, 1024
 WIDTH = CTX // PAGE  # page-table entries per row

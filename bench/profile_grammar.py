@@ -25,8 +25,8 @@ from bench_serve import LONG_JSON, bench_package, user_message  # noqa: E402
 from profile_llm import step_thread_profiled  # noqa: E402
 
 from aoti_sessions.llm import LLM, ChatSession, Constraint  # noqa: E402
-from aoti_sessions.llm import _grammar  # noqa: E402
-from aoti_sessions.llm._remote_engine import SWITCH_INTERVAL_S  # noqa: E402
+from aoti_sessions.llm.runtime import _grammar  # noqa: E402
+from aoti_sessions.llm.process._remote_engine import SWITCH_INTERVAL_S  # noqa: E402
 
 SCHEMA = Constraint.json_schema(LONG_JSON["json_schema"]["schema"])  # type: ignore[index]
 

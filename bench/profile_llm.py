@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import bench_package, user_message  # noqa: E402
 
 from aoti_sessions.llm import LLM, ChatSession  # noqa: E402
-from aoti_sessions.llm._remote_engine import SWITCH_INTERVAL_S  # noqa: E402
+from aoti_sessions.llm.process._remote_engine import SWITCH_INTERVAL_S  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -177,7 +177,7 @@ def attention_sweep(layers: int) -> None:
     and 4-session scaling."""
     from torch.nn.attention import SDPBackend
 
-    from aoti_sessions.llm import _export
+    from aoti_sessions.llm.exporting import _export
     variants = {"default (cuDNN)": None, "efficient": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION),
                 "math": (SDPBackend.MATH,)}
     rows = []
@@ -259,7 +259,7 @@ def chat_scaling(layers: int) -> None:
 def step_thread_timed(cpu: list[float]) -> Iterator[None]:
     """Step loops started (and ended) in the block add their thread's CPU
     seconds to ``cpu`` (what a loop costs whatever else the machine runs)."""
-    from aoti_sessions.llm import _scheduler
+    from aoti_sessions.llm.runtime import _scheduler
 
     loop = _scheduler.Scheduler._loop
 
@@ -281,7 +281,7 @@ def step_thread_timed(cpu: list[float]) -> Iterator[None]:
 def step_thread_profiled(profile: cProfile.Profile) -> Iterator[None]:
     """Step loops started (and ended) in the block run under ``profile``,
     enabled on the step thread (cProfile sees only the thread that enables it)."""
-    from aoti_sessions.llm import _scheduler
+    from aoti_sessions.llm.runtime import _scheduler
 
     loop = _scheduler.Scheduler._loop
 
@@ -356,7 +356,7 @@ def step_loop_fake(rows_list: list[int], profiled: bool) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from fake_engine import FakeEngine, FakeLLM, FakeSession  # noqa: E402
 
-    from aoti_sessions.llm._plan import Limits
+    from aoti_sessions.llm.runtime._plan import Limits
 
     tokens, vocab = 256, 64
 

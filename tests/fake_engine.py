@@ -1,4 +1,4 @@
-"""A fake engine for the step loop (aoti_sessions.llm._scheduler): no
+"""A fake engine for the step loop (aoti_sessions.llm.runtime._scheduler): no
 exported model, a model in a few lines whose next token is a hash of every
 token its session's cache holds, so a token fed twice, fed to the wrong
 session, left in the cache after a stop or dropped anywhere changes every
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from aoti_sessions.llm._llm import ChatSession
-from aoti_sessions.llm._plan import Limits
-from aoti_sessions.llm._scheduler import Scheduler
+from aoti_sessions.llm.runtime._llm import ChatSession
+from aoti_sessions.llm.runtime._plan import Limits
+from aoti_sessions.llm.runtime._scheduler import Scheduler
 from aoti_sessions.llm._spec import PAD_ID
 
 VOCAB = 48

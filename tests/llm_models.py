@@ -28,9 +28,10 @@ import transformers  # noqa: E402
 
 from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import (  # noqa: E402
+from aoti_sessions.llm import _spec  # noqa: E402
+from aoti_sessions.llm.exporting import (  # noqa: E402
     _export, _export_check, _fused, _latent, _linear_attention, _paged, _paged_attention, _paged_layout, _quantize,
-    _ring, _rotary, _spec)
+    _ring, _rotary)
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
@@ -39,7 +40,7 @@ from aoti_sessions.llm import (  # noqa: E402
 # mamba2 (a pure state-space model: no attention layer) keeps only that.
 # gemma3 and gpt_oss (MoE experts, attention sinks) have window layers of 16
 # beside global ones, in a context of 128 (8x the window): each session keeps
-# a ring of 16 positions for each window layer (llm/_ring.py).
+# a ring of 16 positions for each window layer (llm/exporting/_ring.py).
 # Where a family's own layer pattern or head ratios can matter, its test
 # model has them, or a layer after a global one (a layer's slot or ring
 # index then differs from its own, as in every real checkpoint; a 1:1

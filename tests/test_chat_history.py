@@ -6,7 +6,7 @@ A recurrent or ring session rewinds only to a checkpoint: it keeps one at
 each prompt's end as well as at a turn's start, so a reply that comes back
 changed (without its thinking, as Qwen3's template writes it) rewinds to the
 prompt before it. And a reply that comes back as the text the session
-generated keeps the ids the session generated for it (llm/_prompts.py),
+generated keeps the ids the session generated for it (llm/runtime/_prompts.py),
 where encoding its text again gives others. (Through the server:
 tests/test_serve.py.)"""
 

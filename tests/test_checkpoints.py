@@ -17,7 +17,7 @@ import pytest
 import aoti_sessions as ais
 from aoti_sessions.llm import LLM
 from aoti_sessions.serve import create_app
-from aoti_sessions.serve._sessions import CHECKPOINT_WRITERS
+from aoti_sessions.serve._checkpoints import CHECKPOINT_WRITERS
 from llm_models import llm_package
 from serving import metrics, running, wait_until
 

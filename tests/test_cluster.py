@@ -436,7 +436,7 @@ def _engine_processes() -> set[int]:
     for pid in descendants(os.getpid()):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"aoti_sessions.llm._engine_main" in f.read():
+                if b"aoti_sessions.llm.process._engine_main" in f.read():
                     found.add(pid)
         except OSError:
             continue

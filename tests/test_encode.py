@@ -1,5 +1,5 @@
 """Chat prompts encoded piece by piece between added tokens, with the pieces
-cached (llm/_encode.py): the same ids as transformers' own
+cached (llm/runtime/_encode.py): the same ids as transformers' own
 ``apply_chat_template(tokenize=True)``, and off where they could differ."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from aoti_sessions.llm._encode import PieceEncoder, pieces_match_whole
+from aoti_sessions.llm.runtime._encode import PieceEncoder, pieces_match_whole
 from llm_models import CHAT_TEMPLATE, SPECIAL_TOKENS, TEXT, _train_tokenizer
 
 WORDS = TEXT.split() + ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|im_", "end|>", "  ", "\n", "\n\n", "\t",

@@ -1,7 +1,7 @@
 """What export checks before it writes a package, and how it says a failure:
 a package whose compiled code refuses a shape it declares is never written
-(llm/_export_check.py), and a model that cannot be traced is named with the
-layer and operation that failed (llm/_export_errors.py)."""
+(llm/exporting/_export_check.py), and a model that cannot be traced is named with the
+layer and operation that failed (llm/exporting/_export_errors.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 import transformers
 
 from aoti_sessions.errors import ExportError
-from aoti_sessions.llm import _export, _families, _fused
-from aoti_sessions.llm._export_check import Refused, reason, refuses_one_row, stderr_read_back
+from aoti_sessions.llm.exporting import _export, _families, _fused
+from aoti_sessions.llm.exporting._export_check import Refused, reason, refuses_one_row, stderr_read_back
 from llm_models import FAST, KNOWN, _config, hf_model_dir
 
 

@@ -1,4 +1,4 @@
-"""Reply formats (aoti_sessions.llm._replies and the formats behind it):
+"""Reply formats (aoti_sessions.llm.runtime._replies and the formats behind it):
 each family's tool calls (hermes, llama3_json, mistral in both its forms,
 GPT-OSS's harmony through openai-harmony) and reasoning (``<think>``, harmony's
 analysis channel) read from a reply's text, whole and in random pieces
@@ -20,9 +20,9 @@ import pytest
 
 import chat_templates as templates
 from aoti_sessions.llm import LLM, Constraint, Reasoning, ReplyFormat, SamplingParams, ToolCall
-from aoti_sessions.llm import _harmony as harmony_module
-from aoti_sessions.llm._harmony import vocabulary_file
-from aoti_sessions.llm._tool_formats import Llama3Json, Mistral
+from aoti_sessions.llm.runtime import _harmony as harmony_module
+from aoti_sessions.llm.runtime._harmony import vocabulary_file
+from aoti_sessions.llm.runtime._tool_formats import Llama3Json, Mistral
 from test_tools import ADD, PARAMETERS, QUESTION, TOOLS
 from tool_models import tools_package
 

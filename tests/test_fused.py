@@ -1,4 +1,4 @@
-"""Sibling projections fused at export (llm/_fused.py): a layer's q/k/v and
+"""Sibling projections fused at export (llm/exporting/_fused.py): a layer's q/k/v and
 its MLP's gate/up each one matrix multiply, with the same results, and the
 model given back as it was. test_llm_export's families are exported this
 way, each still equal to transformers' greedy tokens."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from aoti_sessions.llm._fused import FusedLinear, fused_projections
+from aoti_sessions.llm.exporting._fused import FusedLinear, fused_projections
 from llm_models import hf_model_dir
 
 

@@ -1,4 +1,4 @@
-"""Structured output (aoti_sessions.llm._grammar): generations held to a JSON
+"""Structured output (aoti_sessions.llm.runtime._grammar): generations held to a JSON
 schema, any JSON object, a regex or a Lark grammar by token masks in the
 batched sampler, on an exported random-weight tiny Qwen3: every text
 matches its constraint, constrained and free rows share steps without

@@ -1,4 +1,4 @@
-"""Multi-head latent attention's absorbed decode (aoti_sessions.llm._latent):
+"""Multi-head latent attention's absorbed decode (aoti_sessions.llm.exporting._latent):
 the same function as the layer's own expansion of every cached position
 into keys and values, and what a PagedLM decode call of DeepSeek runs
 (its prefill keeps the expansion). Greedy equality of whole packages:
@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from aoti_sessions.llm import _latent, _paged
+from aoti_sessions.llm.exporting import _latent, _paged
 from llm_models import hf_model_dir
 
 

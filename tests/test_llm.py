@@ -108,7 +108,7 @@ def test_text_is_made_where_it_is_read(llm, monkeypatch):
     thread that reads it (here the caller's, through step(), and a sink's
     caller), and only a reply with stop strings has text made in the step
     loop as well; every way gives the same text."""
-    from aoti_sessions.llm import _text
+    from aoti_sessions.llm.runtime import _text
 
     threads: list[str] = []
     push = _text.TextStream.push
@@ -405,7 +405,7 @@ def test_stop_strings_are_bounded(stop):
 
 
 def test_text_is_held_back_only_while_it_may_begin_a_stop_string(llm):
-    from aoti_sessions.llm._text import TextStream
+    from aoti_sessions.llm.runtime._text import TextStream
 
     ids = llm.tokenizer.encode("the river and the old mill")
     text = llm.tokenizer.decode(ids)
@@ -428,7 +428,7 @@ def test_text_of_any_token_ids_is_the_tokenizers_decode(llm):
     tokenizer's own decode of the ids, for random ids: characters split over
     tokens, special tokens (skipped), an unfinished character at the end; so
     does ``decoded`` (the whole text in one call)."""
-    from aoti_sessions.llm._text import TextStream, _backend, decoded
+    from aoti_sessions.llm.runtime._text import TextStream, _backend, decoded
 
     tokenizer = llm.tokenizer
     assert _backend(tokenizer) is not None  # (decoded's one-call path is the one checked here)
@@ -444,7 +444,7 @@ def test_text_of_any_token_ids_is_the_tokenizers_decode(llm):
 def test_threads_option_and_the_warning_without_it(caplog: pytest.LogCaptureFixture) -> None:
     """LLM(threads=N) sets the model's CPU kernel threads; without it, on a
     CPU device where torch uses every CPU, a warning names the option."""
-    from aoti_sessions.llm._llm import usable_cpus
+    from aoti_sessions.llm.runtime._llm import usable_cpus
 
     package = llm_package("qwen3", device="cpu", max_cache_len=CONTEXT)
     before = torch.get_num_threads()

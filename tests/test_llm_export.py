@@ -24,8 +24,9 @@ import aoti_sessions as ais
 import aoti_sessions.__main__
 from aoti_sessions.__main__ import main
 from aoti_sessions._package import cache_dir
-from aoti_sessions.llm import LLM, _export_cli, export
-from aoti_sessions.llm._export import DEFAULT_MAX_BATCH
+from aoti_sessions.llm import LLM, export
+from aoti_sessions.llm.exporting import _export_cli
+from aoti_sessions.llm.exporting._export import DEFAULT_MAX_BATCH
 from aoti_sessions.llm._spec import LLM_DIR, SPEC_FILE, read_llm_package
 from conftest import requires_cuda
 from llm_models import ARCHS, FAST, cached_package, hf_model_dir, llm_package
@@ -356,7 +357,7 @@ def test_bfloat16_moe_experts_where_grouped_mm_does_not_compile(monkeypatch: pyt
     through transformers' fallback op in prefill and batched matmuls in
     decode, and the package's greedy tokens equal transformers' in
     bfloat16 (whose experts run torch's grouped mm)."""
-    from aoti_sessions.llm import _export
+    from aoti_sessions.llm.exporting import _export
 
     monkeypatch.setattr(_export, "_grouped_mm_compiles", lambda device: False)
     package = cached_package("llm-qwen3_moe-cpu-bf16-fallback", ("qwen3_moe", "cpu", "bfloat16", "fallback"),
@@ -571,7 +572,7 @@ def test_hub_ids_resolve_from_the_hub_cache_offline(tmp_path: Path) -> None:
     nor (offline) the hub is one clear error."""
     _hub_cache(tmp_path, "tiny/qwen3", hf_model_dir("qwen3"))
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    probe = ("from aoti_sessions.llm._export_source import hub_folder, check_folder; "
+    probe = ("from aoti_sessions.llm.exporting._export_source import hub_folder, check_folder; "
              "f = hub_folder('tiny/qwen3'); print(f); print(check_folder(f).model_type)")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -701,7 +702,7 @@ def test_picking_rows_restores_the_output_head_as_it_was() -> None:
     """Export applies the head to each row's last real position through a
     swapped forward, then leaves the head as it found it: the class's
     forward, or one set on the module itself (a hook's)."""
-    from aoti_sessions.llm._paged import _pick_rows
+    from aoti_sessions.llm.exporting._paged import _pick_rows
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""aoti_sessions.llm._paged_attention: the reference against a naive per-row
+"""aoti_sessions.llm.exporting._paged_attention: the reference against a naive per-row
 loop, the Triton kernels against the reference (triton's interpreter on the
 CPU, the real op on a GPU), the kernels compiled for sm_90 and traced the way
 AOTInductor traces them, and torch.export of a module that calls the op.
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from aoti_sessions.llm import _paged_attention as pa
+from aoti_sessions.llm.exporting import _paged_attention as pa
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 requires_triton = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
@@ -138,7 +138,7 @@ def test_reimport_keeps_one_op() -> None:
 def test_imports_without_triton() -> None:
     code = ("import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
             "import torch\n"
-            "from aoti_sessions.llm import _paged_attention as pa\n"
+            "from aoti_sessions.llm.exporting import _paged_attention as pa\n"
             "assert not pa.HAS_TRITON_OP\n"
             "q = torch.randn(1, 2, 16); kv = torch.randn(3, 4, 2, 16)\n"
             "out = pa.paged_decode_attention(q, kv, kv, torch.tensor([[1]], dtype=torch.int32), torch.tensor([3]), 0.25)\n"

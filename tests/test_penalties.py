@@ -1,5 +1,5 @@
 """The sampler's logit bias, penalties, min-p and logprobs
-(aoti_sessions.llm._penalties, _logprobs, _sampling), against plain PyTorch
+(aoti_sessions.llm.runtime._penalties, _logprobs, _sampling), against plain PyTorch
 references of their definitions on random logits: every row of a batch that
 mixes rows with and without each of them equals its reference and its solo
 sample, step after step (the penalties' counts kept on the device)."""
@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from aoti_sessions.llm._logprobs import MAX_LOGPROBS
-from aoti_sessions.llm._params import ParamError, SamplingParams, generation_defaults
-from aoti_sessions.llm._penalties import Penalties
-from aoti_sessions.llm._sampling import Sampler, _log_exponentials, draw
+from aoti_sessions.llm.runtime._logprobs import MAX_LOGPROBS
+from aoti_sessions.llm.runtime._params import ParamError, SamplingParams, generation_defaults
+from aoti_sessions.llm.runtime._penalties import Penalties
+from aoti_sessions.llm.runtime._sampling import Sampler, _log_exponentials, draw
 
 VOCAB = 1000
 

@@ -1,4 +1,4 @@
-"""The step loop's decisions (aoti_sessions.llm._plan) without an engine:
+"""The step loop's decisions (aoti_sessions.llm.runtime._plan) without an engine:
 which generations decode, which prompt chunks are fed, how prefill rows
 share calls and what width a call is padded to, with stand-ins for the
 generations (the scheduler's own tests run them on an exported model)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from aoti_sessions.llm._plan import Limits, Row, plan_step, prefill_groups, prefill_width
+from aoti_sessions.llm.runtime._plan import Limits, Row, plan_step, prefill_groups, prefill_width
 
 LIMITS = Limits(budget=64, max_prefill=32, prefill_rows=4, max_context=256, min_bucket=16)
 

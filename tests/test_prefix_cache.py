@@ -1,4 +1,4 @@
-"""The prefix cache (llm/_prefix.py): a session without a session id starts
+"""The prefix cache (llm/runtime/_prefix.py): a session without a session id starts
 from a kept session sharing its prompt's start (pages shared copy-on-write)
 and prefills only the rest. On real compiled tiny models (the 2048-token
 Qwen3 of tool_models.py for the long system prompt, the 128-token Qwen3 and

@@ -84,10 +84,92 @@ def test_core_includes_point_down() -> None:
     assert not offenders, "\n".join(offenders)
 
 
+def _python_imports() -> dict[str, list[tuple[str, bool]]]:
+    """Each module of the package: the package modules it imports, each
+    with whether at module level (type-checking imports included) or inside
+    a function."""
+    import ast
+
+    def name_of(path: Path) -> str:
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name_of(p): p for p in PACKAGE.rglob("*.py")}
+    out: dict[str, list[tuple[str, bool]]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     for n in ast.walk(f)}
+        found = []
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], *filter(None, [base])])
+                # (``from . import x``: x a module, or the compiled _core, which imports nothing of ours)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+                           if node.module or f"{base}.{a.name}" in modules]
+            for target in targets:
+                if target in modules and target != module:  # (torch's, the compiled _core's: not ours)
+                    found.append((target, id(node) not in functions))
+        out[module] = found
+    return out
+
+
+def test_python_imports_run_one_way() -> None:
+    """No circle among the package's module-level imports (type-checking
+    ones included), and the runtime never imports export time: nothing
+    outside llm/exporting imports it, at any level, but the export command
+    and ``aoti_sessions.llm.export`` (loaded on first use)."""
+    imports = _python_imports()
+    assert "aoti_sessions.llm.exporting._export" in imports  # (the walk is live)
+    graph = {m: {t for t, top in targets if top} for m, targets in imports.items()}
+    done: set[str] = set()
+
+    def circle(m: str, path: list[str]) -> list[str] | None:
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in done:
+            return None
+        for t in sorted(graph[m]):
+            if (found := circle(t, path + [m])) is not None:
+                return found
+        done.add(m)
+        return None
+
+    circles = [c for m in sorted(graph) if (c := circle(m, [])) is not None]
+    assert not circles, circles[0]
+    # A subpackage uses a sibling's documented API or its interface module, never its private modules.
+    def room(m: str) -> str:
+        parts = m.split(".")
+        return parts[1] if len(parts) > 2 or (len(parts) == 2 and not parts[1].startswith("_")) else ""
+
+    private = [f"{m} imports {t}" for m, targets in imports.items() for t, _ in targets
+               if room(m) and room(t) and room(m) != room(t) and any(p.startswith("_") for p in t.split(".")[2:])]
+    assert not private, private
+    allowed = {"aoti_sessions.__main__", "aoti_sessions.llm"}
+    export_time = [f"{m} imports {t}" for m, targets in imports.items() for t, _ in targets
+                   if t.startswith("aoti_sessions.llm.exporting") and not m.startswith("aoti_sessions.llm.exporting")
+                   and m not in allowed]
+    assert not export_time, export_time
+    serving = ("import sys, aoti_sessions.llm, aoti_sessions.serve._app, aoti_sessions.llm.process._remote_engine; "
+               "print(sorted(m for m in sys.modules if '.exporting' in m))")
+    loaded = subprocess.run([sys.executable, "-c", serving], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert loaded.stdout.strip() == "[]", loaded.stdout
+
+
 def test_files_stay_small() -> None:
-    """One job per file: none in the core or the Python package over 450 lines
-    (the generated stubs aside)."""
-    files = [*(ROOT / "csrc" / "core").iterdir(), *PACKAGE.glob("*.py")]
+    """One job per file: none of the sources under csrc/ (the core and the
+    bindings) or python/ over 450 lines (the generated stubs aside), at any
+    depth."""
+    files = [p for folder in ("csrc", "python") for p in (ROOT / folder).rglob("*")
+             if p.suffix in (".py", ".cc", ".h", ".cu", ".cuh") and p.is_file()]
+    assert len(files) > 100 and PACKAGE / "serve" / "_sessions.py" in files  # (the walk is live)
     long = [f"{p.relative_to(ROOT)}: {n} lines" for p in files
             if (n := len(p.read_text().splitlines())) > 450]
     assert not long, long

@@ -1,4 +1,4 @@
-"""Weight-only quantization at export (llm/_quantize.py, torchao): the
+"""Weight-only quantization at export (llm/exporting/_quantize.py, torchao): the
 package computes what the model quantized the same way computes; its
 weights are stored quantized; bad requests are refused before anything is
 read. int8wo on the CPU and CUDA, int4wo on CUDA (bfloat16, torch's int4
@@ -16,7 +16,7 @@ import transformers
 
 import aoti_sessions as ais
 from aoti_sessions.llm import LLM, export
-from aoti_sessions.llm._quantize import quantized_weights
+from aoti_sessions.llm.exporting._quantize import quantized_weights
 from aoti_sessions.llm._spec import read_llm_package
 from conftest import requires_cuda
 from llm_models import FAST, SEED, _atomic_dir, _config, _source_key, _train_tokenizer, cached_package

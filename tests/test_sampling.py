@@ -1,4 +1,4 @@
-"""The batched sampler (aoti_sessions.llm._sampling): greedy rows are argmax,
+"""The batched sampler (aoti_sessions.llm.runtime._sampling): greedy rows are argmax,
 drawn rows follow softmax(logits / T) within top-k and top-p, and a seeded
 row draws the same tokens alone or in any batch, at any row."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from aoti_sessions.llm._sampling import Sampler, SamplingParams, sample
+from aoti_sessions.llm.runtime._sampling import Sampler, SamplingParams, sample
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Continuous batching (aoti_sessions.llm._scheduler) on an exported tiny
+"""Continuous batching (aoti_sessions.llm.runtime._scheduler) on an exported tiny
 Qwen3: chats running at once share decode steps, join and leave between
 steps, get cancelled, forked, saved, loaded and offloaded, and every chat's
 greedy tokens equal the same conversation run alone."""

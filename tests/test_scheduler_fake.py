@@ -1,4 +1,4 @@
-"""The step loop (aoti_sessions.llm._scheduler) over a fake engine: no
+"""The step loop (aoti_sessions.llm.runtime._scheduler) over a fake engine: no
 exported model, a model in a few lines whose next token is a hash of every
 token its session's cache holds, so a token fed twice, fed to the wrong
 session, left in the cache after a stop or dropped anywhere changes every
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from aoti_sessions.errors import SessionClosedError
-from aoti_sessions.llm._generation import TokenEvent
-from aoti_sessions.llm._plan import Limits
+from aoti_sessions.llm.runtime._generation import TokenEvent
+from aoti_sessions.llm.runtime._plan import Limits
 from fake_engine import CONTEXT, EOS, VOCAB, FakeLLM, FakeSession, next_token
 
 @pytest.fixture

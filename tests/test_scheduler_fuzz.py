@@ -1,4 +1,4 @@
-"""The step loop (llm/_scheduler.py) fuzzed: random prefill budgets, prompt
+"""The step loop (llm/runtime/_scheduler.py) fuzzed: random prefill budgets, prompt
 lengths (one token, a few, several chunks; after a cached first turn or
 not), arrival orders (alone, in bursts that join one step, staggered), stop
 tokens, max_tokens and cancels, on a dense (qwen3), a recurrent (lfm2), a

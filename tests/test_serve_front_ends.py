@@ -27,9 +27,10 @@ import pytest
 
 from aoti_sessions.errors import EngineProcessError, SessionClosedError
 from aoti_sessions.llm import LLM, RemoteLLM
-from aoti_sessions.llm._remote_engine import EngineAddress, Outbox
+from aoti_sessions.llm.process._remote_wire import EngineAddress, Outbox
 from aoti_sessions.serve._fleet import default_api_workers
-from aoti_sessions.serve._sessions import Entry, Registry
+from aoti_sessions.serve._entry import Entry
+from aoti_sessions.serve._sessions import Registry
 from aoti_sessions.serve._shared import SharedRegistry
 from aoti_sessions.serve._tenants import DEFAULT_TENANT
 from conftest import run_async

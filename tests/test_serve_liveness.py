@@ -169,8 +169,8 @@ def test_the_heartbeat_goes_on_through_a_long_step(package: Path) -> None:
     a deadlock would hold it) does not stop it, and it tells how long the step
     loop has been in that step, back to about 0 once steps go on. (The engine
     served in this process, this test its parent.)"""
-    from aoti_sessions.llm._remote_engine import _Engine
-    from aoti_sessions.llm._sampling import SamplingParams
+    from aoti_sessions.llm.process._remote_engine import _Engine
+    from aoti_sessions.llm.runtime._sampling import SamplingParams
 
     here, there = socket.socketpair()
     llm = LLM(package, threads=1)

@@ -1,4 +1,4 @@
-"""Tool calling (aoti_sessions.llm._tools and the server's tools fields): the
+"""Tool calling (aoti_sessions.llm.runtime._tools and the server's tools fields): the
 Hermes / Qwen ``<tool_call>`` format parsed whole and streamed, tools
 rendered by the model's own chat template, and tool_choice "required" or
 a named function held to calls of the offered tools by the grammar, on an

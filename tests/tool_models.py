@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from aoti_sessions.llm import _export
+from aoti_sessions.llm.exporting import _export
 from llm_models import FAST, SEED, _atomic_dir, _config, _source_key, _train_tokenizer, cache_dir, cached_package
 
 CONTEXT = 2048

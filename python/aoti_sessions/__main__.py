@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="serve an LLM package over an OpenAI-compatible HTTP API")
     add_serve_arguments(serve)
     add_cluster_arguments(serve)
-    from .llm._export_cli import add_arguments as add_export_arguments, run as run_export
+    from .llm.exporting._export_cli import add_arguments as add_export_arguments, run as run_export
 
     add_export_arguments(commands.add_parser("export", help="compile a saved transformers causal LM into an LLM package"))
     args = parser.parse_args(argv)

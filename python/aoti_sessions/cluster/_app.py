@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..serve._tenants import Keys, read_api_keys
+from ..serve.interface import Keys, read_api_keys
 from . import _env
 from ._ingress import Ingress
 from ._replica import Replica
@@ -78,7 +78,7 @@ def app(package: str | Path, *, replicas: int = 2, session_dir: str | Path, devi
     """
     from ray import serve
 
-    from ..serve._middleware import check_origins
+    from ..serve.interface import check_origins
 
     api_keys = list(api_keys)
     Keys(api_key, api_keys)  # (refused here, not in each replica)

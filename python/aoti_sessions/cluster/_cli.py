@@ -10,9 +10,7 @@ import sys
 import tempfile
 from typing import Any
 
-from ..serve._cli import prompt_options
-from ..serve._limits import available_memory, default_budgets
-from ..serve._tenants import Keys, read_api_keys
+from ..serve.interface import Keys, available_memory, default_budgets, prompt_options, read_api_keys
 
 MAX_BODY_BYTES = 64 << 20  # the front's limit; each replica checks its own (by the model's context)
 
@@ -46,8 +44,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("aoti-sessions serve --replicas needs Ray Serve: pip install 'aoti-sessions[cluster]'", file=sys.stderr)
         return 2
-    from ..serve._app import served_names
-    from ..serve._middleware import check_origins
+    from ..serve.interface import check_origins, served_names
 
     check_origins(args.allowed_origins or ())  # (refused before any cluster starts: exit status 2)
     if args.served_model_name is not None:
@@ -59,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     session_dir = args.session_dir or tempfile.mkdtemp(prefix="aoti-sessions-cluster-")
     replicas, cpu = args.replicas, args.device.startswith("cpu")
-    from ..llm._llm import usable_cpus
+    from ..llm.interface import usable_cpus
     from . import _local
     from ._app import engines
     from ._front import serve_front

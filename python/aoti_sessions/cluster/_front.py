@@ -41,8 +41,8 @@ def serve_front(replicas: Any, host: str, port: int, *, api_key: str | None, max
     """Serves the cluster on ``host:port`` until SIGINT or SIGTERM."""
     import uvicorn
 
-    from ..llm._remote_engine import SWITCH_INTERVAL_S
-    from ..serve._http import server_config
+    from ..llm.interface import SWITCH_INTERVAL_S
+    from ..serve.interface import server_config
 
     # uvicorn's loop hands each request to the handle's router on a thread
     # of its own and takes the answer back: each hand-over waits for the

@@ -31,11 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .._logs import REQUEST_ID
-from ..serve._middleware import Cors, request_id, unauthorized
-from ..serve._errors import APIError, error_response, sse_error, unexpected
-from ..serve._http import OnceAMinute
-from ..serve._metrics import CONTENT_TYPE, Registry
-from ..serve._tenants import DEFAULT_TENANT, Keys, scoped
+from ..serve.interface import APIError, Cors, error_response, request_id, sse_error, unauthorized, unexpected
+from ..serve.interface import CONTENT_TYPE, DEFAULT_TENANT, Keys, MetricsRegistry, OnceAMinute, scoped
 from . import _local
 from ._metrics import merge
 from ._replica import ENGINE_GONE, REPLICA_HEADER
@@ -97,7 +94,7 @@ class Ingress:
         self.retry_for, self.max_body_bytes = retry_for, max_body_bytes
         self.cors = Cors(allowed_origins) if allowed_origins else None
         self.answer_request_ids = answer_request_ids
-        self.metrics = Registry()
+        self.metrics = MetricsRegistry()
         self.requests = self.metrics.counter("aoti_sessions_cluster_requests_total",
                                              "Requests the ingress answered, by status.", ("status",))
         self.retries = self.metrics.counter("aoti_sessions_cluster_retries_total",

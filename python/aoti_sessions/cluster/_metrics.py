@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..serve._metrics import Sample, exposition, samples_of, summed
+from ..serve.interface import Sample, exposition, samples_of, summed
 
 
 def merge(texts: dict[str, str]) -> str:

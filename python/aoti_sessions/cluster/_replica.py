@@ -33,7 +33,7 @@ class Replica:
         from ray import serve
 
         from ..serve import create_app
-        from ..serve._open import open_llm
+        from ..serve.interface import open_llm
 
         device = _visible_device(device)
         self.engine_options = dict(engine or {})
@@ -134,7 +134,7 @@ class Replica:
 async def _engine_gone() -> AsyncIterator[Any]:
     """The server's answer once its engine process has ended (503
     ``engine_unavailable``), its head marked :data:`ENGINE_GONE`."""
-    from ..serve._errors import error_body
+    from ..serve.interface import error_body
 
     body = json.dumps(error_body(503, "the model is unavailable: this replica's engine process ended",
                                  "engine_unavailable")).encode()

@@ -17,19 +17,32 @@ tokenizer and proxies here. A reply's text is read in pieces (its answer,
 
 from __future__ import annotations
 
-from ._export import export
-from ._generation import Completion, Generation
-from ._grammar import Constraint
-from ._llm import LLM, ChatSession, ContextLengthError, Prompt
-from ._logprobs import TokenLogprob
-from ._params import ParamError, SamplingParams
-from ._reasoning import Reasoning
-from ._remote import EngineProcessError, EngineUnresponsiveError, RemoteGeneration, RemoteLLM, RemoteSession
-from ._replies import Reply, ReplyFormat, ReplyStream, ToolCallStream, parse_tool_calls, tool_call_constraint
-from ._tools import ToolCall
+from typing import TYPE_CHECKING, Any
+
+from .process._remote import EngineProcessError, EngineUnresponsiveError, RemoteLLM
+from .process._remote_session import RemoteGeneration, RemoteSession
+from .runtime._generation import Completion, Generation
+from .runtime._grammar import Constraint
+from .runtime._llm import LLM, ChatSession, ContextLengthError, Prompt
+from .runtime._logprobs import TokenLogprob
+from .runtime._params import ParamError, SamplingParams
+from .runtime._reasoning import Reasoning
+from .runtime._replies import Reply, ReplyFormat, ReplyStream, ToolCallStream, parse_tool_calls, tool_call_constraint
+from .runtime._tools import ToolCall
+
+if TYPE_CHECKING:
+    from .exporting._export import export
 
 __all__ = ["export", "LLM", "ChatSession", "Completion", "Generation", "Prompt", "SamplingParams", "ParamError",
            "TokenLogprob", "Constraint",
            "ContextLengthError", "ToolCall", "ToolCallStream", "parse_tool_calls", "tool_call_constraint",
            "Reasoning", "Reply", "ReplyFormat", "ReplyStream",
            "RemoteLLM", "RemoteSession", "RemoteGeneration", "EngineProcessError", "EngineUnresponsiveError"]
+
+
+def __getattr__(name: str) -> Any:
+    """``export`` on first use: export time's modules (llm/exporting/) stay out of a process that only serves."""
+    if name == "export":
+        from .exporting._export import export
+        return export
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

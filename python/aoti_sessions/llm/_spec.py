@@ -72,7 +72,7 @@ class LLMSpec:
     # Window layers keep a ring of this many positions a session (0: no ring;
     # their rings rewind as recurrent state does).
     window_ring: int = 0
-    # Weight-only quantization export applied (one of QUANTIZATIONS, llm/_quantize.py); None: the model's dtype.
+    # Weight-only quantization export applied (one of QUANTIZATIONS, llm/exporting/_quantize.py); None: the model's dtype.
     quantization: str | None = None
 
     def to_json(self) -> str:

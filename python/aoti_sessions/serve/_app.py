@@ -105,7 +105,7 @@ def create_app(llm: ServedLLM, *, api_key: str | None = None, session_dir: str |
     an ``X-Session-ID`` header; an id the server does not know yet is created
     (the ``/v1/sessions/{id}`` endpoints answer 404 for it instead). Without
     one, the request gets a throwaway session from the LLM's prefix cache
-    (llm/_prefix.py: within the request's tenant and ``prompt_cache_key``),
+    (llm/runtime/_prefix.py: within the request's tenant and ``prompt_cache_key``),
     kept there when it ends.
     """
     check_options(max_body_bytes, session_ttl, body_timeout, max_session_files, max_session_files_bytes,

@@ -1,6 +1,6 @@
 """The OpenAI response bodies and stream chunks of a generation request
 (_generate.Job): its choices' text, reasoning and tool calls (read by the
-model's reply format: llm/_replies.py), logprobs (_logprobs.py) and usage."""
+model's reply format: llm/runtime/_replies.py), logprobs (_logprobs.py) and usage."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from ._protocol import ChatRequest, CompletionRequest
 if TYPE_CHECKING:
     from ..llm import ReplyStream, ToolCall
     from ._model import ServedGeneration, ServedLLM
-    from ..llm._logprobs import TokenLogprob
-    from ._sessions import Entry
+    from ..llm.interface import TokenLogprob
+    from ._entry import Entry
 
 __all__ = ["Bodies", "Choice", "DONE"]
 

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..llm._remote import ENGINE_TIMEOUT_S, STEP_TIMEOUT_S
-from ..llm._spec import HUB_ID
+from ..llm.interface import ENGINE_TIMEOUT_S, HUB_ID, STEP_TIMEOUT_S
 from ._limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_SESSION_FILES,
                       DEFAULT_MAX_SESSION_FILES_BYTES, DEFAULT_SESSION_TTL, DEFAULT_STATS_INTERVAL, available_memory,
                       default_budgets)
@@ -214,7 +213,7 @@ def describe_limits(args: argparse.Namespace, memory_budget: int | None, host_bu
 def describe_defaults(config: dict[str, Any]) -> str:
     """The sampling defaults a generation config gives requests that leave
     them unset, as the start line names them."""
-    from ..llm._params import generation_defaults
+    from ..llm.interface import generation_defaults
 
     d = generation_defaults(config)
     sampling = d["temperature"] > 0
@@ -233,7 +232,7 @@ def compute_threads(requested: int | None, device: str) -> int | None:
         return requested
     if not device.startswith("cpu"):
         return None
-    from ..llm._llm import usable_cpus
+    from ..llm.interface import usable_cpus
 
     return max(1, usable_cpus() - 1)
 
@@ -322,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     # parallel kernel waits for its slowest thread, so one the loop preempts
     # stalls every step.
     threads = compute_threads(args.threads, args.device)
-    from ..llm._llm import usable_cpus
+    from ..llm.interface import usable_cpus
     from ._fleet import default_api_workers
 
     workers = args.api_workers if args.api_workers is not None else \

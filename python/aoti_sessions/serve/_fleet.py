@@ -40,13 +40,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import _stats_log
 from ._response_store import ResponseStore
-from ._sessions import Entry, Registry, described_one
+from ._entry import Entry, described_one
+from ._sessions import Registry
 from ._shared import METRICS_TIMEOUT_S, Link
 from ._threads import in_thread
 
 if TYPE_CHECKING:
     from ..llm import RemoteLLM, RemoteSession
-    from ..llm._remote_engine import EngineAddress
+    from ..llm.interface import EngineAddress
 
 log = logging.getLogger("aoti_sessions.serve")
 STOP_TIMEOUT_S = 60.0  # front ends finishing what they serve when the server stops
@@ -391,7 +392,7 @@ def front_end_main() -> int:
     from .._logs import configure_here
     from ..llm import RemoteLLM
     from ._app import create_app
-    from ..llm._remote_engine import SWITCH_INTERVAL_S
+    from ..llm.interface import SWITCH_INTERVAL_S
     from ._http import server_config, stop_when_the_engine_dies
     from ._shared import SharedRegistry
 

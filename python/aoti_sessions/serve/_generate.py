@@ -13,7 +13,7 @@ seeded request's choice i draws with seed + i, so it stays reproducible, and
 equals a request of n=1 with that seed). Usage counts the prompt once; a
 named session keeps the first choice's reply, as with n=1. (Recurrent state
 cannot rewind by one position: a hybrid model's choices feed the prompt
-again from the turn's checkpoint, llm/_llm.py.)"""
+again from the turn's checkpoint, llm/runtime/_llm.py.)"""
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ from ._errors import APIError
 from ._logprobs import TokenTexts, token_texts
 from ._metrics import ServerMetrics
 from ._protocol import ChatRequest, CompletionRequest
-from ._sessions import Entry
+from ._entry import Entry
 from ._threads import in_thread
 
 if TYPE_CHECKING:
     from ._model import ServedGeneration, ServedLLM
-    from ..llm._prompts import ChatPrompt
+    from ..llm.interface import ChatPrompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # How often a request asks whether its client left (Starlette's check costs
@@ -72,7 +72,7 @@ class Job(Bodies):
         self._tools = request.tools_offered() if isinstance(request, ChatRequest) else None
         self._holds_calls = False  # the constraint holds the reply to tool calls (tool_choice)
         # The prompt's text where the model's reply format reads the reply (its reasoning, its tool calls:
-        # llm/_replies.py), from tokenize(): each choice reads its reply in pieces after it. None: not read.
+        # llm/runtime/_replies.py), from tokenize(): each choice reads its reply in pieces after it. None: not read.
         self._reply_after: str | None = None
         self._active = False  # counted in metrics.active (start() succeeded)
         # Checked before any session is touched: a bad request changes nothing.
@@ -88,7 +88,7 @@ class Job(Bodies):
 
     # -- start -----------------------------------------------------------
     def _params(self) -> Any:
-        from ..llm._params import ParamError, SamplingParams
+        from ..llm.interface import ParamError, SamplingParams
 
         r = self.request
         field, limit = r.limit()
@@ -145,7 +145,7 @@ class Job(Bodies):
         """The prompt as token ids (chat template, tokenizer, the runtime's
         checks), in a worker thread, before any session is touched (400 for a
         prompt the runtime refuses). A chat prompt keeps its text: the
-        session keeps its own ids for the history it fed (llm/_prompts.py)."""
+        session keeps its own ids for the history it fed (llm/runtime/_prompts.py)."""
         from ..llm import ContextLengthError
 
         r = self.request

@@ -1,4 +1,4 @@
-"""Logprobs in OpenAI's shapes, from a generation's (llm/_logprobs.py):
+"""Logprobs in OpenAI's shapes, from a generation's (llm/runtime/_logprobs.py):
 chat's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` and
 completions' ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._model import ServedLLM
-    from ..llm._logprobs import TokenLogprob
+    from ..llm.interface import TokenLogprob
 
 __all__ = ["TokenTexts", "token_texts", "chat_logprobs", "completion_logprobs"]
 

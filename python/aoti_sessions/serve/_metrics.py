@@ -212,7 +212,7 @@ class ServerMetrics:
                                              "step)."),
                           ("graph_replays", "Runs served by replaying a CUDA graph."),
                           ("prefix_cache_hits", "Sessions of requests without a session id that started from the "
-                                                "prefix cache (llm/_prefix.py)."),
+                                                "prefix cache (llm/runtime/_prefix.py)."),
                           ("prefix_cache_tokens", "Prompt tokens those sessions took from the prefix cache."),
                           ("prefix_cache_evictions", "Prefix cache sessions dropped for its bounds."),
                           ("discards", "Prefix cache sessions the engine closed to make room (or idle).")):

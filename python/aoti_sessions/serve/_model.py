@@ -15,12 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from ..llm._generation import Event
-    from ..llm._logprobs import TokenLogprob
-    from ..llm._params import SamplingParams
-    from ..llm._prompts import ChatPrompt, Prompt
-    from ..llm._replies import ReplyFormat
-    from ..llm._spec import LLMSpec
+    from ..llm.interface import ChatPrompt, Event, LLMSpec, Prompt, ReplyFormat, SamplingParams, TokenLogprob
 
 __all__ = ["ServedLLM", "ServedSession", "ServedGeneration"]
 

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from ..llm._remote_engine import SWITCH_INTERVAL_S  # (the engine process's own, too)
+from ..llm.interface import SWITCH_INTERVAL_S  # (the engine process's own, too)
 
 
 def open_llm(package: str | os.PathLike[str], *, device: str, threads: int | None, engine_process: bool,

@@ -7,12 +7,12 @@ accepted where their value asks for nothing this server does not do:
 ``user`` (ignored), ``stream_options`` (``include_usage`` honoured),
 ``echo``: false, ``best_of``: 1, ``suffix``: null. Any other value of these
 is a 400 saying it is not supported. ``response_format`` (chat): text,
-json_object or json_schema, held to by the grammar engine (llm/_grammar.py);
+json_object or json_schema, held to by the grammar engine (llm/runtime/_grammar.py);
 ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls``
-and ``tool`` messages (llm/_replies.py); ``reasoning_effort``,
+and ``tool`` messages (llm/runtime/_replies.py); ``reasoning_effort``,
 ``chat_template_kwargs`` (the chat template's variables, as vLLM takes them)
 and assistant ``reasoning_content`` (given to the template, which may render
-it). Sampling (llm/_params.py):
+it). Sampling (llm/runtime/_params.py):
 ``presence_penalty`` / ``frequency_penalty``, ``logit_bias`` (token ids as
 strings, OpenAI's), ``n`` (forks of the prompt's session: _generate.py),
 logprobs (chat: ``logprobs`` and ``top_logprobs``; completions:
@@ -183,7 +183,7 @@ def _unsupported(value: Any, allowed: str) -> ValueError:
 
 MAX_CHOICES = 16  # n at most (each choice a fork of the prompt's session: room for them is the engine's)
 MAX_LOGPROBS = 20  # top_logprobs (completions: logprobs) at most, OpenAI's limit
-MAX_LOGIT_BIAS = 1024  # logit_bias entries at most (llm/_params.py's)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries at most (llm/runtime/_params.py's)
 MAX_STOP_TOKEN_IDS = 64
 
 
@@ -307,7 +307,7 @@ class ChatRequest(_Generate, NoOpFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        from ..llm._prompts import TEMPLATE_CALL_ARGS
+        from ..llm.interface import TEMPLATE_CALL_ARGS
 
         reserved = sorted(TEMPLATE_CALL_ARGS.intersection(kwargs or {}))
         if reserved:

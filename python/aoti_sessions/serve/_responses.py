@@ -46,7 +46,7 @@ from ._metrics import ServerMetrics
 from ._response_store import Stored
 from ._responses_protocol import ResponsesRequest
 from ._routes import GENERATED, answer, check_model, tenant_of
-from ._sessions import Entry
+from ._entry import Entry
 
 if TYPE_CHECKING:
     from ..llm import ToolCall
@@ -229,7 +229,7 @@ class _Run:
         """The events for a piece of generated text (None: the end, what was held back)."""
         from ..llm import Reasoning
 
-        reply = self.job.choices[0].reply  # (the reply read in pieces, llm/_replies.py; its reasoning is no output item yet)
+        reply = self.job.choices[0].reply  # (the reply read in pieces, llm/runtime/_replies.py; its reasoning is no output item yet)
         pieces: list[str | ToolCall] = [text] if text and reply is None else []
         if reply is not None:
             read = reply.push(text) if text is not None else reply.finish()

@@ -18,7 +18,8 @@ from ._tenants import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from ._generate import Job
-    from ._sessions import Entry, Registry
+    from ._entry import Entry
+    from ._sessions import Registry
     from ._shared import SharedRegistry
 
 TENANT = "aoti_sessions.tenant"  # the request's tenant, in its ASGI scope (set by serve/_middleware.py's Guard)

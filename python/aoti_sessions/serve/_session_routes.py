@@ -10,7 +10,7 @@ from fastapi import Depends, FastAPI
 
 from ._protocol import ForkRequest, LoadRequest, SaveRequest
 from ._routes import tenant_of
-from ._sessions import described_one
+from ._entry import described_one
 
 if TYPE_CHECKING:
     from ._sessions import Registry

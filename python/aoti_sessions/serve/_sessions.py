@@ -8,7 +8,7 @@ threads, shielded from cancellation so that a client hanging up cannot leak a
 session half made.
 
 A request without a session id gets a throwaway session from the LLM's
-prefix cache (llm/_prefix.py), in its tenant's namespace: a fork of the
+prefix cache (llm/runtime/_prefix.py), in its tenant's namespace: a fork of the
 kept session sharing the longest start with its prompt, kept there itself
 when the request ends.
 
@@ -21,60 +21,46 @@ response's first (below), then with persistence the least recently used. A
 request naming a parked session's id brings it back from its file, whatever
 the endpoint.
 
-With checkpoints on (servers that share a session dir, e.g. the replicas of a
-cluster), every change to a named session (a turn, a reset, a fork, a load)
-is also written to its parked file in the background, once the session has
-been left alone for ``CHECKPOINT_DELAY_S`` (a burst of turns, as an agent's
-tool calls make, is written once, after it), at most ``CHECKPOINT_WRITERS``
-at a time: the session stays in memory, held by the write only while its
-state is copied out (``ChatSession.save``); a generation request for it goes
-ahead while the file is written, other requests (a reset, a fork, a save, a
-delete) wait for the write. The file is then the session's truth across
-processes: a server that finds it changed since its own write (another
+With checkpoints on (serve/_checkpoints.py), every change to a named session
+is also written to its parked file in the background; a generation request
+for it goes ahead while the file is written, other requests (a reset, a fork,
+a save, a delete) wait for the write. The file is then the session's truth
+across processes: a server that finds it changed since its own write (another
 server served the session meanwhile) drops its copy and loads the file; one
 that finds it gone (deleted elsewhere) drops its copy. (A generation that
 comes while this server's own write is under way skips that check: the file
 is its own, being replaced.)
 
 Sessions belong to tenants (serve/_tenants.py): a table key, a parked file
-and a session file are the tenant's own; every method takes the tenant of
-the request, and another tenant's session or file is absent to it. A
-tenant's saved files are bounded in count and bytes (403 past them).
-
-The sessions of stored responses (serve/_response_store.py) are caches: where
-the engine has no room for a new session, the least recently used idle one
-is parked (without persistence: closed) to make some, before any 429.
-
-A park that fails (a full disk) keeps the session in memory, usable, and
-the next sweep tries again; such failures, and failed checkpoint writes,
-are logged once an episode (the first failure, then one line when writing
-works again), and counted.
+and a session file (serve/_session_files.py) are the tenant's own; every
+method takes the tenant of the request, and another tenant's is absent to it.
+The sessions of stored responses (serve/_response_store.py) are caches, parked
+first to make room. A park that fails (a full disk) keeps the session in
+memory, usable, and the next sweep tries again (logged once an episode).
 """
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import logging
 import os
 import re
-import stat
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..errors import CapacityError, SessionClosedError, SessionFileError, SessionFileNotFoundError
+from ..errors import CapacityError, SessionFileError
+from ._checkpoints import CheckpointWriter
+from ._entry import Entry, described, new_id
 from ._errors import APIError
 from ._limits import DEFAULT_MAX_SESSION_FILES, DEFAULT_MAX_SESSION_FILES_BYTES
-from ._protocol import FILE_NAME_PATTERN, SESSION_ID_PATTERN
+from ._protocol import SESSION_ID_PATTERN
 from ._response_store import ResponseStore
-from ._tenants import DEFAULT_TENANT, TENANTS_DIR, cache_namespace, scoped
+from ._session_files import Failures, SessionFiles, error_text, save_session, signature
+from ._tenants import cache_namespace, scoped
 from ._threads import in_thread
 
 if TYPE_CHECKING:
@@ -82,50 +68,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aoti_sessions.serve")
 PARKED_DIR = ".live"  # in --session-dir: parked sessions (a name no client's file can take)
-CHECKPOINT_DELAY_S = 0.05  # a session's checkpoint is written once it has been left alone this long
-CHECKPOINT_WRITERS = 4  # checkpoint writes at once (each holds a host copy of a state; the rest wait their turn)
-
-# A session file's name: a plain, visible file name inside --session-dir (short
-# enough for the writer's temporary name beside it).
-_FILE_NAME = re.compile(FILE_NAME_PATTERN)
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
-# The writer's temporary file beside a session file (csrc/core/atomic_file.cc):
-# its name carries the server's pid, kept out of answers.
-_TEMPORARY = re.compile(r"\S*\.aoti-tmp-\d+-\d+")
-_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-def new_id() -> str:
-    return f"sess-{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(eq=False)
-class Entry:
-    """One session of the server; ``id`` is None for a request's throwaway."""
-
-    id: str | None
-    tenant: str = DEFAULT_TENANT  # whose it is (serve/_tenants.py)
-    session: ServedSession | None = None  # None while being created
-    busy: bool = True  # a request holds it (a generation, a fork, a save)
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.time)
-    tokens: int = 0  # in the cache, as of the last step when busy
-    writing: asyncio.Event | None = None  # set when its checkpoint write ends
-    changes: int = 0  # changes made to it (each to be checkpointed)
-    written: tuple[int, int, int] | None = None  # its checkpoint file as this server last wrote or read it
-
-    @property
-    def key(self) -> str:
-        """Its key in the server's table (and the cluster's router): its id within its tenant."""
-        assert self.id is not None
-        return scoped(self.tenant, self.id)
-
-    def describe(self) -> dict[str, Any]:
-        resident = self.session is not None  # a busy session is on the device (or on its way)
-        if self.session is not None and not self.busy:  # else a step may hold the session's lock
-            self.tokens, resident = self.session.token_count, self.session.resident
-        return {"id": self.id, "object": "session", "created": int(self.created), "tokens": self.tokens,
-                "busy": self.busy, "resident": resident, "last_used": int(self.last_used)}
 
 
 class Registry:
@@ -149,33 +92,30 @@ class Registry:
         self.checkpoint = checkpoint
         self.expired = 0    # sessions parked or closed for their TTL
         self.unparked = 0   # parked sessions brought back
-        self.checkpoints = 0  # checkpoint writes done
-        self.checkpoint_failures = 0
-        self.checkpoint_seconds = 0.0  # spent writing them (in the background)
-        self.checkpoint_wait_seconds = 0.0  # requests spent waiting for a write to end
         self.superseded = 0  # copies dropped: their checkpoint changed or went elsewhere
         self.park_failures = 0  # parks that failed (the session kept in memory, or lost when stopping)
         self.parked_for_room = 0  # idle sessions parked to make room for another
-        self._parking, self._checkpointing = _Failures("parking sessions"), _Failures("writing checkpoints")
-        self._saving_out_of_space = _Failures("saving session files")
-        self.max_files, self.max_file_bytes = max_files, max_file_bytes  # a tenant's saved session files
-        self._saving: dict[str, asyncio.Lock] = {}  # a tenant's saves, one at a time (each checks the limits)
-        self._writes: set[asyncio.Task[None]] = set()
-        self._writers: anyio.CapacityLimiter | None = None  # (made on the event loop)
+        self._parking = Failures("parking sessions")
+        self.session_files = SessionFiles(self.session_dir, max_files, max_file_bytes)
+        self.checkpoints = CheckpointWriter(lambda e: self._parked_path(e.tenant, e.id or ""),
+                                            lambda e: self._entries.get(e.key) is e)
         # Stored responses of /v1/responses (serve/_response_store.py): parked with the sessions, beside them.
-        self.responses = ResponseStore(self._home if self.parked is not None else None)
+        self.responses = ResponseStore(self.session_files.home if self.parked is not None else None)
 
     sweeps = True  # its sessions idle past their TTL are parked by its own sweep (sweep, expire_idle)
-    # Its figures for /metrics (figure): counts kept as attributes, and ``named``.
-    FIGURES = ("named", "throwaway", "expired", "unparked", "park_failures", "parked_for_room", "checkpoints",
-               "checkpoint_failures", "checkpoint_seconds", "checkpoint_wait_seconds", "superseded")
+    # Its figures for /metrics (figure): counts kept as attributes (the checkpoints' by its CheckpointWriter),
+    # and ``named``.
+    FIGURES = ("named", "throwaway", "expired", "unparked", "park_failures", "parked_for_room",
+               *CheckpointWriter.FIGURES, "superseded")
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def figure(self, name: str) -> float:
         """One of its counts for /metrics (``expired``, ``unparked``, ...; ``named``: len)."""
-        return float(len(self) if name == "named" else getattr(self, name))
+        if name == "named":
+            return float(len(self))
+        return float(getattr(self.checkpoints if name in CheckpointWriter.FIGURES else self, name))
 
     async def open(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         """(A registry shared by several front ends connects here: serve/_shared.py.)"""
@@ -205,13 +145,8 @@ class Registry:
             entry.busy = False
         return entry
 
-    def _home(self, tenant: str) -> Path:
-        """The folder of ``tenant``'s session files (its parked ones in ``.live`` inside)."""
-        assert self.session_dir is not None
-        return self.session_dir if tenant == DEFAULT_TENANT else self.session_dir / TENANTS_DIR / tenant
-
     def _parked_path(self, tenant: str, session_id: str) -> Path:
-        return self._home(tenant) / PARKED_DIR / session_id
+        return self.session_files.home(tenant) / PARKED_DIR / session_id
 
     def _parked_file(self, tenant: str, session_id: str) -> Path | None:
         """Where session ``session_id`` is parked, if it is (an id no client
@@ -228,7 +163,7 @@ class Registry:
         path = self._parked_file(tenant, session_id)
         if path is None:
             return None
-        written = _signature(path)
+        written = signature(path)
         try:
             entry = await self._add(tenant, session_id, lambda: self.llm.load_session(path), unparking=True)
         except SessionFileError as e:
@@ -252,14 +187,10 @@ class Registry:
             return None
         if not wait and entry.writing is not None:
             return entry  # (the file is this server's, being replaced: nothing to check)
-        if entry.writing is not None:
-            started = time.perf_counter()
-            while entry.writing is not None:
-                await entry.writing.wait()
-            self.checkpoint_wait_seconds += time.perf_counter() - started
+        await self.checkpoints.wait(entry)
         if not self.checkpoint or entry.busy or entry.id is None or entry.session is None:
             return entry
-        if _signature(self._parked_path(entry.tenant, entry.id)) == entry.written:
+        if signature(self._parked_path(entry.tenant, entry.id)) == entry.written:
             return entry
         log.info("session %r changed elsewhere since this server last wrote it: its copy here is dropped", entry.id)
         session, entry.session = entry.session, None
@@ -270,50 +201,9 @@ class Registry:
 
     def checkpoint_soon(self, entry: Entry) -> None:
         """With checkpoints: named ``entry`` changed; its state is written to
-        its parked file in the background once it has been left alone for
-        ``CHECKPOINT_DELAY_S`` (a change meanwhile writes it after that one)."""
-        if not self.checkpoint or entry.id is None or entry.session is None:
-            return
-        entry.changes += 1
-        task = asyncio.get_running_loop().create_task(self._write_later(entry, entry.changes))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _write_later(self, entry: Entry, change: int) -> None:
-        while True:
-            await asyncio.sleep(CHECKPOINT_DELAY_S)
-            if entry.changes != change or entry.session is None or self._entries.get(entry.key) is not entry:
-                return  # changed again (that change writes it), or gone
-            if not entry.busy and entry.writing is None:
-                break  # (held by a request that does not change it, a save: after it)
-        entry.writing = asyncio.Event()
-        assert self.parked is not None and entry.id is not None
-        path, session = self._parked_path(entry.tenant, entry.id), entry.session
-        if self._writers is None:
-            self._writers = anyio.CapacityLimiter(CHECKPOINT_WRITERS)
-
-        took = [0.0]  # the write's seconds, timed on its thread (the wait for a writer is not the write's)
-
-        def write() -> None:
-            started = time.perf_counter()
-            try:
-                _save(session, path)
-            finally:
-                took[0] = time.perf_counter() - started
-
-        try:
-            await in_thread(write, self._writers)
-            entry.written = _signature(path)
-            self.checkpoints += 1
-            self._checkpointing.succeeded()
-        except Exception as e:  # noqa: BLE001 - the session serves on; its last good checkpoint stays
-            self.checkpoint_failures += 1
-            self._checkpointing.failed(f"session {entry.id!r}: writing its checkpoint failed: {_why(e)}")
-        finally:
-            self.checkpoint_seconds += took[0]
-            done, entry.writing = entry.writing, None
-            assert done is not None
-            done.set()
+        its parked file in the background (serve/_checkpoints.py)."""
+        if self.checkpoint and entry.id is not None and entry.session is not None:
+            self.checkpoints.soon(entry)
 
     async def _park(self, entry: Entry, why: str, *, keep: bool = True) -> bool:
         """Saves a held named session to its parked file (persistence on)
@@ -327,12 +217,12 @@ class Registry:
         if self.parked is not None:
             path = self._parked_path(entry.tenant, entry.id)
             try:
-                await in_thread(lambda: _save(session, path))
+                await in_thread(lambda: save_session(session, path))
                 saved = True
                 self._parking.succeeded()
             except Exception as e:  # noqa: BLE001 - one session's failure must not stop the others'
                 self.park_failures += 1
-                self._parking.failed(f"session {entry.id!r} could not be parked ({why}): {_why(e)}; "
+                self._parking.failed(f"session {entry.id!r} could not be parked ({why}): {error_text(e)}; "
                                      + ("it stays in memory, and a later sweep parks it" if keep else "it is closed"))
                 if keep:
                     entry.busy = False
@@ -461,7 +351,7 @@ class Registry:
 
     async def release(self, entry: Entry) -> None:
         """Ends a request's hold; a throwaway session is closed (kept in the
-        prefix cache: llm/_prefix.py)."""
+        prefix cache: llm/runtime/_prefix.py)."""
         entry.last_used = time.time()
         if entry.id is not None:
             entry.busy = False
@@ -509,123 +399,34 @@ class Registry:
         self.checkpoint_soon(child)
         return child
 
-    def _files_on(self) -> None:
-        if self.session_dir is None:
-            raise APIError(400, "saving and loading sessions is off: start the server with --session-dir DIR",
-                           "session_dir_not_set", "name")
-
-    def file(self, tenant: str, name: str) -> Path:
-        """``name`` as a file of ``tenant``'s in the session directory: a
-        plain visible file name, nothing a client could point elsewhere with
-        (400)."""
-        self._files_on()
-        if (not _FILE_NAME.fullmatch(name) or name in (".", "..") or ".." in name
-                or os.path.basename(name) != name):
-            raise APIError(400, f"invalid session file name {name!r}: a plain file name of letters, digits, "
-                                "'.', '_' and '-', not starting with '.' or '-', without '..'",
-                           "invalid_name", "name")
-        return self._home(tenant) / name
-
-    def _files(self, tenant: str) -> list[tuple[str, os.stat_result]]:
-        """``tenant``'s session files: (name, stat) of each plain file a
-        client could have named."""
-        try:
-            found = list(os.scandir(self._home(tenant)))
-        except FileNotFoundError:
-            return []
-        out = []
-        for item in found:
-            if _FILE_NAME.fullmatch(item.name) and ".." not in item.name:
-                try:
-                    if item.is_file(follow_symlinks=False):
-                        out.append((item.name, item.stat(follow_symlinks=False)))
-                except OSError:
-                    pass  # (gone meanwhile)
-        return sorted(out)
-
     async def files(self, tenant: str) -> list[dict[str, Any]]:
         """``tenant``'s session files, as ``GET /v1/session-files`` lists them."""
-        self._files_on()
-        return [{"name": name, "object": "session_file", "bytes": st.st_size, "modified": int(st.st_mtime)}
-                for name, st in await in_thread(lambda: self._files(tenant))]
+        return await self.session_files.listing(tenant)
 
     async def delete_file(self, tenant: str, name: str) -> None:
-        path = self.file(tenant, name)
-
-        def delete() -> bool:
-            try:
-                if not stat.S_ISREG(path.lstat().st_mode):
-                    return False  # (not a file a client saved)
-                path.unlink()
-            except FileNotFoundError:
-                return False
-            return True
-
-        if not await in_thread(delete):
-            raise APIError(404, f"no session file {name!r}", "file_not_found", "name")
-
-    def _check_room(self, tenant: str, name: str) -> None:
-        """403 when ``tenant``'s session files are at the server's limits
-        (their count, or their bytes: a save that starts under it may end
-        past it by its own size); a file of the same name counts as replaced."""
-        others = [st.st_size for file, st in self._files(tenant) if file != name]
-        if len(others) >= self.max_files:
-            raise APIError(403, f"cannot save the session as {name!r}: your saved sessions are {len(others)} files, "
-                                f"the server's limit; delete one (DELETE /v1/session-files/NAME) or save over one",
-                           "session_files_limit", "name")
-        if sum(others) >= self.max_file_bytes:
-            raise APIError(403, f"cannot save the session as {name!r}: your saved sessions hold {sum(others)} bytes, "
-                                f"the server's limit is {self.max_file_bytes}; delete some "
-                                "(DELETE /v1/session-files/NAME)", "session_files_limit", "name")
+        await self.session_files.delete(tenant, name)
 
     async def save(self, tenant: str, session_id: str, name: str) -> int:
         """Saves the session as ``tenant``'s file ``name``; its bytes."""
-        path = self.file(tenant, name)
-        async with self._saving.setdefault(tenant, asyncio.Lock()):
+        self.session_files.path(tenant, name)  # (a bad name is refused before the session is held)
+        async with self.session_files.saving(tenant):
             async with self._held(tenant, session_id) as (_, session):
-                with self._file_errors("save the session as", name, path):
-                    await in_thread(lambda: self._check_room(tenant, name))
-                    await in_thread(lambda: _save(session, path))
-            self._saving_out_of_space.succeeded()
-            return path.stat().st_size
+                return await self.session_files.write(tenant, name, session)
 
     async def load(self, tenant: str, name: str, session_id: str | None) -> Entry:
-        path = self.file(tenant, name)
+        path = self.session_files.path(tenant, name)
         if not path.is_file():
             raise APIError(404, f"no session file {name!r}", "file_not_found", "name")
-        with self._file_errors("load the session file", name, path):
+        with self.session_files.errors("load the session file", name, path):
             entry = await self._add(tenant, session_id or new_id(), lambda: self.llm.load_session(path))
         entry.busy = False
         self.checkpoint_soon(entry)
         return entry
 
-    @contextmanager
-    def _file_errors(self, doing: str, name: str, path: Path) -> Iterator[None]:
-        """A session file's failure as a 400 that names the file as the
-        client did: no server path or temporary name in the answer; the
-        server out of space, 507."""
-        try:
-            yield
-        except (SessionFileError, OSError) as e:
-            if out_of_space(e):
-                self._saving_out_of_space.failed(f"cannot {doing} {name!r}: {_why(e)}")
-                raise APIError(507, f"cannot {doing} {name!r}: the server is out of space for session files; try "
-                                    "again later", "out_of_space", "name") from e
-            if not isinstance(e, SessionFileError):
-                raise
-            assert self.session_dir is not None
-            message = _TEMPORARY.sub("a temporary file", str(e).replace(str(path), repr(name)))
-            message = message.replace(str(path.parent), "--session-dir").replace(str(self.session_dir),
-                                                                                 "--session-dir")
-            if isinstance(e, SessionFileNotFoundError):
-                raise APIError(404, f"no session file {name!r}", "file_not_found", "name") from e
-            raise APIError(400, f"cannot {doing} {name!r}: {message}", "invalid_session_file", "name") from e
-
     async def close(self) -> None:
         """The server is stopping: parks every named session (saved, with
         persistence on), closes the rest."""
-        while self._writes:
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
+        await self.checkpoints.drain()
         entries = list(self._entries.values())
         parked = lost = 0
         for entry in entries:
@@ -646,75 +447,3 @@ class Registry:
             log.warning("%d sessions could not be parked: their caches are lost", lost)
 
 
-async def described(entries: list[Entry]) -> list[dict[str, Any]]:
-    """``entries`` described, in a worker thread: where a session's state is
-    is the engine's to say (with an engine process, a call with a deadline),
-    never a wait of the event loop. One closed meanwhile (parked) is left out."""
-    def describe() -> list[dict[str, Any]]:
-        out = []
-        for entry in entries:
-            try:
-                out.append(entry.describe())
-            except SessionClosedError:
-                pass
-        return out
-
-    return await in_thread(describe)
-
-
-async def described_one(entry: Entry) -> dict[str, Any]:
-    out = await described([entry])
-    if not out:
-        raise APIError(404, f"no session {entry.id!r}", "session_not_found", "session_id")
-    return out[0]
-
-
-def _signature(path: Path) -> tuple[int, int, int] | None:
-    """What tells one write of a file from another (each write is a new file
-    renamed into place): inode, size, modification time; None if absent."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-
-def _save(session: ServedSession, path: Path) -> None:
-    """Writes ``session`` to ``path``, making its folder first (a tenant's,
-    at its first file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    session.save(path)
-
-
-def out_of_space(error: BaseException) -> bool:
-    """Whether ``error`` is a write that found its disk (or the writer's
-    quota) full: an OSError, or the runtime's SessionFileError, which says
-    so in the C library's words."""
-    if isinstance(error, OSError) and error.errno in _OUT_OF_SPACE:
-        return True
-    return isinstance(error, SessionFileError) and any(os.strerror(n) in str(error) for n in _OUT_OF_SPACE)
-
-
-def _why(error: BaseException) -> str:
-    return str(error) or type(error).__name__
-
-
-class _Failures:
-    """The log of one kind of write that may fail over and over (a full
-    disk fails every park and checkpoint until space is made): the first
-    failure of an episode is logged, the rest only counted, and one line
-    says when writing works again."""
-
-    def __init__(self, what: str) -> None:
-        self.what, self.count = what, 0
-
-    def failed(self, message: str) -> None:
-        self.count += 1
-        if self.count == 1:
-            log.warning("%s (further failures of %s are not logged until one succeeds)", message, self.what)
-
-    def succeeded(self) -> None:
-        if self.count:
-            log.info("%s works again, after %d failures", self.what, self.count)
-            self.count = 0

@@ -32,7 +32,7 @@ import anyio
 
 from ..errors import EngineProcessError
 from ._response_store import RemoteResponses
-from ._sessions import Entry
+from ._entry import Entry
 
 if TYPE_CHECKING:
     from ..llm import RemoteLLM
@@ -127,7 +127,7 @@ class Link:
 
 
 def _portable(error: BaseException) -> BaseException:
-    from ..llm._remote_engine import portable
+    from ..llm.interface import portable
 
     return portable(error)
 

@@ -9,7 +9,7 @@ name folders of the session dir). The key of ``--api-key`` (or no key at
 all) is the default tenant, whose files and parked sessions are the session
 dir's own, as before there were tenants; each key of ``--api-keys`` keeps
 them in ``SESSION_DIR/.tenants/ID``. Requests without a session id share
-cached prefixes (llm/_prefix.py) within their key's namespace only
+cached prefixes (llm/runtime/_prefix.py) within their key's namespace only
 (:func:`cache_namespace`). Importing this needs nothing beyond the
 standard library (the command line reads the keys file with it).
 """
@@ -42,7 +42,7 @@ def scoped(tenant: str, session_id: str) -> str:
 def cache_namespace(tenant: str, key: str | None = None) -> str:
     """The prefix cache's namespace of a request of ``tenant`` that sent
     ``prompt_cache_key`` ``key`` (if any): requests share cached prefixes
-    within one only (llm/_prefix.py), so never across keys (nor, within a
+    within one only (llm/runtime/_prefix.py), so never across keys (nor, within a
     key, across its clients' cache keys)."""
     return tenant if key is None else f"{tenant}\0{key}"  # (a tenant id holds no NUL: no two alike)
 

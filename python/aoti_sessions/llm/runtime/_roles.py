@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from .._engine import Engine
+    from ..._engine import Engine
     from ._grammar import Grammars
     from ._penalties import Penalties
-    from ._spec import LLMSpec
+    from .._spec import LLMSpec
 
 __all__ = ["StepModel", "GenerationSession"]
 
 
 class StepModel(Protocol):
-    """What the step loop reads of the LLM it runs (llm/_llm.py's LLM)."""
+    """What the step loop reads of the LLM it runs (llm/runtime/_llm.py's LLM)."""
 
     @property
     def engine(self) -> Engine: ...
@@ -72,7 +72,7 @@ class _Model(Protocol):
 
 
 class GenerationSession(Protocol):
-    """What a generation (llm/_generation.py) reads and tells of its chat
+    """What a generation (llm/runtime/_generation.py) reads and tells of its chat
     session (:class:`~aoti_sessions.llm.ChatSession` is one)."""
 
     @property

@@ -17,7 +17,7 @@ class TextStream:
     final: not the tail of a multi-byte character still being spelled, not a
     prefix of a stop string that the next tokens may complete. Special
     tokens are left out of the text, but for those in ``keep`` (a tool-call
-    or reasoning format's markup: llm/_replies.py)."""
+    or reasoning format's markup: llm/runtime/_replies.py)."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str], keep: Collection[int] = ()) -> None:
         self._tokenizer = tokenizer

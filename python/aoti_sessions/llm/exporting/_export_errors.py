@@ -12,7 +12,7 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-from ..errors import ExportError
+from ...errors import ExportError
 from ._families import OWN_STATE, TESTED
 
 __all__ = ["explained", "ours"]

@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import SessionClosedError
+from ...errors import SessionClosedError
 from ._generation import Held
 from ._grammar import Masks
 from ._plan import Limits, Plan, Row, plan_step, prefill_width
 from ._logprobs import StepLogprobs, TokenLogprob
 from ._penalties import Penalties
 from ._sampling import draw
-from ._spec import PAD_ID
+from .._spec import PAD_ID
 
 if TYPE_CHECKING:
     from ._generation import Generation

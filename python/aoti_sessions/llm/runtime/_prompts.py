@@ -20,7 +20,7 @@ from typing import Any, Union
 
 from ._encode import PieceEncoder
 from ._replies import ReplyFormat
-from ._spec import read_llm_package
+from .._spec import read_llm_package
 
 __all__ = ["Prompts", "Prompt", "ChatPrompt", "Spelling", "ContextLengthError"]
 
@@ -82,7 +82,7 @@ class Prompts:
     (checked here: a template that cannot render a user's message is a
     ValueError). ``tool_parser`` / ``reasoning_parser``: the format of the
     replies' tool calls and reasoning, by name (``"none"``: not read), else
-    read from the template (llm/_replies.py).
+    read from the template (llm/runtime/_replies.py).
     """
 
     def __init__(self, package: str | os.PathLike[str], *, chat_template: str | None = None,
@@ -146,7 +146,7 @@ class Prompts:
     def tool_format(self) -> str | None:
         """The name of the tool-call format of the model's replies (``hermes``,
         ``llama3_json``, ``mistral``, ``harmony``), or None where its chat
-        template renders no tools this runtime reads (llm/_replies.py)."""
+        template renders no tools this runtime reads (llm/runtime/_replies.py)."""
         tools = self.reply_format.tools
         return tools.name if tools is not None else None
 

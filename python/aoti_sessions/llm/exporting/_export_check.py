@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._engine import Engine
-from ..errors import RunError
+from ..._engine import Engine
+from ...errors import RunError
 
 __all__ = ["Refused", "check_shapes", "reason", "refuses_one_row", "stderr_read_back"]
 

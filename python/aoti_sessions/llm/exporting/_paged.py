@@ -55,7 +55,7 @@ from ._paged_attention import paged_decode_attention
 from ._paged_layout import KVLayout, StateLayout, attention_as, chunk_of, chunked_layers, kv_layout, layer_kinds, \
     state_layout
 from ._ring import RingStep, rows
-from ._spec import PAD_ID
+from .._spec import PAD_ID
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

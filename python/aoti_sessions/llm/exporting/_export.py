@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.nn.attention import SDPBackend
 
-from .._compile import Method, Pool, compile
-from .._package import top_folder
-from ..errors import Error, ExportError
+from ..._compile import Method, Pool, compile
+from ..._package import top_folder
+from ...errors import Error, ExportError
 from ._export_check import Refused, check_shapes, refuses_one_row
 from ._export_errors import explained, ours
 from ._export_source import HUB_ID, check_folder, checked_model, hub_folder, load_model, load_tokenizer
@@ -35,7 +35,7 @@ from ._fused import fused_projections
 from ._quantize import check_scheme, check_target, quantized_weights
 from ._quantize import inductor_configs as quantize_configs
 from ._rotary import real_rotary
-from ._spec import (DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR,
+from .._spec import (DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR,
                     LLMSpec, require_transformers)
 
 if TYPE_CHECKING:
@@ -339,14 +339,14 @@ def export(
     keep their cache where the window is shorter than the context: "ring"
     (each session keeps its window of positions per layer, a slot of the
     pool that rewinds only to a turn's start, as recurrent state does;
-    ``llm/_ring.py``) or "full" (pages of every position, as global layers:
+    ``llm/exporting/_ring.py``) or "full" (pages of every position, as global layers:
     rewinds anywhere, feeds generated tokens a step ahead, pads prefill rows).
     ``fuse``: each layer's query, key and value projections compiled as one
     matrix multiply, and its MLP's gate and up projections as one
-    (``llm/_fused.py``; the same results, fewer kernels a step); False keeps
+    (``llm/exporting/_fused.py``; the same results, fewer kernels a step); False keeps
     the model's projections as they are.
     ``quantize``: ``"int8wo"`` or ``"int4wo"``: weight-only quantization of
-    every linear layer but the output head (torchao, ``llm/_quantize.py``;
+    every linear layer but the output head (torchao, ``llm/exporting/_quantize.py``;
     the spec records it); None (default): the weights in ``dtype``.
     Returns the package path.
     """

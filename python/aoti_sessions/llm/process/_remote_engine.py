@@ -38,100 +38,20 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
+
+from ._remote_wire import EngineAddress, Finals, Outbox, Started
 
 if TYPE_CHECKING:
-    from ._generation import Generation, TokenEvent
-    from ._llm import LLM, ChatSession
+    from ..runtime._generation import Generation, TokenEvent
+    from ..runtime._llm import LLM, ChatSession
 
-__all__ = ["child_main", "Started", "Finals", "Outbox", "StepWatch", "EngineAddress"]
+__all__ = ["child_main", "StepWatch"]
 
 SWITCH_INTERVAL_S = 0.0005  # the step loop waits less for the other threads (as a server's process does)
 CALL_THREADS = 32
-
-
-class Started(NamedTuple):
-    """The reply to ``start``."""
-
-    generation: int
-    session: int
-    submitted: float
-    prompt_tokens: int
-    cached_tokens: int
-    stop: tuple[str, ...]  # its stop strings (for a connection that makes the text of its token ids)
-    keep: tuple[int, ...] = ()  # the special tokens its text keeps (likewise)
-    logprobs: bool = False  # its events carry the logprobs of their tokens
-
-
-class EngineAddress(NamedTuple):
-    """Where other processes reach an engine process (RemoteLLM.share): its
-    socket and the key of its handshake (a secret: hand it over a pipe, never
-    on a command line)."""
-
-    path: str
-    authkey: bytes
-
-
-class Finals(NamedTuple):
-    """A generation's counts once it ended."""
-
-    finish_reason: str | None
-    prefilled_tokens: int
-    completion_tokens: int
-
-
-class Outbox:
-    """What one end of the pipe sends: items put from any thread, sent by a
-    thread of its own; what was put while it sent goes as one message (a
-    list). A full pipe (the other end not reading: stopped, wedged) holds up
-    that thread only, never the threads that put."""
-
-    def __init__(self, conn: Connection, name: str) -> None:
-        self._conn = conn
-        self._items: deque[tuple[Any, ...]] = deque()
-        self._armed = False
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._send, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, item: tuple[Any, ...], *, later: bool = False) -> None:
-        """From any thread; one wake-up of the sender for all that came before
-        it ran. ``later``: the sender is woken by the next :meth:`flush`, not now."""
-        self._items.append(item)
-        if not later:
-            self.flush()
-
-    def flush(self) -> None:
-        """Wakes the sender for what was put (if anything was, and it is not awake)."""
-        if self._items and not self._armed:
-            self._armed = True
-            self._wake.set()
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Sends what was put, then ends the sender (within ``timeout``)."""
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
-
-    def _send(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            self._armed = False  # before draining: an item put after the drain arms it again
-            items = []
-            while self._items:
-                items.append(self._items.popleft())
-            try:
-                if items:
-                    self._conn.send(items)
-            except (OSError, ValueError):
-                return  # the other end went
-            if self._stopping and not self._items:
-                return
 
 
 class StepWatch:
@@ -167,7 +87,7 @@ def child_main(conn: Connection, package: str, device: str, threads: int | None,
     """The engine process: loads the LLM, says so, and serves calls (with a
     heartbeat every ``beat`` seconds) until told to close or until the other
     end goes."""
-    from ._llm import LLM
+    from ..runtime._llm import LLM
 
     # The parent decides when this process ends (it closes the pipe): a
     # Ctrl+C or SIGTERM meant for the server (its process group) must not
@@ -331,7 +251,7 @@ class _Engine:
         return sid, session.token_count
 
     def _session(self, sid: int) -> ChatSession:
-        from ..errors import SessionClosedError
+        from ...errors import SessionClosedError
 
         session = self._sessions.get(sid)
         if session is None:
@@ -441,7 +361,7 @@ def _finals(g: Generation) -> Finals:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m aoti_sessions.llm._engine_main FD``: the pipe is FD, its
+    """``python -m aoti_sessions.llm.process._engine_main FD``: the pipe is FD, its
     first message the LLM's arguments and the heartbeat's period."""
     conn = Connection(int(argv[0]))
     try:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .._engine import Engine
-from .._session import Closable, Session
-from ..errors import CapacityError, PackageError, SessionBusyError, SessionClosedError, SessionFileError
+from ..._engine import Engine
+from ..._session import Closable, Session
+from ...errors import CapacityError, PackageError, SessionBusyError, SessionClosedError, SessionFileError
 from ._generation import Completion, Generation
 from ._grammar import Grammars
 from ._params import SamplingParams, sampling_params
@@ -70,7 +70,7 @@ class LLM(Prompts, Closable):
     ``prefix_cache``: sessions made with a namespace (:meth:`new_session`)
     are kept once closed, at most this many (0: none), to start later
     sessions of that namespace whose prompts begin the same way
-    (llm/_prefix.py; the engine closes them first when it needs room);
+    (llm/runtime/_prefix.py; the engine closes them first when it needs room);
     ``prefix_cache_bytes``: their state's bytes at most (default: a quarter
     of ``memory_budget``, or 1 GiB without one). :attr:`prefix_cache`.
 
@@ -176,7 +176,7 @@ class LLM(Prompts, Closable):
     def new_session(self, prompt: Prompt | None = None, *, cache: str | None = None) -> ChatSession:
         """A chat session with an empty cache (counts against ``max_sessions``).
 
-        With ``cache``, a namespace of the prefix cache (llm/_prefix.py;
+        With ``cache``, a namespace of the prefix cache (llm/runtime/_prefix.py;
         sessions are shared within one only): the session starts as a fork
         of the namespace's kept session that shares the longest start with
         ``prompt`` (its first turn's, if given; pages shared, nothing

@@ -96,7 +96,7 @@ class Constraint:
     def after(lark: str, body: Constraint) -> Constraint:
         """Text of the Lark grammar ``lark``, where ``@body`` stands for text
         ``body`` holds (how a reply may reason before what a constraint
-        holds: llm/_reasoning.py)."""
+        holds: llm/runtime/_reasoning.py)."""
         inner = body.grammar()
         entry: dict[str, Any]
         try:

@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._session import Session
-from ..errors import CapacityError, SessionClosedError
+from ..._session import Session
+from ...errors import CapacityError, SessionClosedError
 
 __all__ = ["PrefixCache", "DEFAULT_ENTRIES"]
 

@@ -67,7 +67,7 @@ def encoding(vocabulary: Callable[[], Mapping[str, int]] | None = None) -> Any:
         if _encoding is None:
             harmony = _harmony()
             if vocabulary is not None and not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
-                from .._extraction import cache_dir
+                from ..._extraction import cache_dir
 
                 written = vocabulary_file(vocabulary(), cache_dir() / "harmony")
                 if written is not None:

@@ -8,7 +8,7 @@ fused dequantizing matmul for int8, torch's int4 packed kernels for int4:
 tinygemm's tiles; CUDA and bfloat16 alone).
 
 Quantized: every linear layer's weight (fused projections included,
-llm/_fused.py) but the output head, which stays in the model's dtype (its
+llm/exporting/_fused.py) but the output head, which stays in the model's dtype (its
 error lands straight on the logits, and a head tied to the embeddings would
 quantize the embedding table too). The caller's model gets its weights back
 after the block.
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ._fused import FusedLinear
-from ._spec import QUANTIZATIONS
+from .._spec import QUANTIZATIONS
 
 __all__ = ["SCHEMES", "check_scheme", "check_target", "inductor_configs", "quantized_weights"]
 

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 
 # The defaults only: the exporter (and transformers) load when the command runs.
-from ._spec import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, QUANTIZATIONS
+from .._spec import DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, QUANTIZATIONS
 
 __all__ = ["add_arguments", "run"]
 
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exports; a bad input is one line on stderr and exit status 2."""
-    from ..errors import Error, ExportError
+    from ...errors import Error, ExportError
     from ._export import export
 
     try:

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
-from .._session import Closable
-from ..errors import SessionClosedError
+from ..._session import Closable
+from ...errors import SessionClosedError
 from ._logprobs import TokenLogprob
 from ._params import ParamError, SamplingParams
 from ._sampling import Sampler

@@ -10,7 +10,7 @@ import os
 import stat
 from typing import Any, TypeGuard
 
-from ..errors import SessionFileError
+from ...errors import SessionFileError
 from ._prompts import Spelling
 
 # (Sessions saved before attachments kept the tokens in a file beside it,
