@@ -231,3 +231,16 @@ def test_scripts_run_refuses_an_unknown_job_before_setting_up(tmp_path: Path) ->
     assert done.returncode == 2
     assert "unknown job 'serv': demo, test, bench, serve, export or cluster" in done.stderr
     assert not venv.exists()
+
+
+def test_interface_modules_give_what_they_list() -> None:
+    """llm/interface.py and serve/interface.py (what a sibling subpackage
+    uses): every name listed resolves, and serve's lazy table lists no more
+    and no less than its __all__."""
+    import aoti_sessions.llm.interface as llm_interface
+    import aoti_sessions.serve.interface as serve_interface
+
+    assert set(serve_interface._WHERE) == set(serve_interface.__all__)
+    for module in (llm_interface, serve_interface):
+        missing = [n for n in module.__all__ if getattr(module, n, None) is None]
+        assert not missing, (module.__name__, missing)

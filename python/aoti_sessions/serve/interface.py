@@ -51,7 +51,10 @@ _WHERE = {
     "scoped": ("_tenants", "scoped"),
 }
 
-__all__ = sorted(_WHERE)
+__all__ = ["APIError", "CONTENT_TYPE", "Cors", "DEFAULT_TENANT", "Keys", "MetricsRegistry", "OnceAMinute",
+           "Sample", "available_memory", "check_origins", "default_budgets", "error_body", "error_response",
+           "exposition", "open_llm", "prompt_options", "read_api_keys", "request_id", "samples_of", "scoped",
+           "served_names", "server_config", "sse_error", "summed", "unauthorized", "unexpected"]
 
 
 def __getattr__(name: str) -> Any:
