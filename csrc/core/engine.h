@@ -5,11 +5,11 @@
 //                           |-> Runner        the run path: lanes, bind, run, weight updates
 //                           |     '-> GraphSet  per-session CUDA graphs and their pools
 //                           |-> Residency     registry, budgets, tiers, eviction, idle reaper
-//                           |     '-> StateStore  where state is kept: a BlockStore or a
-//                           |                     PoolStore (chosen once, in Create)
-//                           |-> SessionFiles  fingerprint, save, load (called by the store)
+//                           |-> StateStore    where state is kept, chosen once in Create: a
+//                           |                 BlockStore, or a PoolStore (and its PoolLease)
+//                           |-> SessionFiles  fingerprint, save, load
 //                           '-> SessionState  one session's block, tier, bind key, lock
-//   Runner, Residency, StateStore, SessionFiles -> Model  (loaded once: methods, buffers, ...)
+//   Residency -> StateStore -> SessionFiles;  Runner, Residency, StateStore, SessionFiles -> Model
 //   Model -> Container, WeightStore, Device;  everything -> options.h (public value types)
 //
 // Nothing includes a room above it.

@@ -177,9 +177,10 @@ PoolRows Runner::AddressRows(const Method& called, const StatePool& pool,
   // Padding rows write the scratch page and slot (slot 0), and read nothing
   // of a session's.
   const auto width = static_cast<size_t>(rows.width);
+  const auto padded = static_cast<size_t>(rows.padded);
   if (source.page_table) {
-    rows.page_table.resize(static_cast<size_t>(rows.padded) * width);
-    for (size_t r = 0; r < static_cast<size_t>(rows.padded); ++r) {
+    rows.page_table.resize(padded * width);
+    for (size_t r = 0; r < padded; ++r) {
       int32_t* row = rows.page_table.data() + r * width;
       if (r < shares.size()) {
         pool.FillPageRow(*shares[r], row, width);
@@ -192,8 +193,8 @@ PoolRows Runner::AddressRows(const Method& called, const StatePool& pool,
     if (source.positions) rows.positions.push_back(share->length);
     if (source.slot_ids) rows.slot_ids.push_back(share->slot);
   }
-  if (source.positions) rows.positions.resize(static_cast<size_t>(rows.padded), 0);
-  if (source.slot_ids) rows.slot_ids.resize(static_cast<size_t>(rows.padded), StatePool::kScratchSlot);
+  if (source.positions) rows.positions.resize(padded, 0);
+  if (source.slot_ids) rows.slot_ids.resize(padded, StatePool::kScratchSlot);
   return rows;
 }
 

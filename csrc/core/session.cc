@@ -62,6 +62,18 @@ void Session::SetDiscardable(bool discardable) {
   state_->set_discardable(discardable);
 }
 
+namespace {
+
+// What the residency runs to fill a new session made from `source`.
+Residency::Fill FillFrom(StateStore& store, const StateStore::Source& source) {
+  return [&store, &source](SessionState& made, StreamHandle stream) {
+    made.mutex().AssertHeld();  // Admit holds it
+    store.Fill(made, source, stream);
+  };
+}
+
+}  // namespace
+
 std::shared_ptr<Session> Session::New(std::shared_ptr<const EngineParts> parts,
                                      SessionFiles::CheckedFile* file, StreamHandle stream) {
   StateStore& store = *parts->store;
@@ -71,11 +83,7 @@ std::shared_ptr<Session> Session::New(std::shared_ptr<const EngineParts> parts,
     staged = store.ReadFile(*parts->files, *file);
     source = StateStore::From(staged);
   }
-  auto state = parts->residency->Admit(store.BytesOf(source), stream,
-                                       [&](SessionState& made, StreamHandle s) {
-                                         made.mutex().AssertHeld();  // Admit holds it
-                                         store.Fill(made, source, s);
-                                       });
+  auto state = parts->residency->Admit(store.BytesOf(source), stream, FillFrom(store, source));
   return Make(std::move(parts), std::move(state));
 }
 
@@ -110,10 +118,7 @@ std::shared_ptr<Session> Session::Fork(StreamHandle stream) {
   state_->Use(parts_->model->device(), stream);
   const StateStore::Source source = store.From(*state_);
   auto child = parts_->residency->AdmitBeside(*state_, store.BytesOf(source), stream,
-                                              [&](SessionState& made, StreamHandle s) {
-                                                made.mutex().AssertHeld();  // Admit holds it
-                                                store.Fill(made, source, s);
-                                              });
+                                              FillFrom(store, source));
   return Make(parts_, std::move(child));
 }
 
