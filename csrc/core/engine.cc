@@ -1,7 +1,9 @@
 // The engine facade: builds the rooms and forwards to them.
 #include "engine.h"
 
+#include "block_store.h"
 #include "errors.h"
+#include "pool_store.h"
 #include "util.h"
 
 namespace aoti_sessions {
@@ -17,9 +19,11 @@ std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
   LoadedModel loaded = Model::Load(methods, options);
   auto parts = std::make_shared<EngineParts>();
   parts->model = loaded.model;
+  // The one place that asks where sessions' state is kept.
   if (loaded.model->pool()) {
-    parts->pool = std::make_shared<StatePool>(loaded.model->device(), *loaded.model->pool(),
-                                              options.memory_budget);
+    parts->store = std::make_shared<PoolStore>(loaded.model, options.memory_budget);
+  } else {
+    parts->store = std::make_shared<BlockStore>(loaded.model);
   }
   parts->files = std::make_shared<SessionFiles>(loaded.model, fingerprint.Get());
   auto runner = std::make_shared<Runner>(loaded.model, std::move(loaded.lanes), options,
@@ -28,7 +32,7 @@ std::shared_ptr<Engine> Engine::Create(const std::vector<MethodSource>& methods,
   // The residency tells the runner when a state leaves its block; weakly, so
   // neither room owns the other.
   parts->residency = Residency::Create(
-      loaded.model, parts->pool, options,
+      loaded.model, parts->store, options,
       [weak = std::weak_ptr<Runner>(runner)](const SessionState& state) {
         if (auto r = weak.lock()) r->Forget(state);
       });
@@ -104,7 +108,7 @@ MemoryReport Engine::memory_report() const {
   report.containers =
       model.parking_bytes() + (parts_->runner->closed() ? 0 : model.container_state_bytes());
   parts_->residency->AddMemory(report);
-  if (parts_->pool) report.pool = parts_->pool->allocated_bytes();
+  report.pool = parts_->store->allocated_bytes();
   return report;
 }
 
@@ -114,7 +118,7 @@ EngineStats Engine::stats() const {
   parts_->residency->AddStats(stats);
   parts_->runner->AddStats(stats);
   parts_->files->AddStats(stats);
-  if (parts_->pool) parts_->pool->AddStats(stats);
+  parts_->store->AddStats(stats);
   return stats;
 }
 
@@ -125,15 +129,7 @@ void Engine::UpdateWeights(const std::vector<WeightUpdate>& updates, bool double
 
 std::shared_ptr<Session> Engine::NewSession(StreamHandle stream) {
   parts_->CheckProcess();
-  if (parts_->pool) return Session::NewPooled(parts_, nullptr, stream);
-  const Model& model = *parts_->model;
-  auto state = parts_->residency->Admit(
-      static_cast<int64_t>(model.block_bytes()), stream,
-      [&](SessionState& made, StreamHandle s) {
-        made.mutex().AssertHeld();  // Admit holds it
-        model.InitializeBlock(made.device_block(), s);
-      });
-  return Session::Make(parts_, std::move(state));
+  return Session::New(parts_, nullptr, stream);
 }
 
 std::shared_ptr<Session> Engine::LoadSession(const std::string& path, bool strict,
@@ -142,25 +138,11 @@ std::shared_ptr<Session> Engine::LoadSession(const std::string& path, bool stric
   if (closed()) Throw(ErrorKind::kSessionClosed, "the engine is closed");
   // The header is checked before anything is allocated, every byte before a
   // session is made.
-  SessionFiles::CheckedFile file = parts_->files->Check(path, strict);
+  SessionFiles::CheckedFile file = parts_->store->CheckFile(*parts_->files, path, strict);
   if (attachment != nullptr) *attachment = file.attachment;
-  if (parts_->pool) {
-    auto session = Session::NewPooled(parts_, &file, stream);
-    parts_->files->CountLoad();
-    return session;
-  }
-  HostBlock staging(parts_->residency->host_pool());
-  parts_->files->Read(file, staging.get());
-  Device& device = parts_->model->device();
-  const size_t bytes = parts_->model->block_bytes();
-  auto state = parts_->residency->Admit(
-      static_cast<int64_t>(bytes), stream, [&](SessionState& made, StreamHandle s) {
-        made.mutex().AssertHeld();  // Admit holds it
-        if (bytes > 0) device.Copy(made.device_block(), staging.get(), bytes, s);
-        device.Synchronize(s);  // the staging block goes back to the pool after
-      });
+  auto session = Session::New(parts_, &file, stream);
   parts_->files->CountLoad();
-  return Session::Make(parts_, std::move(state));
+  return session;
 }
 
 void Engine::Close() {

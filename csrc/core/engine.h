@@ -5,9 +5,11 @@
 //                           |-> Runner        the run path: lanes, bind, run, weight updates
 //                           |     '-> GraphSet  per-session CUDA graphs and their pools
 //                           |-> Residency     registry, budgets, tiers, eviction, idle reaper
+//                           |-> StateStore    where state is kept, chosen once in Create: a
+//                           |                 BlockStore, or a PoolStore (and its PoolLease)
 //                           |-> SessionFiles  fingerprint, save, load
 //                           '-> SessionState  one session's block, tier, bind key, lock
-//   Runner, Residency, SessionFiles -> Model  (loaded once: methods, buffers, templates, weights)
+//   Residency -> StateStore -> SessionFiles;  Runner, Residency, StateStore, SessionFiles -> Model
 //   Model -> Container, WeightStore, Device;  everything -> options.h (public value types)
 //
 // Nothing includes a room above it.
@@ -37,7 +39,9 @@
 //      (GraphSet::PoolUse::replay_mutex: copies in, launch, copies out).
 //   Between 2 and 3: GraphSet::capture_mutex_, held across a capture on the
 //   device's shared capture stream (work of the legacy default stream); the
-//   state pool's memory lock (StatePool::memory_mutex_, state_pool.h); and
+//   state pool's memory lock (StatePool::memory_mutex_, state_pool.h; the
+//   pool store's, which takes no lock of its own: a PoolLease reserves room
+//   with the registry lock after the pool's locks are released); and
 //   the CUDA device's capture gate, held exclusively across any capture and
 //   shared while two streams are ordered (an event on a stream another thread
 //   captures would join its capture), with nothing taken under it.

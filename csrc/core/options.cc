@@ -8,16 +8,12 @@
 #include "util.h"
 
 namespace aoti_sessions {
-namespace {
-
-// The structural rules on one method's pool (docs/batching.md); the rules
-// across methods (one layout for every pooled tensor) are the model's.
-void ValidatePool(const MethodSource& source, const std::string& method) {
-  const PoolSource& pool = *source.pool;
-  if (!source.inputs) {
+void PoolSource::Validate(const std::optional<std::vector<InputSpec>>& specs,
+                          const std::string& method) const {
+  if (!specs) {
     Throw(ErrorKind::kPackage, method + ": a pooled method needs its recorded input specs");
   }
-  const std::vector<InputSpec>& inputs = *source.inputs;
+  const std::vector<InputSpec>& inputs = *specs;
   std::set<size_t> used;
   auto input = [&](size_t index, const std::string& role) -> const InputSpec& {
     if (index >= inputs.size() || !used.insert(index).second) {
@@ -37,7 +33,7 @@ void ValidatePool(const MethodSource& source, const std::string& method) {
   };
   bool pages = false, slots = false;
   std::set<std::string> names;
-  for (const PooledInput& t : pool.tensors) {
+  for (const PooledInput& t : tensors) {
     const InputSpec& spec = input(t.input, "tensor '" + t.name + "'");
     if (t.name.empty() || !names.insert(t.name).second) {
       Throw(ErrorKind::kPackage, method + ": pooled tensor names must be unique and non-empty");
@@ -51,44 +47,42 @@ void ValidatePool(const MethodSource& source, const std::string& method) {
     }
     (t.kind == PoolKind::kPages ? pages : slots) = true;
   }
-  if (pool.tensors.empty()) Throw(ErrorKind::kPackage, method + ": a pool needs pooled tensors");
-  const InputSpec& tokens = input(pool.tokens, "tokens");
-  if (tokens.sizes.size() < 2) {
+  if (tensors.empty()) Throw(ErrorKind::kPackage, method + ": a pool needs pooled tensors");
+  const InputSpec& fed = input(tokens, "tokens");
+  if (fed.sizes.size() < 2) {
     Throw(ErrorKind::kPackage, method + ": pool tokens input must be [rows, positions, ...], got " +
-                                   FormatDims(tokens.sizes));
+                                   FormatDims(fed.sizes));
   }
-  if (pages != pool.page_table.has_value() || pages != pool.positions.has_value() ||
-      slots != pool.slot_ids.has_value()) {
+  if (pages != page_table.has_value() || pages != positions.has_value() ||
+      slots != slot_ids.has_value()) {
     Throw(ErrorKind::kPackage, method + ": a pool with page tensors needs page_table and "
                                         "positions inputs, one with slot tensors slot_ids, and "
                                         "only those");
   }
-  if (pages && pool.page_size < 1) {
+  if (pages && page_size < 1) {
     Throw(ErrorKind::kPackage, method + ": pool page_size must be >= 1, got " +
-                                   std::to_string(pool.page_size));
+                                   std::to_string(page_size));
   }
-  if (pool.page_table) {
-    const InputSpec& table = input(*pool.page_table, "page_table");
+  if (page_table) {
+    const InputSpec& table = input(*page_table, "page_table");
     require(table, "page_table", "int32", 2);
-    if (table.sizes[1] < 1 && pool.max_pages < 1) {
+    if (table.sizes[1] < 1 && max_pages < 1) {
       Throw(ErrorKind::kPackage, method + ": pool page_table's width is dynamic (" +
                                      FormatDims(table.sizes) + ") but its bound, max_pages, is not given");
     }
   }
-  if (pool.positions) require(input(*pool.positions, "positions"), "positions", "int64", 1);
-  if (pool.slot_ids) require(input(*pool.slot_ids, "slot_ids"), "slot_ids", "int32", 1);
-  if (pool.max_rows < 1) {
+  if (positions) require(input(*positions, "positions"), "positions", "int64", 1);
+  if (slot_ids) require(input(*slot_ids, "slot_ids"), "slot_ids", "int32", 1);
+  if (max_rows < 1) {
     Throw(ErrorKind::kPackage, method + ": pool max_rows must be >= 1, got " +
-                                   std::to_string(pool.max_rows));
+                                   std::to_string(max_rows));
   }
-  if (pool.min_rows < 1 || pool.min_rows > pool.max_rows) {
+  if (min_rows < 1 || min_rows > max_rows) {
     Throw(ErrorKind::kPackage, method + ": pool min_rows must be in [1, max_rows=" +
-                                   std::to_string(pool.max_rows) + "], got " +
-                                   std::to_string(pool.min_rows));
+                                   std::to_string(max_rows) + "], got " +
+                                   std::to_string(min_rows));
   }
 }
-
-}  // namespace
 
 void ValidateSources(const std::vector<MethodSource>& methods) {
   if (methods.empty()) Throw(ErrorKind::kInvalidArgument, "an engine needs at least one method");
@@ -102,7 +96,7 @@ void ValidateSources(const std::vector<MethodSource>& methods) {
     RequireValidPath(source.library_path, (method + ": library path").c_str());
     RequireValidPath(source.cubin_dir, (method + ": kernel folder").c_str());
     if (source.weights) RequireValidPath(source.weights->path, (method + ": weights file").c_str());
-    if (source.pool) ValidatePool(source, method);
+    if (source.pool) source.pool->Validate(source.inputs, method);
     if (!source.inputs) continue;
     for (size_t i = 0; i < source.inputs->size(); ++i) {
       const InputSpec& input = (*source.inputs)[i];

@@ -67,6 +67,12 @@ struct PoolSource {
   // Rows of one call at least (a model compiled for two or more): a call of
   // fewer gets padding rows, as a graph bucket's do.
   int64_t min_rows = 1;
+
+  // The structural rules on one method's pool against its recorded input
+  // `specs` (docs/batching.md); the rules across methods (one layout for every
+  // pooled tensor) are the model's. Throws kPackage naming `method`.
+  void Validate(const std::optional<std::vector<InputSpec>>& specs,
+                const std::string& method) const;
 };
 
 // A method to load: a model library and how to call it.

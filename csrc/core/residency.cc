@@ -13,10 +13,10 @@
 namespace aoti_sessions {
 
 std::shared_ptr<Residency> Residency::Create(std::shared_ptr<Model> model,
-                                             std::shared_ptr<StatePool> pool,
+                                             std::shared_ptr<StateStore> store,
                                              const EngineOptions& options,
                                              LeftDevice left_device) {
-  std::shared_ptr<Residency> residency(new Residency(std::move(model), std::move(pool), options));
+  std::shared_ptr<Residency> residency(new Residency(std::move(model), std::move(store), options));
   residency->left_device_ = std::move(left_device);
   if (residency->idle_timeout_seconds_) {
     // Check often enough to expire within an eighth of the timeout.
@@ -36,18 +36,17 @@ std::shared_ptr<Residency> Residency::Create(std::shared_ptr<Model> model,
   return residency;
 }
 
-Residency::Residency(std::shared_ptr<Model> model, std::shared_ptr<StatePool> pool,
+Residency::Residency(std::shared_ptr<Model> model, std::shared_ptr<StateStore> store,
                      const EngineOptions& options)
     : model_(std::move(model)),
-      pool_(std::move(pool)),
+      store_(std::move(store)),
       device_(model_->device()),
       block_bytes_(static_cast<int64_t>(model_->block_bytes())),
       max_sessions_(options.max_sessions),
       memory_budget_(options.memory_budget),
       host_budget_(options.host_budget),
       idle_timeout_seconds_(options.idle_timeout_seconds),
-      idle_action_(options.idle_action),
-      host_pool_(model_->device(), model_->block_bytes()) {}
+      idle_action_(options.idle_action) {}
 
 Residency::~Residency() { reaper_.reset(); }
 
@@ -166,8 +165,7 @@ void Residency::Offload(SessionState& state, StreamHandle stream, OffloadCause c
 void Residency::OffloadWithCredit(SessionState& state, StreamHandle stream, OffloadCause cause,
                                   int64_t host_credit) {
   if (!state.resident()) return;
-  // Checkpoints stay on the device only: an offload drops them.
-  if (pool_) DropCheckpoints(state, 0, state.share().checkpoints.size(), stream);
+  store_->DropDeviceOnly(state, *this, stream);
   const int64_t need = state.bytes();
   {
     MutexLock lock(registry_mutex_);
@@ -183,16 +181,7 @@ void Residency::OffloadWithCredit(SessionState& state, StreamHandle stream, Offl
   void* host = nullptr;
   try {
     state.Use(device_, stream);
-    if (pool_) {
-      host = PackToHost(state, stream);
-    } else {
-      HostBlock block(host_pool_);
-      if (need > 0) {
-        device_.Copy(block.get(), state.device_block(), static_cast<size_t>(need), stream);
-        device_.Synchronize(stream);
-      }
-      host = block.release();
-    }
+    host = store_->ToHost(state, stream);
   } catch (...) {
     MutexLock lock(registry_mutex_);
     host_bytes_ -= need;
@@ -228,13 +217,7 @@ void Residency::Restore(SessionState& state, StreamHandle stream, const Held& al
   std::vector<OwnedTensor> tensors;
   try {
     state.Use(device_, stream);
-    if (pool_) {
-      UnpackFromHost(state, stream);
-    } else if (block_bytes_ > 0) {
-      block = device_.Allocate(static_cast<size_t>(block_bytes_), stream);
-      device_.Copy(block, state.memory(), static_cast<size_t>(block_bytes_), stream);
-      device_.Synchronize(stream);  // the host block goes back to the pool right after
-    }
+    block = store_->ToDevice(state, stream);
     tensors = model_->AliasTensors(block);
   } catch (...) {
     // The session stays offloaded, its host block untouched.
@@ -247,12 +230,7 @@ void Residency::Restore(SessionState& state, StreamHandle stream, const Held& al
     Shrink(bytes);
     throw;
   }
-  void* host = state.MoveToDevice(block, std::move(tensors));
-  if (pool_) {
-    device_.FreeHost(host);
-  } else {
-    host_pool_.Give(host);
-  }
+  store_->FreeHost(state.MoveToDevice(block, std::move(tensors)));
   {
     MutexLock lock(registry_mutex_);
     host_bytes_ -= bytes;
@@ -268,13 +246,7 @@ void Residency::Release(SessionState& state, const std::string& reason) {
   SessionState::Released released = state.Close(reason);
   if (!released.was_open) return;
   if (left_device_) left_device_(state);
-  if (pool_) {
-    // Its units are free once the work queued on them is done.
-    pool_->Release(state.share(), last);
-    device_.FreeHost(released.host_block);
-  } else {
-    host_pool_.Give(released.host_block);
-  }
+  store_->Release(state, released.host_block, last);
   try {
     // Freed in the order of the last stream that used it: after its runs finish.
     if (released.device_block != nullptr) device_.Free(released.device_block, last);
@@ -304,7 +276,7 @@ void Residency::RetainRegistryLocked() {
   // not a fresh mapping of device memory; anything beyond goes back.
   device_.Retain(model_->weight_bytes() + model_->parking_bytes() +
                  static_cast<size_t>(device_bytes_) + model_->template_bytes() +
-                 static_cast<size_t>(block_bytes_) + (pool_ ? pool_->allocated_bytes() : 0));
+                 static_cast<size_t>(block_bytes_) + store_->allocated_bytes());
 }
 
 std::vector<std::shared_ptr<SessionState>> Residency::OpenStatesRegistryLocked() const {
@@ -401,7 +373,7 @@ void Residency::AddStats(EngineStats& s) const {
   }
   std::sort(s.sessions.begin(), s.sessions.end(),
             [](const SessionStats& a, const SessionStats& b) { return a.id < b.id; });
-  s.host_spare_bytes = static_cast<int64_t>(host_pool_.spare_bytes());
+  s.host_spare_bytes = static_cast<int64_t>(store_->host_spare_bytes());
   s.offloads = offloads_.load();
   s.evictions = evictions_.load();
   s.idle_offloads = idle_offloads_.load();
@@ -416,7 +388,7 @@ void Residency::AddMemory(MemoryReport& report) const {
     report.sessions = static_cast<size_t>(device_bytes_);
     report.offloaded = static_cast<size_t>(host_bytes_);
   }
-  report.host_spare = host_pool_.spare_bytes();
+  report.host_spare = store_->host_spare_bytes();
 }
 
 }  // namespace aoti_sessions

@@ -1,9 +1,9 @@
 // Where session state lives, and how much of it: the registry of open
 // sessions, max_sessions and the device and host budgets, offload / restore
 // between the two tiers, eviction of the least recently used idle session, and
-// the idle reaper. It makes, moves and releases session blocks (or, with
-// pooled state, a session's share of the pool); the sessions' operations call
-// it holding their session's lock.
+// the idle reaper. It counts sessions' state and decides when it moves; the
+// state store (state_store.h) makes, copies and releases it. The sessions'
+// operations call it holding their session's lock.
 #pragma once
 
 #include <atomic>
@@ -16,28 +16,27 @@
 #include <unordered_map>
 #include <vector>
 
-#include "host_pool.h"
 #include "model.h"
 #include "mutex.h"
 #include "options.h"
 #include "periodic_thread.h"
 #include "session_state.h"
-#include "state_pool.h"
+#include "state_store.h"
 
 namespace aoti_sessions {
 
 enum class OffloadCause { kRequest, kEviction, kIdle };
 
-class Residency : public std::enable_shared_from_this<Residency> {
+class Residency : public std::enable_shared_from_this<Residency>, public DeviceRoom {
  public:
   // Starts the idle reaper when options.idle_timeout_seconds is set.
   // `left_device` is told (under the session's lock) whenever a session's
   // state leaves its device block for good: offloaded, evicted or closed
   // (the runner drops what it captured with that block).
   using LeftDevice = std::function<void(const SessionState&)>;
-  // `pool`: the pooled state, if the model has one.
+  // `store`: where the sessions' state is kept.
   static std::shared_ptr<Residency> Create(std::shared_ptr<Model> model,
-                                           std::shared_ptr<StatePool> pool,
+                                           std::shared_ptr<StateStore> store,
                                            const EngineOptions& options,
                                            LeftDevice left_device = nullptr);
   ~Residency();
@@ -45,7 +44,7 @@ class Residency : public std::enable_shared_from_this<Residency> {
   Residency& operator=(const Residency&) = delete;
 
   // Fills a new session's state (its device block, allocated; or its share of
-  // the pool, empty), with its lock held (`state.mutex().AssertHeld()` tells
+  // the pool, empty: StateStore::Fill), with its lock held (`state.mutex().AssertHeld()` tells
   // the analysis) and before anyone else sees it.
   using Fill = std::function<void(SessionState& state, StreamHandle stream)>;
   // A new session of `bytes` (blocks: the block's size): counted against
@@ -60,19 +59,16 @@ class Residency : public std::enable_shared_from_this<Residency> {
   std::shared_ptr<SessionState> AdmitBeside(SessionState& held, int64_t bytes,
                                             StreamHandle stream, const Fill& fill)
       REQUIRES(held.mutex()) EXCLUDES(registry_mutex_);
-  // Pooled state: `extra` more device bytes for the resident sessions `held`
-  // (whose locks the caller holds; none of them is evicted to make room), to
-  // be added to their bytes() by the caller once their pages are taken; or
-  // given back with Shrink. Throws kCapacity as Admit does.
-  void Reserve(const std::vector<const SessionState*>& held, int64_t extra, StreamHandle stream)
+  // The device room (DeviceRoom; drawn on through a PoolLease): `extra`
+  // more device bytes for the resident sessions `held` (whose locks the
+  // caller holds; none of them is evicted to make room), added to their
+  // bytes() once their units are taken; or given back with Shrink. Throws
+  // kCapacity as Admit does.
+  void Reserve(const Held& held, int64_t extra, StreamHandle stream) override
       EXCLUDES(registry_mutex_);
-  // Gives back `bytes` of device room (a reservation not used, or pages a
+  // Gives back `bytes` of device room (a reservation not used, or units a
   // resident session released).
-  void Shrink(int64_t bytes) EXCLUDES(registry_mutex_);
-  // Pooled state: releases checkpoints [first, last) of the resident
-  // session `state` (Session::Checkpoint) and gives back their room.
-  void DropCheckpoints(SessionState& state, size_t first, size_t last, StreamHandle stream)
-      REQUIRES(state.mutex()) EXCLUDES(registry_mutex_);
+  void Shrink(int64_t bytes) override EXCLUDES(registry_mutex_);
 
   // Moves the state to a host block and frees its device block; waits for the
   // state's work in flight. Throws kCapacity if host_budget is full. No-op
@@ -90,8 +86,6 @@ class Residency : public std::enable_shared_from_this<Residency> {
   void Release(SessionState& state, const std::string& reason) REQUIRES(state.mutex())
       EXCLUDES(registry_mutex_);
 
-  // Host blocks of one session's size (offloads, and staging for files).
-  HostPool& host_pool() { return host_pool_; }
   // A session operation ended: wakes calls waiting for an idle session.
   void NotifyIdle() EXCLUDES(registry_mutex_);
 
@@ -104,9 +98,8 @@ class Residency : public std::enable_shared_from_this<Residency> {
   void AddMemory(MemoryReport& report) const EXCLUDES(registry_mutex_);
 
  private:
-  Residency(std::shared_ptr<Model> model, std::shared_ptr<StatePool> pool,
+  Residency(std::shared_ptr<Model> model, std::shared_ptr<StateStore> store,
             const EngineOptions& options);
-  using Held = std::vector<const SessionState*>;
   std::shared_ptr<SessionState> AdmitFor(const Held& held, int64_t bytes, StreamHandle stream,
                                          const Fill& fill) EXCLUDES(registry_mutex_);
   // `host_credit`: host bytes the caller is about to release (a restore that
@@ -137,9 +130,6 @@ class Residency : public std::enable_shared_from_this<Residency> {
   Eviction EvictLeastRecentlyUsed(std::vector<std::shared_ptr<SessionState>> candidates,
                                   const Held& held, StreamHandle stream,
                                   int64_t host_credit) EXCLUDES(registry_mutex_);
-  // The state's units to a packed host copy (pooled state), or back.
-  void* PackToHost(SessionState& state, StreamHandle stream) REQUIRES(state.mutex());
-  void UnpackFromHost(SessionState& state, StreamHandle stream) REQUIRES(state.mutex());
   // Offloads `victim` if it is idle (its lock is free); false if it is busy.
   bool TryEvict(SessionState& victim, StreamHandle stream, int64_t host_credit)
       EXCLUDES(registry_mutex_);
@@ -153,7 +143,7 @@ class Residency : public std::enable_shared_from_this<Residency> {
   void RetainRegistryLocked() REQUIRES(registry_mutex_);
 
   const std::shared_ptr<Model> model_;
-  const std::shared_ptr<StatePool> pool_;  // null without pooled state
+  const std::shared_ptr<StateStore> store_;
   Device& device_;
   const int64_t block_bytes_;
   LeftDevice left_device_;  // set once, before any session exists
@@ -162,7 +152,6 @@ class Residency : public std::enable_shared_from_this<Residency> {
   const std::optional<int64_t> host_budget_;
   const std::optional<double> idle_timeout_seconds_;
   const IdleAction idle_action_;
-  HostPool host_pool_;
 
   mutable Mutex registry_mutex_;
   std::unordered_map<uint64_t, std::weak_ptr<SessionState>> states_ GUARDED_BY(registry_mutex_);

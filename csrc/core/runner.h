@@ -27,14 +27,16 @@
 
 namespace aoti_sessions {
 
-// What the engine fills for one run of a pooled method (docs/batching.md):
-// per row its page-table row, its position (length before the run) and slot.
+// The addressing of one run of a pooled method (docs/batching.md): per row
+// its page-table row, its position (length before the run) and slot, for the
+// inputs the method takes; padding rows after the real ones.
 struct PoolRows {
-  int64_t rows = 0;
+  int64_t rows = 0;                 // real rows (sessions)
+  int64_t padded = 0;               // rows the model runs
   int64_t width = 0;                // of the page table
-  std::vector<int32_t> page_table;  // rows x width
-  std::vector<int64_t> positions;
-  std::vector<int32_t> slot_ids;
+  std::vector<int32_t> page_table;  // padded x width
+  std::vector<int64_t> positions;   // padded
+  std::vector<int32_t> slot_ids;    // padded
 };
 
 // The padded row count a batch of `rows` runs as on a device with graphs:
@@ -65,12 +67,14 @@ class Runner {
                                std::vector<OwnedTensor>&& inputs, StreamHandle stream)
       REQUIRES(state.mutex()) EXCLUDES(weights_mutex_, lanes_mutex_);
 
-  // Runs pooled `method` over `rows` sessions whose units the pool holds for
-  // the positions written (taken beforehand); `inputs` are the caller's, each
-  // with the rows first. The pool's tensors and the addressing are filled in
-  // here. On a device with graphs the batch is padded to BatchBucket rows and
-  // captured once per bucket, stream and pool epoch. Throws as Run does.
-  std::vector<OwnedTensor> RunPooled(size_t method, StatePool& pool, const PoolRows& rows,
+  // Runs pooled `method` over the sessions whose `shares` (one per row) hold
+  // units for the positions written (taken beforehand); `inputs` are the
+  // caller's, each with the rows first. The pool's tensors and the
+  // addressing are filled in here. On a device with graphs the batch is
+  // padded to BatchBucket rows and captured once per bucket, stream and pool
+  // epoch. Throws as Run does.
+  std::vector<OwnedTensor> RunPooled(size_t method, StatePool& pool,
+                                     const std::vector<const PoolShare*>& shares,
                                      std::vector<OwnedTensor>&& inputs, StreamHandle stream)
       EXCLUDES(weights_mutex_, lanes_mutex_);
 
@@ -129,12 +133,29 @@ class Runner {
                       std::vector<int64_t>* shapes) const;
   // The same for input `index` alone; returns its sizes.
   std::vector<int64_t> ValidateInput(const Method& method, size_t index, OwnedTensor& input) const;
-  // The pooled run's inputs as the model takes them: the caller's padded to
-  // `padded` rows, the pool's tensors, the addressing.
-  std::vector<OwnedTensor> PooledInputs(const Method& method, const StatePool::Use& use,
-                                        const PoolRows& rows, int64_t padded,
-                                        std::vector<OwnedTensor>& inputs,
-                                        StreamHandle stream) const;
+  // The phases of RunPooled (runner_pooled.cc). The caller's inputs checked
+  // against the method and the batch's `rows`; returns their sizes.
+  std::vector<std::vector<int64_t>> CheckBatch(const Method& called, int64_t rows,
+                                               std::vector<OwnedTensor>& inputs) const;
+  // The rows' addressing, padded to the bucket the run takes (with `captures`).
+  PoolRows AddressRows(const Method& called, const StatePool& pool,
+                       const std::vector<const PoolShare*>& shares, bool captures) const;
+  // The graph key of the batch (inputs' shapes at the padded size).
+  GraphKey BatchKey(const Method& called, const StatePool::Use& use, const PoolRows& rows,
+                    const std::vector<std::vector<int64_t>>& sizes, StreamHandle stream) const
+      REQUIRES_SHARED(weights_mutex_);
+  // A replay of the bucket's graph: the inputs and the addressing copied in.
+  std::vector<OwnedTensor> ReplayBatch(Graph& graph, const Method& called, const PoolRows& rows,
+                                       const std::vector<OwnedTensor>& inputs);
+  // The inputs as the model takes them: the caller's padded to the padded
+  // rows, the pool's tensors, the addressing.
+  std::vector<OwnedTensor> BatchInputs(const Method& method, const StatePool::Use& use,
+                                       const PoolRows& rows, std::vector<OwnedTensor>& inputs,
+                                       StreamHandle stream) const;
+  // The run on a lane (captured there with `key`); the outputs keep the real rows.
+  std::vector<OwnedTensor> RunBatchOnLane(size_t method, const PoolRows& rows,
+                                          std::vector<OwnedTensor>& full, StreamHandle stream,
+                                          GraphKey* key) REQUIRES_SHARED(weights_mutex_);
   // Checks every update; returns the held weight each one writes.
   std::vector<HeldWeight*> ValidateUpdates(const std::vector<WeightUpdate>& updates) const;
   // How a run uses its lane: the key the lane is bound with, what binds it

@@ -62,6 +62,37 @@ void Session::SetDiscardable(bool discardable) {
   state_->set_discardable(discardable);
 }
 
+namespace {
+
+// What the residency runs to fill a new session made from `source`.
+Residency::Fill FillFrom(StateStore& store, const StateStore::Source& source) {
+  return [&store, &source](SessionState& made, StreamHandle stream) {
+    made.mutex().AssertHeld();  // Admit holds it
+    store.Fill(made, source, stream);
+  };
+}
+
+}  // namespace
+
+std::shared_ptr<Session> Session::New(std::shared_ptr<const EngineParts> parts,
+                                     SessionFiles::CheckedFile* file, StreamHandle stream) {
+  StateStore& store = *parts->store;
+  HostCopy staged;  // a file's state: every byte checked before a session is made
+  StateStore::Source source;
+  if (file != nullptr) {
+    staged = store.ReadFile(*parts->files, *file);
+    source = StateStore::From(staged);
+  }
+  auto state = parts->residency->Admit(store.BytesOf(source), stream, FillFrom(store, source));
+  return Make(std::move(parts), std::move(state));
+}
+
+void Session::Prepare(StreamHandle stream) {
+  parts_->residency->Restore(*state_, stream);
+  state_->Touch();
+  state_->Use(parts_->model->device(), stream);
+}
+
 std::vector<OwnedTensor> Session::Run(size_t method, std::vector<OwnedTensor>&& inputs,
                                       StreamHandle stream) {
   OpLock lock(*this);
@@ -69,37 +100,25 @@ std::vector<OwnedTensor> Session::Run(size_t method, std::vector<OwnedTensor>&& 
     return RunRowsLocked(*parts_, {state_.get()}, method, std::move(inputs), stream);
   }
   state_->CheckOpen();
-  parts_->residency->Restore(*state_, stream);
-  state_->Touch();
-  state_->Use(parts_->model->device(), stream);
+  Prepare(stream);
   return parts_->runner->Run(*state_, method, std::move(inputs), stream);
 }
 
 void Session::Reset(StreamHandle stream) {
   OpLock lock(*this);
-  if (parts_->pool) return ResetPooled(stream);
   state_->CheckOpen();
-  parts_->residency->Restore(*state_, stream);
-  state_->Touch();
-  state_->Use(parts_->model->device(), stream);
-  parts_->model->InitializeBlock(state_->device_block(), stream);
+  Prepare(stream);
+  parts_->store->Reset(*state_, *parts_->residency, stream);
 }
 
 std::shared_ptr<Session> Session::Fork(StreamHandle stream) {
   OpLock lock(*this);
-  if (parts_->pool) return ForkPooled(stream);
   state_->CheckOpen();
-  Device& device = parts_->model->device();
-  state_->Use(device, stream);
-  const char* source = state_->memory();
-  const bool from_host = !state_->resident();
-  const size_t bytes = parts_->model->block_bytes();
-  auto child = parts_->residency->AdmitBeside(
-      *state_, static_cast<int64_t>(bytes), stream, [&](SessionState& made, StreamHandle s) {
-        made.mutex().AssertHeld();  // Admit holds it
-        if (bytes > 0) device.Copy(made.device_block(), source, bytes, s);
-        if (from_host) device.Synchronize(s);  // the host block may move once unlocked
-      });
+  StateStore& store = *parts_->store;
+  state_->Use(parts_->model->device(), stream);
+  const StateStore::Source source = store.From(*state_);
+  auto child = parts_->residency->AdmitBeside(*state_, store.BytesOf(source), stream,
+                                              FillFrom(store, source));
   return Make(parts_, std::move(child));
 }
 
@@ -236,37 +255,19 @@ void Session::Save(const std::string& path, const std::string& attachment, Strea
 std::shared_ptr<SessionSnapshot> Session::Snapshot(StreamHandle stream) {
   parts_->CheckProcess();
   std::shared_ptr<SessionSnapshot> snapshot(new SessionSnapshot(parts_));
-  if (parts_->pool) {
-    OpLock lock(*this);
-    state_->CheckOpen();
-    snapshot->packed_ = PackPooled(&snapshot->pages_, stream);
-    snapshot->length_ = state_->share().length;
-    return snapshot;
-  }
-  snapshot->block_ = std::make_unique<HostBlock>(parts_->residency->host_pool());
+  snapshot->copy_ = parts_->store->NewHostCopy();  // (host memory taken before the lock)
   OpLock lock(*this);
   state_->CheckOpen();
-  Device& device = parts_->model->device();
-  state_->Use(device, stream);
-  if (parts_->model->block_bytes() > 0) {
-    device.Copy(snapshot->block_->get(), state_->memory(), parts_->model->block_bytes(), stream);
-    device.Synchronize(stream);
-  }
+  parts_->store->CopyOut(*state_, snapshot->copy_, stream);
   return snapshot;
 }
 
 void SessionSnapshot::Write(const std::string& path, const std::string& attachment) const {
   parts_->CheckProcess();
-  if (parts_->pool) {
-    parts_->files->SavePooled(path, packed_.data(), pages_, length_, attachment);
-  } else {
-    parts_->files->Save(path, block_->get(), attachment);
-  }
+  parts_->store->WriteFile(*parts_->files, path, copy_, attachment);
 }
 
-size_t SessionSnapshot::bytes() const {
-  return parts_->pool ? packed_.size() : parts_->model->block_bytes();
-}
+size_t SessionSnapshot::bytes() const { return copy_.bytes; }
 
 void Session::Close() {
   OpLock lock(*this);

@@ -12,11 +12,12 @@
 
 #include "device.h"
 #include "model.h"
+#include "pool_store.h"
 #include "residency.h"
 #include "runner.h"
 #include "session_files.h"
 #include "session_state.h"
-#include "state_pool.h"
+#include "state_store.h"
 #include "torch_shim.h"
 
 namespace aoti_sessions {
@@ -25,7 +26,7 @@ namespace aoti_sessions {
 // session keeps them alive after the Engine object is gone).
 struct EngineParts {
   std::shared_ptr<Model> model;
-  std::shared_ptr<StatePool> pool;  // null without pooled state
+  std::shared_ptr<StateStore> store;  // a BlockStore, or a PoolStore (pooled state)
   std::shared_ptr<Runner> runner;
   std::shared_ptr<Residency> residency;
   std::shared_ptr<SessionFiles> files;
@@ -55,11 +56,8 @@ class SessionSnapshot {
   friend class Session;
   explicit SessionSnapshot(std::shared_ptr<const EngineParts> parts) : parts_(std::move(parts)) {}
 
-  std::shared_ptr<const EngineParts> parts_;  // (first: outlives the block, its pool's owner)
-  std::unique_ptr<HostBlock> block_;          // a session block (state not pooled)
-  std::vector<char> packed_;                  // pooled state: its pages, packed
-  size_t pages_ = 0;
-  int64_t length_ = -1;                       // pooled state: the session's length
+  std::shared_ptr<const EngineParts> parts_;  // (first: outlives the copy, its store's)
+  HostCopy copy_;
 };
 
 class Session {
@@ -178,27 +176,22 @@ class Session {
   static std::vector<OwnedTensor> RunBatch(const std::vector<std::shared_ptr<Session>>& rows,
                                            size_t method, std::vector<OwnedTensor>&& inputs,
                                            StreamHandle stream = nullptr);
-  // A new session of a pooled engine: empty, or (`file` given) holding the
-  // checked file's state.
-  static std::shared_ptr<Session> NewPooled(std::shared_ptr<const EngineParts> parts,
-                                            SessionFiles::CheckedFile* file, StreamHandle stream);
+  // A new session: in its initial state, or (`file` given) holding the
+  // checked file's state (Engine::NewSession, Engine::LoadSession).
+  static std::shared_ptr<Session> New(std::shared_ptr<const EngineParts> parts,
+                                      SessionFiles::CheckedFile* file, StreamHandle stream);
 
  private:
   class OpLock;
   class BatchLock;
-  // The pooled operations behind Run, Reset, Fork and Save, under the lock.
+  // A run of a pooled method over `rows` (Run, RunBatch), every row's lock held.
   static std::vector<OwnedTensor> RunRowsLocked(const EngineParts& parts,
                                                 const std::vector<SessionState*>& rows,
                                                 size_t method, std::vector<OwnedTensor>&& inputs,
                                                 StreamHandle stream);
-  void ResetPooled(StreamHandle stream) REQUIRES(state_->mutex());
-  std::shared_ptr<Session> ForkPooled(StreamHandle stream) REQUIRES(state_->mutex());
-  // Releases the pages past the state's length (a session holds the pages
-  // of its positions, no more).
-  static void TrimPages(const EngineParts& parts, SessionState& state, StreamHandle stream)
-      REQUIRES(state.mutex());
-  // A host copy of the pooled state (its packed layout) and its pages.
-  std::vector<char> PackPooled(size_t* pages, StreamHandle stream) REQUIRES(state_->mutex());
+  // The session restored (if offloaded), marked used and ordered on `stream`:
+  // the start of every operation that changes its state.
+  void Prepare(StreamHandle stream) REQUIRES(state_->mutex());
   // Checks `tensor` against buffer `buffer` (dtype, layout, device or host).
   void CheckBufferTensor(size_t buffer, AtenTensorHandle tensor, const char* role) const;
   // Copies the buffers `indices` into `dsts` (same order), checked first.

@@ -268,20 +268,31 @@ void SessionFiles::MatchFingerprint(const StateFileHeader& header, const std::st
   }
 }
 
-SessionFiles::CheckedFile SessionFiles::Check(const std::string& path, bool strict) const {
+SessionFiles::CheckedFile SessionFiles::Open(const std::string& path, std::string* from) const {
   CheckSessionPath(path);
   CheckedFile file;
   file.reader = std::make_unique<StateFileReader>(path);
+  file.attachment = file.reader->header().attachment;
+  *from = "session file " + path + " was saved from another model: ";
+  return file;
+}
+
+SessionFiles::CheckedFile SessionFiles::CheckBlock(const std::string& path, bool strict) const {
+  std::string from;
+  CheckedFile file = Open(path, &from);
   const StateFileHeader& header = file.reader->header();
-  file.attachment = header.attachment;
-  const std::string from = "session file " + path + " was saved from another model: ";
-  if (model_->pool()) {
-    file.source = MatchPool(header, from);
-    file.positions = header.positions;
-    file.pages = model_->pool()->PagesFor(header.positions);
-  } else {
-    file.source = MatchBuffers(header, from);
-  }
+  file.source = MatchBuffers(header, from);
+  if (strict) MatchFingerprint(header, from);
+  return file;
+}
+
+SessionFiles::CheckedFile SessionFiles::CheckPooled(const std::string& path, bool strict) const {
+  std::string from;
+  CheckedFile file = Open(path, &from);
+  const StateFileHeader& header = file.reader->header();
+  file.source = MatchPool(header, from);
+  file.positions = header.positions;
+  file.pages = model_->pool()->PagesFor(header.positions);
   if (strict) MatchFingerprint(header, from);
   return file;
 }

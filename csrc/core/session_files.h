@@ -79,9 +79,11 @@ class SessionFiles {
     std::string attachment;      // what the saver attached (empty: nothing)
   };
   // Opens the file at `path` and checks its header: this engine's buffers
-  // and, with `strict`, its fingerprint. Allocates nothing. Throws
-  // kInvalidArgument, kFileNotFound, kSessionFile or kModelMismatch.
-  CheckedFile Check(const std::string& path, bool strict) const;
+  // (block state) or pooled tensors and, with `strict`, its fingerprint.
+  // Allocates nothing. Throws kInvalidArgument, kFileNotFound, kSessionFile or
+  // kModelMismatch. The engine's state store calls the one of its kind.
+  CheckedFile CheckBlock(const std::string& path, bool strict) const;
+  CheckedFile CheckPooled(const std::string& path, bool strict) const;
   // Reads the file's state into `block`, a host block laid out as a session
   // block, checking every buffer's checksum (kSessionFile).
   void Read(CheckedFile& file, void* block) const;
@@ -93,6 +95,8 @@ class SessionFiles {
   void AddStats(EngineStats& stats) const;
 
  private:
+  // Opens the file (its path checked); `from` starts a mismatch's message.
+  CheckedFile Open(const std::string& path, std::string* from) const;
   // The file buffer that feeds each engine buffer; throws kModelMismatch.
   std::vector<size_t> MatchBuffers(const StateFileHeader& header, const std::string& from) const;
   // The same for a pooled engine: the file buffer of each pooled tensor.

@@ -43,26 +43,6 @@ class Session::BatchLock {
 
 namespace {
 
-// Pages between two widths a run's page table may take (a method with a
-// dynamic width reads only the pages its rows hold: fewer shapes, less
-// waste). Also the narrowest table passed (up to max_pages): an export's
-// dynamic width is at least 2.
-constexpr int64_t kWidthStep = 4;
-
-// The page-table width of a run: the method's, or (dynamic) the pages its
-// longest row holds after the run, rounded up to kWidthStep.
-int64_t PageTableWidth(const Method& method, const PoolLayout& layout,
-                       const std::vector<SessionState*>& rows) NO_THREAD_SAFETY_ANALYSIS {
-  if (!method.pool->page_table) return 0;
-  const int64_t fixed = (*method.inputs)[*method.pool->page_table].sizes[1];
-  if (fixed > 0) return fixed;
-  int64_t most = 1;
-  for (const SessionState* state : rows) {
-    most = std::max(most, static_cast<int64_t>(state->share().pages.size()));
-  }
-  return std::min(layout.max_pages, (most + kWidthStep - 1) / kWidthStep * kWidthStep);
-}
-
 // The sessions of a batch as the residency's "held" list.
 std::vector<const SessionState*> Held(const std::vector<SessionState*>& rows) {
   return {rows.begin(), rows.end()};
@@ -103,8 +83,8 @@ std::vector<OwnedTensor> Session::RunRowsLocked(const EngineParts& parts,
   if (!called.pool) {
     Throw(ErrorKind::kInvalidArgument, "method '" + called.name + "' takes no pooled state");
   }
-  StatePool& pool = *parts.pool;
-  const PoolLayout& layout = pool.layout();
+  PoolStore& store = parts.store->Pooled("a pooled method needs pooled state");  // (it has it)
+  const PoolLayout& layout = store.layout();
   // New positions per row: the tokens input's second dimension.
   const auto tokens = static_cast<size_t>(
       std::find(called.caller_inputs.begin(), called.caller_inputs.end(), called.pool->tokens) -
@@ -141,78 +121,25 @@ std::vector<OwnedTensor> Session::RunRowsLocked(const EngineParts& parts,
     }
   }
   // Room for the rows' new pages, then the pages (copies of shared ones).
-  int64_t reserved = 0;
-  for (SessionState* state : rows) {
-    const PoolShare& share = state->share();
-    const size_t pages = layout.PagesFor(share.length + count);
-    reserved += pool.ShareBytes(share, pages) - state->bytes();
+  {
+    int64_t growth = 0;
+    for (const SessionState* state : rows) growth += store.Growth(*state, count);
+    PoolLease lease(store, *parts.residency, held, growth, stream);
+    for (SessionState* state : rows) lease.Grow(*state, count, stream);
   }
-  parts.residency->Reserve(held, reserved, stream);
-  try {
-    for (SessionState* state : rows) {
-      PoolShare& share = state->share();
-      pool.PrepareWrite(share, share.length, share.length + count, stream);
-      const int64_t bytes = pool.ShareBytes(share, share.pages.size());
-      reserved -= bytes - state->bytes();
-      state->set_bytes(bytes);
-    }
-  } catch (...) {
-    parts.residency->Shrink(reserved);
-    throw;
-  }
-  PoolRows addressing;
-  addressing.rows = static_cast<int64_t>(rows.size());
-  addressing.width = PageTableWidth(called, layout, rows);
-  const size_t width = static_cast<size_t>(addressing.width);
-  addressing.page_table.resize(rows.size() * width);
-  for (size_t r = 0; r < rows.size(); ++r) {
-    const PoolShare& share = rows[r]->share();
-    if (layout.has_pages()) pool.FillPageRow(share, addressing.page_table.data() + r * width, width);
-    addressing.positions.push_back(share.length);
-    addressing.slot_ids.push_back(share.slot);
-  }
-  if (!called.pool->page_table) addressing.page_table.clear();
-  if (!called.pool->positions) addressing.positions.clear();
-  if (!called.pool->slot_ids) addressing.slot_ids.clear();
+  std::vector<const PoolShare*> shares;
+  for (const SessionState* state : rows) shares.push_back(&state->share());
   std::vector<OwnedTensor> outputs;
   try {
-    outputs = parts.runner->RunPooled(method, pool, addressing, std::move(inputs), stream);
+    outputs = parts.runner->RunPooled(method, store.pool(), shares, std::move(inputs), stream);
   } catch (...) {
-    // Nothing was fed: the pages taken for it go back (a session holds the
-    // pages of its positions, no more: its host copy's layout relies on it).
-    for (SessionState* state : rows) TrimPages(parts, *state, stream);
+    // Nothing was fed: the pages taken for it go back.
+    PoolLease lease(store, *parts.residency);
+    for (SessionState* state : rows) lease.Trim(*state, stream);
     throw;
   }
   for (SessionState* state : rows) state->share().length += count;
   return outputs;
-}
-
-std::shared_ptr<Session> Session::NewPooled(std::shared_ptr<const EngineParts> parts,
-                                            SessionFiles::CheckedFile* file, StreamHandle stream) {
-  StatePool& pool = *parts->pool;
-  const PoolLayout& layout = pool.layout();
-  std::vector<char> packed;
-  size_t pages = 0;
-  if (file != nullptr) {
-    pages = file->pages;
-    packed.resize(layout.PackedBytes(pages));
-    parts->files->ReadPooled(*file, packed.data());  // every byte checked before a session is made
-  }
-  Device& device = parts->model->device();
-  auto state = parts->residency->Admit(
-      pool.SessionBytes(pages), stream, [&](SessionState& made, StreamHandle s) {
-        made.mutex().AssertHeld();  // Admit holds it
-        PoolShare& share = made.share();
-        if (layout.has_slots()) share.slot = pool.TakeSlot(s);
-        if (file == nullptr) return;
-        share.pages = pool.TakePages(pages, /*zero=*/false, s);
-        share.length = file->positions;
-        if (!packed.empty()) {
-          pool.Unpack(packed.data(), share, s);
-          device.Synchronize(s);  // the host copy goes away after
-        }
-      });
-  return Make(std::move(parts), std::move(state));
 }
 
 int64_t Session::length() {
@@ -220,82 +147,11 @@ int64_t Session::length() {
   return state_->share().length;
 }
 
-void Session::ResetPooled(StreamHandle stream) {
-  state_->CheckOpen();
-  parts_->residency->Restore(*state_, stream);
-  state_->Touch();
-  state_->Use(parts_->model->device(), stream);
-  StatePool& pool = *parts_->pool;
-  PoolShare& share = state_->share();
-  parts_->residency->DropCheckpoints(*state_, 0, share.checkpoints.size(), stream);
-  pool.ReleasePages(share.pages, stream);
-  share.pages.clear();
-  share.length = 0;
-  if (share.slot >= 0) {
-    // A fresh slot is a zeroed one; the old one is free once this stream is done with it.
-    PoolShare old;
-    old.slot = share.slot;
-    share.slot = pool.TakeSlot(stream);
-    pool.Release(old, stream);
-  }
-  const int64_t bytes = pool.SessionBytes(0);
-  parts_->residency->Shrink(state_->bytes() - bytes);
-  state_->set_bytes(bytes);
-}
-
-std::shared_ptr<Session> Session::ForkPooled(StreamHandle stream) {
-  state_->CheckOpen();
-  StatePool& pool = *parts_->pool;
-  Device& device = parts_->model->device();
-  state_->Use(device, stream);
-  const PoolShare& source = state_->share();
-  const bool resident = state_->resident();
-  const void* host = resident ? nullptr : state_->memory();
-  const size_t pages = pool.layout().PagesFor(source.length);
-  auto child = parts_->residency->AdmitBeside(
-      *state_, pool.SessionBytes(pages), stream, [&](SessionState& made, StreamHandle s) {
-        made.mutex().AssertHeld();  // Admit holds it
-        PoolShare& share = made.share();
-        share.length = source.length;
-        if (pool.layout().has_slots()) share.slot = pool.TakeSlot(s);
-        if (resident) {
-          // Pages are shared, copied only when one of the two writes them.
-          pool.SharePages(source.pages);
-          share.pages = source.pages;
-          if (share.slot >= 0) pool.CopySlot(share.slot, source.slot, s);
-          return;
-        }
-        share.pages = pool.TakePages(pages, /*zero=*/false, s);
-        pool.Unpack(host, share, s);
-        device.Synchronize(s);  // the host copy may move once unlocked
-      });
-  return Make(parts_, std::move(child));
-}
-
-std::vector<char> Session::PackPooled(size_t* pages, StreamHandle stream) {
-  const PoolLayout& layout = parts_->pool->layout();
-  const PoolShare& share = state_->share();
-  Device& device = parts_->model->device();
-  state_->Use(device, stream);
-  *pages = layout.PagesFor(share.length);
-  std::vector<char> packed(layout.PackedBytes(*pages));
-  if (packed.empty()) return packed;
-  if (state_->resident()) {
-    parts_->pool->Pack(share, packed.data(), stream);
-    device.Synchronize(stream);
-  } else {
-    std::copy_n(state_->memory(), packed.size(), packed.data());
-  }
-  return packed;
-}
-
 std::vector<OwnedTensor> Session::ReadPool(int64_t* length, StreamHandle stream) {
   OpLock lock(*this);
   state_->CheckOpen();
-  if (!parts_->pool) {
-    Throw(ErrorKind::kInvalidArgument, "this engine has no pooled state; use ReadBuffers");
-  }
-  const PoolLayout& layout = parts_->pool->layout();
+  PoolStore& store = parts_->store->Pooled("this engine has no pooled state; use ReadBuffers");
+  const PoolLayout& layout = store.layout();
   const PoolShare& share = state_->share();
   Device& device = parts_->model->device();
   state_->Use(device, stream);
@@ -310,7 +166,7 @@ std::vector<OwnedTensor> Session::ReadPool(int64_t* length, StreamHandle stream)
     parts.push_back(DataPtr(out.back().get()));
   }
   if (state_->resident()) {
-    parts_->pool->PackTensors(share, parts, stream);
+    store.pool().PackTensors(share, parts, stream);
   } else {
     const std::vector<size_t> offsets = layout.PackedOffsets(pages);
     for (size_t i = 0; i < layout.tensors.size(); ++i) {
@@ -327,11 +183,8 @@ void Session::WritePool(const std::vector<std::string>& names,
                         StreamHandle stream) {
   OpLock lock(*this);
   state_->CheckOpen();
-  if (!parts_->pool) {
-    Throw(ErrorKind::kInvalidArgument, "this engine has no pooled state; use WriteBuffers");
-  }
-  StatePool& pool = *parts_->pool;
-  const PoolLayout& layout = pool.layout();
+  PoolStore& store = parts_->store->Pooled("this engine has no pooled state; use WriteBuffers");
+  const PoolLayout& layout = store.layout();
   if (names.size() != sources.size()) {
     Throw(ErrorKind::kInvalidArgument, "state: " + std::to_string(names.size()) +
                                            " names for " + std::to_string(sources.size()) +
@@ -388,27 +241,15 @@ void Session::WritePool(const std::vector<std::string>& names,
                                            JoinNames(unexpected));
   }
   // Every check passed: the session's units are replaced by new ones.
-  parts_->residency->Restore(*state_, stream);
-  state_->Touch();
-  state_->Use(device, stream);
-  PoolShare& share = state_->share();
-  parts_->residency->DropCheckpoints(*state_, 0, share.checkpoints.size(), stream);
-  const int64_t bytes = pool.SessionBytes(pages);
-  const int64_t extra = bytes - state_->bytes();
-  parts_->residency->Reserve({state_.get()}, extra, stream);
-  std::vector<int32_t> fresh;
-  try {
-    fresh = pool.TakePages(pages, /*zero=*/false, stream);
-  } catch (...) {
-    parts_->residency->Shrink(extra);
-    throw;
+  Prepare(stream);
+  {
+    PoolLease(store, *parts_->residency)
+        .DropCheckpoints(*state_, 0, state_->share().checkpoints.size(), stream);
+    const int64_t extra = store.pool().SessionBytes(pages) - state_->bytes();
+    PoolLease lease(store, *parts_->residency, {state_.get()}, extra, stream);
+    lease.Replace(*state_, pages, length, stream);
   }
-  pool.ReleasePages(share.pages, stream);
-  share.pages = std::move(fresh);
-  share.length = length;
-  state_->set_bytes(bytes);
-  if (extra < 0) parts_->residency->Shrink(-extra);
-  pool.UnpackTensors(parts, share, stream);
+  store.pool().UnpackTensors(parts, state_->share(), stream);
   device.Synchronize(stream);  // the sources may be freed once this returns
 }
 

@@ -12,10 +12,7 @@ namespace aoti_sessions {
 void Session::Truncate(int64_t length, StreamHandle stream) {
   OpLock lock(*this);
   state_->CheckOpen();
-  if (!parts_->pool) {
-    Throw(ErrorKind::kInvalidArgument, "truncate needs pooled state; this engine has none");
-  }
-  StatePool& pool = *parts_->pool;
+  PoolStore& store = parts_->store->Pooled("truncate needs pooled state; this engine has none");
   PoolShare& share = state_->share();
   if (length < 0 || length > share.length) {
     Throw(ErrorKind::kInvalidArgument, "cannot truncate session " + std::to_string(id()) +
@@ -28,7 +25,7 @@ void Session::Truncate(int64_t length, StreamHandle stream) {
   std::vector<SlotCheckpoint>& checkpoints = share.checkpoints;
   size_t kept = checkpoints.size();  // the checkpoints that stay: those at most `length`
   int32_t rewound = -1;              // the checkpoint slot the session's slot goes back to
-  if (pool.layout().has_slots() && length < share.length) {
+  if (store.layout().has_slots() && length < share.length) {
     const auto at = std::find_if(checkpoints.begin(), checkpoints.end(),
                                  [&](const SlotCheckpoint& c) { return c.length == length; });
     if (at == checkpoints.end()) {
@@ -46,30 +43,26 @@ void Session::Truncate(int64_t length, StreamHandle stream) {
   }
   // Restored first: the host copy's layout follows its page count (an
   // offloaded session has no checkpoints, so it never rewinds a slot).
-  parts_->residency->Restore(*state_, stream);
-  state_->Touch();
-  state_->Use(parts_->model->device(), stream);
-  if (rewound >= 0) pool.CopySlot(share.slot, rewound, stream);
-  parts_->residency->DropCheckpoints(*state_, kept, checkpoints.size(), stream);
+  Prepare(stream);
+  if (rewound >= 0) store.pool().CopySlot(share.slot, rewound, stream);
+  PoolLease lease(store, *parts_->residency);
+  lease.DropCheckpoints(*state_, kept, checkpoints.size(), stream);
   share.length = length;
-  TrimPages(*parts_, *state_, stream);
+  lease.Trim(*state_, stream);
 }
 
 void Session::Checkpoint(int64_t keep, StreamHandle stream) {
   OpLock lock(*this);
   state_->CheckOpen();
-  if (!parts_->pool || !parts_->pool->layout().has_slots()) {
-    Throw(ErrorKind::kInvalidArgument,
-          "checkpoint needs slot state (a conv or recurrent state); this engine has none");
-  }
+  const std::string refusal =
+      "checkpoint needs slot state (a conv or recurrent state); this engine has none";
+  PoolStore& store = parts_->store->Pooled(refusal);
+  if (!store.layout().has_slots()) Throw(ErrorKind::kInvalidArgument, refusal);
   if (keep < 1) {
     Throw(ErrorKind::kInvalidArgument, "checkpoint: keep must be at least 1, got " +
                                            std::to_string(keep));
   }
-  StatePool& pool = *parts_->pool;
-  parts_->residency->Restore(*state_, stream);
-  state_->Touch();
-  state_->Use(parts_->model->device(), stream);
+  Prepare(stream);
   PoolShare& share = state_->share();
   std::vector<SlotCheckpoint>& checkpoints = share.checkpoints;
   // The slot changes only with the length (a run feeds positions; a reset
@@ -77,20 +70,12 @@ void Session::Checkpoint(int64_t keep, StreamHandle stream) {
   if (!checkpoints.empty() && checkpoints.back().length == share.length) return;
   const auto most = static_cast<size_t>(keep);
   if (checkpoints.size() >= most) {
-    parts_->residency->DropCheckpoints(*state_, 0, checkpoints.size() - most + 1, stream);
+    PoolLease(store, *parts_->residency)
+        .DropCheckpoints(*state_, 0, checkpoints.size() - most + 1, stream);
   }
-  const auto bytes = static_cast<int64_t>(pool.layout().slot_bytes);
-  parts_->residency->Reserve({state_.get()}, bytes, stream);
-  int32_t slot = -1;
-  try {
-    slot = pool.TakeSlot(stream);
-  } catch (...) {
-    parts_->residency->Shrink(bytes);
-    throw;
-  }
-  pool.CopySlot(slot, share.slot, stream);
-  checkpoints.push_back({share.length, slot});
-  state_->set_bytes(state_->bytes() + bytes);
+  PoolLease lease(store, *parts_->residency, {state_.get()},
+                  static_cast<int64_t>(store.layout().slot_bytes), stream);
+  lease.Checkpoint(*state_, stream);
 }
 
 std::vector<int64_t> Session::Checkpoints() {
@@ -98,19 +83,6 @@ std::vector<int64_t> Session::Checkpoints() {
   std::vector<int64_t> lengths;
   for (const SlotCheckpoint& c : state_->share().checkpoints) lengths.push_back(c.length);
   return lengths;
-}
-
-void Session::TrimPages(const EngineParts& parts, SessionState& state, StreamHandle stream) {
-  PoolShare& share = state.share();
-  const size_t keep = parts.pool->layout().PagesFor(share.length);
-  if (keep >= share.pages.size()) return;
-  std::vector<int32_t> dropped(share.pages.begin() + static_cast<std::ptrdiff_t>(keep),
-                               share.pages.end());
-  share.pages.resize(keep);
-  parts.pool->ReleasePages(dropped, stream);
-  const int64_t bytes = parts.pool->ShareBytes(share, keep);
-  parts.residency->Shrink(state.bytes() - bytes);
-  state.set_bytes(bytes);
 }
 
 }  // namespace aoti_sessions

@@ -140,6 +140,19 @@ int32_t StatePool::TakeSlot(StreamHandle stream) {
   return taken[0];
 }
 
+void StatePool::Take(PoolShare& share, size_t pages, StreamHandle stream) {
+  share.pages = TakePages(pages, /*zero=*/false, stream);
+  if (layout_.has_slots()) share.slot = TakeSlot(stream);
+}
+
+void StatePool::Share(PoolShare& dst, const PoolShare& src, StreamHandle stream) {
+  Take(dst, 0, stream);  // its slot
+  SharePages(src.pages);
+  dst.pages = src.pages;
+  dst.length = src.length;
+  if (dst.slot >= 0) CopySlot(dst.slot, src.slot, stream);
+}
+
 void StatePool::SharePages(const std::vector<int32_t>& pages) {
   MutexLock lock(mutex_);
   for (int32_t p : pages) ++page_owners_[static_cast<size_t>(p)];

@@ -78,6 +78,13 @@ class StatePool {
       EXCLUDES(memory_mutex_, mutex_);
   // A slot owned by the caller, zeroed on `stream`.
   int32_t TakeSlot(StreamHandle stream) EXCLUDES(memory_mutex_, mutex_);
+  // Makes an empty `share` own `pages` fresh pages (unwritten) and, where the
+  // pool keeps slot state, a zeroed slot.
+  void Take(PoolShare& share, size_t pages, StreamHandle stream) EXCLUDES(memory_mutex_, mutex_);
+  // Makes an empty `dst` a fork of `src`: its length, its pages shared (each
+  // copied only when one of the two writes it) and a copy of its slot.
+  void Share(PoolShare& dst, const PoolShare& src, StreamHandle stream)
+      EXCLUDES(memory_mutex_, mutex_);
   // Each of `pages` gets one more owner (a fork shares them).
   void SharePages(const std::vector<int32_t>& pages) EXCLUDES(mutex_);
   // Gives up one ownership of each of `pages`; a page nobody owns is free
