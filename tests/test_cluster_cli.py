@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -69,10 +70,15 @@ def test_cli_replicas_serve_and_keep_sessions_across_restarts(tmp_path: Path) ->
                 made = http.get("/v1/models", headers={"X-Request-Id": "bad id"}).headers.get_list("x-request-id")
                 assert len(made) == 1 and len(made[0]) == 32 and made[0] != "bad id", made
         finally:
-            os.killpg(process.pid, stop)
+            stopping = time.monotonic()
+            os.killpg(process.pid, stop)  # (a terminal's Ctrl-C, kill -- -PGID: every process of the group)
             assert process.wait(120) == 0, log.read_text()
+            took = time.monotonic() - stopping
         text = log.read_text()
         assert "2 replicas of" in text and "Traceback" not in text, text
+        # The group's signal reached the command alone, which stopped Serve in order: its controller was
+        # not killed with the group, so nobody waited 30 s for it (cluster/_supervise.py; 42-44 s before).
+        assert "Controller failed to shut down" not in text and took < 30, (took, text[-3000:])
         assert (tmp_path / "sessions" / ".live" / "cli").is_file()
 
 
@@ -93,3 +99,33 @@ def test_cli_replicas_refusals(tmp_path: Path) -> None:
                                  "--device", "cuda"], capture_output=True, text=True)
         assert result.returncode == 2 and "2 replicas need 2 GPUs (one each); this machine has 0" in result.stderr, \
             result.stderr
+
+
+def test_the_cluster_process_stops_when_its_supervisor_dies(tmp_path: Path) -> None:
+    """The process that runs a local cluster asks for SIGTERM when the one
+    that started it (and forwards it the group's signals) ends, even by
+    SIGKILL: it then stops Serve and Ray in order instead of living on."""
+    marker = tmp_path / "stopped"
+    child = ("import signal, sys, time; from aoti_sessions.cluster import _supervise; "
+             f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), sys.exit(0))); "
+             "_supervise.stop_with_parent(); print('ready', flush=True); time.sleep(60)")
+    parent = ("import subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True); "
+              "print(p.stdout.readline().strip(), p.pid, flush=True); time.sleep(60)")
+    supervisor = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    try:
+        said, pid = supervisor.stdout.readline().split()  # type: ignore[union-attr]
+        assert said == "ready" and not marker.exists()
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+        supervisor.stdout.close()  # type: ignore[union-attr]
+    wait_until(marker.exists, timeout=20, what="the orphaned child to be told to stop")
+    def ended() -> bool:
+        try:
+            return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()  # (ended, not reaped)
+        except FileNotFoundError:
+            return True
+
+    wait_until(ended, timeout=20, what="the child to end")
+

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve" and args.replicas is not None:
             from .cluster._cli import run as run_cluster
 
-            return run_cluster(args)
+            return run_cluster(args, sys.argv[1:] if argv is None else list(argv))
         if args.command == "serve":
             from .serve._cli import run as run_serve
 

@@ -11,6 +11,7 @@ import tempfile
 from typing import Any
 
 from ..serve.interface import Keys, available_memory, default_budgets, prompt_options, read_api_keys
+from . import _supervise
 
 MAX_BODY_BYTES = 64 << 20  # the front's limit; each replica checks its own (by the model's context)
 
@@ -32,7 +33,9 @@ def _positive(text: str) -> int:
     return value
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """The cluster command (``argv``: its arguments, to run it again in a
+    session of its own where it starts a local cluster: _supervise.py)."""
     api_keys = read_api_keys(args.api_keys) if args.api_keys is not None else []
     Keys(args.api_key, api_keys)  # (a bad key refused at once)
     from . import _env
@@ -50,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     if args.served_model_name is not None:
         served_names(args.served_model_name, "")
     local = args.ray_address is None
+    if local and not _supervise.in_child():
+        return _supervise.supervised(argv)
+    if local:
+        _supervise.stop_with_parent()
     if not local and args.session_dir is None:
         print("aoti-sessions serve: --ray-address needs --session-dir, a folder every replica's machine reaches "
               "(shared storage): sessions are checkpointed there to survive a replica", file=sys.stderr)
