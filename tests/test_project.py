@@ -158,8 +158,7 @@ def test_python_imports_run_one_way() -> None:
     assert not export_time, export_time
     serving = ("import sys, aoti_sessions.llm, aoti_sessions.serve._app, aoti_sessions.llm.process._remote_engine; "
                "print(sorted(m for m in sys.modules if '.exporting' in m))")
-    loaded = subprocess.run([sys.executable, "-c", serving], capture_output=True, text=True, check=True,
-                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    loaded = subprocess.run([sys.executable, "-c", serving], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]", loaded.stdout
 
 
