@@ -5,12 +5,14 @@
 # tests/test_quantize.py and tests/test_fused.py and, where TEST_K is given, of test_llm_export (pytest's
 # -k), within TEST_S seconds (TESTS=0: neither the tests nor their packages); then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
 # B = 1) within BENCH_S seconds, on the packages the compile stage built (a variant it did not finish is named, not
-# compiled then). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
+# compiled then; BENCH_S=0: no bench). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
 source "$(dirname "$0")/gpu_setup.sh"
 SHAPES=${SHAPES:-0.6b,4b-slice}
 VARIANTS=${VARIANTS:-fused,unfused,int8wo,int4wo}
+# PAIRS (e.g. "0.6b:fused 4b-slice:int8wo"): compile these shape:variant pairs alone, not SHAPES x VARIANTS.
+export PAIRS=${PAIRS:-}
 status=0
 echo "$(date +%T) compile" > "$OUT/stages.txt"
 timeout "${COMPILE_S:-300}" python3 - "$SHAPES" "$VARIANTS" > "$OUT/compile.log" 2>&1 <<'PY' || status=$?
@@ -38,7 +40,8 @@ def build(job: tuple[str, str]) -> str:
 if __name__ == "__main__":
     shapes, variants = sys.argv[1].split(","), sys.argv[2].split(",")
     tests = [("test", q) for q in ("int8wo", "int4wo")] if os.environ.get("TESTS", "1") != "0" else []
-    jobs = [("bench", f"{s}:{v}") for s in shapes for v in variants] + tests
+    pairs = os.environ.get("PAIRS", "").split() or [f"{s}:{v}" for s in shapes for v in variants]
+    jobs = [("bench", p) for p in pairs] + tests
     with ProcessPoolExecutor(int(os.environ.get("JOBS", "12"))) as pool:
         for line in pool.map(build, jobs):
             print("RESULT", line, flush=True)
@@ -50,6 +53,6 @@ echo "$(date +%T) tests" >> "$OUT/stages.txt"
   -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"
 echo "$(date +%T) bench" >> "$OUT/stages.txt"
-timeout "${BENCH_S:-240}" python3 bench/bench_decode.py --shapes "$SHAPES" --variants "$VARIANTS" \
+[ "${BENCH_S:-240}" = 0 ] || timeout "${BENCH_S:-240}" python3 bench/bench_decode.py --shapes "$SHAPES" --variants "$VARIANTS" \
   --rounds "${ROUNDS:-3}" ${ANCHOR:+--anchor} --only-built 2>&1 | tee "$OUT/decode.md" | grep -E '^[|#]' || status=$?
 exit $status
