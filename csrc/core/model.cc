@@ -43,6 +43,57 @@ TensorLayout PoolLayout::SessionLayout(size_t tensor, size_t pages) const {
   return layout;
 }
 
+std::vector<size_t> PoolLayout::Add(const std::string& method, const PoolSource& source,
+                                    const std::vector<InputSpec>& inputs) {
+  if (from.empty()) {
+    from = method;
+    page_size = source.page_size;
+  }
+  auto disagree = [&](const std::string& what) {
+    Throw(ErrorKind::kPackage, "method '" + method + "' and method '" + from +
+                                   "' disagree on the pooled state: " + what);
+  };
+  if (source.page_table) {
+    const int64_t static_width = inputs[*source.page_table].sizes[1];
+    const int64_t width = static_width > 0 ? static_width : source.max_pages;
+    if (max_pages != 0 && max_pages != width) {
+      disagree("page tables of " + std::to_string(width) + " and " + std::to_string(max_pages) +
+               " pages");
+    }
+    if (page_size != source.page_size) {
+      disagree("pages of " + std::to_string(source.page_size) + " and " +
+               std::to_string(page_size) + " positions");
+    }
+    max_pages = width;
+  }
+  max_rows = std::max(max_rows, source.max_rows);
+  std::vector<size_t> indices;
+  for (const PooledInput& t : source.tensors) {
+    const InputSpec& spec = inputs[t.input];
+    if (!spec.strides.empty()) {
+      Throw(ErrorKind::kPackage,
+            "method '" + method + "': pooled tensor '" + t.name + "' must be contiguous");
+    }
+    TensorLayout unit;
+    unit.dtype = spec.dtype;
+    unit.sizes.assign(spec.sizes.begin() + 1, spec.sizes.end());
+    unit.strides = ContiguousStrides(unit.sizes);
+    auto held = std::find_if(tensors.begin(), tensors.end(),
+                             [&](const PooledTensor& p) { return p.name == t.name; });
+    if (held == tensors.end()) {
+      PooledTensor tensor{t.name, t.kind, unit, unit.span_bytes()};
+      (t.kind == PoolKind::kPages ? page_bytes : slot_bytes) += tensor.unit_bytes;
+      tensors.push_back(std::move(tensor));
+      held = tensors.end() - 1;
+    } else if (held->unit != unit || held->kind != t.kind) {
+      disagree("'" + t.name + "' is " + held->unit.ToString() + " in one and " + unit.ToString() +
+               " in the other, or pages in one and slots in the other");
+    }
+    indices.push_back(static_cast<size_t>(held - tensors.begin()));
+  }
+  return indices;
+}
+
 LoadedModel Model::Load(const std::vector<MethodSource>& sources, const EngineOptions& options) {
   std::shared_ptr<Model> model(new Model());
   std::vector<std::unique_ptr<Container>> containers = model->OpenMethods(sources, options);
@@ -164,69 +215,16 @@ void Model::SelectMutable(const std::vector<std::unique_ptr<Container>>& contain
 }
 
 void Model::LayOutPool() {
-  std::unordered_map<std::string, size_t> index;  // pooled tensor name -> PoolLayout::tensors
-  std::string first;                               // the method the layout comes from
   for (Method& method : methods_) {
-    if (!method.pool) {
-      for (size_t i = 0; i < method.num_inputs; ++i) method.caller_inputs.push_back(i);
-      continue;
-    }
-    const PoolSource& source = *method.pool;
-    const std::vector<InputSpec>& inputs = *method.inputs;
-    if (!pool_) {
-      pool_.emplace();
-      pool_->page_size = source.page_size;
-      first = method.name;
-    }
-    PoolLayout& pool = *pool_;
-    auto disagree = [&](const std::string& what) {
-      Throw(ErrorKind::kPackage, "method '" + method.name + "' and method '" + first +
-                                     "' disagree on the pooled state: " + what);
-    };
-    if (source.page_table) {
-      const int64_t static_width = inputs[*source.page_table].sizes[1];
-      const int64_t width = static_width > 0 ? static_width : source.max_pages;
-      if (pool.max_pages != 0 && pool.max_pages != width) {
-        disagree("page tables of " + std::to_string(width) + " and " +
-                 std::to_string(pool.max_pages) + " pages");
+    std::set<size_t> engine_filled;  // inputs the engine fills: pooled tensors, page table, ...
+    if (method.pool) {
+      const PoolSource& source = *method.pool;
+      if (!pool_) pool_.emplace();
+      method.pool_tensors = pool_->Add(method.name, source, *method.inputs);
+      for (const PooledInput& t : source.tensors) engine_filled.insert(t.input);
+      for (std::optional<size_t> filled : {source.page_table, source.positions, source.slot_ids}) {
+        if (filled) engine_filled.insert(*filled);
       }
-      if (pool.page_size != source.page_size) {
-        disagree("pages of " + std::to_string(source.page_size) + " and " +
-                 std::to_string(pool.page_size) + " positions");
-      }
-      pool.max_pages = width;
-    }
-    pool.max_rows = std::max(pool.max_rows, source.max_rows);
-    std::set<size_t> engine_filled;
-    for (const PooledInput& t : source.tensors) {
-      const InputSpec& spec = inputs[t.input];
-      engine_filled.insert(t.input);
-      TensorLayout unit;
-      unit.dtype = spec.dtype;
-      unit.sizes.assign(spec.sizes.begin() + 1, spec.sizes.end());
-      unit.strides = ContiguousStrides(unit.sizes);
-      if (!spec.strides.empty()) {
-        Throw(ErrorKind::kPackage, "method '" + method.name + "': pooled tensor '" + t.name +
-                                       "' must be contiguous");
-      }
-      auto found = index.find(t.name);
-      if (found == index.end()) {
-        index[t.name] = pool.tensors.size();
-        PooledTensor tensor{t.name, t.kind, unit, unit.span_bytes()};
-        (t.kind == PoolKind::kPages ? pool.page_bytes : pool.slot_bytes) += tensor.unit_bytes;
-        pool.tensors.push_back(std::move(tensor));
-        found = index.find(t.name);
-      } else {
-        const PooledTensor& held = pool.tensors[found->second];
-        if (held.unit != unit || held.kind != t.kind) {
-          disagree("'" + t.name + "' is " + held.unit.ToString() + " in one and " +
-                   unit.ToString() + " in the other, or pages in one and slots in the other");
-        }
-      }
-      method.pool_tensors.push_back(found->second);
-    }
-    for (std::optional<size_t> filled : {source.page_table, source.positions, source.slot_ids}) {
-      if (filled) engine_filled.insert(*filled);
     }
     for (size_t i = 0; i < method.num_inputs; ++i) {
       if (!engine_filled.count(i)) method.caller_inputs.push_back(i);

@@ -50,6 +50,15 @@ struct PoolLayout {
   // The layout of pooled tensor `tensor`'s units of a session holding `pages`
   // pages: [pages or 1 slot, ...unit], contiguous (state(), session files).
   TensorLayout SessionLayout(size_t tensor, size_t pages) const;
+  // Lays out pooled method `method`'s pool (`source` over its recorded
+  // `inputs`) into this layout: its page-table width, page size and every
+  // pooled tensor's unit must agree with the methods laid out before it (the
+  // rules across methods; PoolSource::Validate has one method's). Throws
+  // kPackage naming both methods. Returns the index in `tensors` of each of
+  // source.tensors.
+  std::vector<size_t> Add(const std::string& method, const PoolSource& source,
+                          const std::vector<InputSpec>& inputs);
+  std::string from;  // the first method laid out
 };
 
 // One method as loaded.

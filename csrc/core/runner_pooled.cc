@@ -133,11 +133,8 @@ std::vector<OwnedTensor> Runner::RunPooled(size_t method, StatePool& pool,
 
 std::vector<std::vector<int64_t>> Runner::CheckBatch(const Method& called, int64_t rows,
                                                      std::vector<OwnedTensor>& inputs) const {
-  if (!called.pool) {
-    // Session::RunBatch refuses such a method before it gets here.
-    Throw(ErrorKind::kInternal, "method '" + called.name + "' takes no pooled state");
-  }
-  const PoolSource& source = *called.pool;
+  // (Session::RunBatch refuses a method without a pool before it gets here.)
+  const PoolSource& source = called.pool.value();
   if (inputs.size() != called.caller_inputs.size()) {
     Throw(ErrorKind::kInvalidArgument,
           "method '" + called.name + "' takes " + std::to_string(called.caller_inputs.size()) +
