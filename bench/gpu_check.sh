@@ -13,6 +13,7 @@ mkdir -p "$OUT"
 # statically and crash on load (docs/aoti-runtime.md): use the system compiler.
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 export AOTI_SESSIONS_CACHE=${AOTI_SESSIONS_CACHE:-$PWD/build/gpu-cache}
+export AOTI_SESSIONS_ALL_FAMILIES=${AOTI_SESSIONS_ALL_FAMILIES:-1}  # every family's tests (tests/llm_models.py)
 export PYTHONUNBUFFERED=1
 if [ -d .deps/wheels ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ais-site .deps/wheels/*.whl

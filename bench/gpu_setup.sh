@@ -9,6 +9,8 @@ OUT=${OUT:-$PWD/build/gpu}
 mkdir -p "$OUT"
 export OUT CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1
 export AOTI_SESSIONS_CACHE=${AOTI_SESSIONS_CACHE:-/tmp/ais-cache}
+# Every family's tests, not only those of every CPU run (tests/llm_models.py EVERY_RUN).
+export AOTI_SESSIONS_ALL_FAMILIES=${AOTI_SESSIONS_ALL_FAMILIES:-1}
 if [ -d .deps/wheels ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ais-site .deps/wheels/*.whl \
     > /dev/null 2>&1

@@ -1,6 +1,7 @@
 """Compiles the models the test suite uses most, for the given devices, in
 parallel processes, into the cache the tests read (tests/conftest.py's): the
-core's test models and, with --llm, the LLM packages of every family. A fresh
+core's test models and, with --llm, the LLM packages of the families the run
+tests (tests/llm_models.py tested(): AOTI_SESSIONS_ALL_FAMILIES=1 for all). A fresh
 GPU machine has many cores and no cache: this turns the suite's sequential
 compiles (a minute each) into about one minute overall. On a 2-CPU machine
 two at a time still halve it: a compile is mostly one process (tracing, then
@@ -20,7 +21,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 
-# The LLM packages the suite builds: every family's (tests/llm_models.llm_package),
+# The LLM packages the suite builds: each tested family's (tests/llm_models.llm_package),
 # the qwen3 contexts of the server tests, the full window cache of test_llm_export.
 LLM_VARIANTS: list[dict[str, object]] = [{"max_cache_len": 512}, {"max_cache_len": 256}]
 WINDOW_FULL = ("mistral",)
@@ -63,20 +64,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", nargs="+", default=["cpu"])
     parser.add_argument("--jobs", type=int, default=8)
-    parser.add_argument("--llm", action="store_true", help="the LLM packages of every family too")
+    parser.add_argument("--llm", action="store_true", help="the LLM packages of the tested families too")
     args = parser.parse_args()
     names = ["decoder", "prefill", "decoder_methods", "heads", "Counter", "CounterTall", "KwargsModel",
              "CounterReseeded"]
     jobs: list[tuple[str, str] | tuple[str, str, dict[str, object]]] = []
     if args.llm:
         sys.path.insert(0, str(TESTS))
-        from llm_models import KNOWN  # noqa: E402
+        from llm_models import tested  # noqa: E402
 
-        families = sorted(KNOWN, key=lambda a: SLOW_FIRST.index(a) if a in SLOW_FIRST else len(SLOW_FIRST))
+        families = sorted(tested(), key=lambda a: SLOW_FIRST.index(a) if a in SLOW_FIRST else len(SLOW_FIRST))
         for device in args.devices:
             jobs += [(arch, device, {}) for arch in families]
             jobs += [("qwen3", device, v) for v in LLM_VARIANTS]
-            jobs += [(arch, device, {"window_cache": "full"}) for arch in WINDOW_FULL]
+            jobs += [(arch, device, {"window_cache": "full"}) for arch in tested(WINDOW_FULL)]
     jobs += [(n, d) for d in args.devices for n in names]
     with ProcessPoolExecutor(args.jobs) as pool:
         for line in pool.map(_compile, jobs):

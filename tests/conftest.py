@@ -49,6 +49,17 @@ def _compiled(cls: type, device: str) -> Path:
                           name=f"{cls.__name__.lower()}-{device}", inductor_configs=FAST)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselects the exhaustive family variants (marked all_families by tests/llm_models.py family_params)
+    unless AOTI_SESSIONS_ALL_FAMILIES=1: pytest's summary counts them as deselected."""
+    if os.environ.get("AOTI_SESSIONS_ALL_FAMILIES") == "1":
+        return
+    left_out = [item for item in items if item.get_closest_marker("all_families")]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not item.get_closest_marker("all_families")]
+
+
 @pytest.fixture(autouse=True)
 def _logging_as_found() -> object:
     """The root logger's level and the log level handed to child processes

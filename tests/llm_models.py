@@ -55,6 +55,31 @@ ARCHS = ("llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "qwen3_next", 
          "gpt_oss", "mamba2", "deepseek_v2", "deepseek_v3", "llama4", "ernie4_5_moe", "jamba", "falcon_h1", "zamba2",
          "minimax")
 KNOWN = (*ARCHS, "mistral")  # mistral: llama with a sliding window of 16 on every layer (the context is 8x that)
+# The families every run tests, one of each kind of layer and state: dense attention (qwen3), MoE experts with
+# attention sinks and window layers (gpt_oss), short convolutions (lfm2), a state-space model (mamba2), gated
+# delta-net linear attention (qwen3_next), multi-head latent attention (deepseek_v2), windows alone (mistral).
+# The others are the exhaustive variants (each a few minutes of compiling and checking on 2 cores):
+# AOTI_SESSIONS_ALL_FAMILIES=1 tests them too (the GPU scripts set it).
+EVERY_RUN = ("qwen3", "gpt_oss", "lfm2", "mamba2", "qwen3_next", "deepseek_v2", "mistral")
+ALL_FAMILIES = os.environ.get("AOTI_SESSIONS_ALL_FAMILIES") == "1"
+
+
+def tested(families: Sequence[str] = KNOWN) -> list[str]:
+    """The families of ``families`` this run tests (EVERY_RUN's, or all of them with ALL_FAMILIES)."""
+    return [f for f in families if ALL_FAMILIES or f in EVERY_RUN]
+
+
+def family_params(cases: Sequence[Any] = ARCHS) -> list[Any]:
+    """Parameters over families (a family, or a tuple whose first item is one), those not in EVERY_RUN marked
+    ``all_families`` (conftest.py deselects them unless ALL_FAMILIES)."""
+    import pytest
+
+    def family(case: Any) -> str:
+        return str(case[0] if isinstance(case, tuple) else case)
+
+    return [case if family(case) in EVERY_RUN else pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                                                                   marks=pytest.mark.all_families)
+            for case in cases]
 SEED = 0
 # Faster compiles for test-only models: the wrapper's C++ at -O0 (kernels are unaffected).
 FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}

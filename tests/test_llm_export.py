@@ -29,7 +29,7 @@ from aoti_sessions.llm.exporting import _export_cli
 from aoti_sessions.llm.exporting._export import DEFAULT_MAX_BATCH
 from aoti_sessions.llm._spec import LLM_DIR, SPEC_FILE, read_llm_package
 from conftest import requires_cuda
-from llm_models import ARCHS, FAST, cached_package, hf_model_dir, llm_package
+from llm_models import FAST, cached_package, family_params, hf_model_dir, llm_package
 
 STEPS = 32  # greedy tokens compared per prompt
 # How far our logits may be from transformers' (float32 rounding, on logits
@@ -43,7 +43,7 @@ ROUNDING = {"qwen3_next": 2e-3, "qwen3_5_moe": 2e-3, "zamba2": 2e-3}
 PROMPTS = ["Tell me a story about the sea.", "How are you today?"]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=family_params())
 def arch(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -193,8 +193,8 @@ def test_greedy_tokens_match_eager_generate(arch: str, device: str, engine: ais.
             torch.testing.assert_close(mine, ref[0], atol=ROUNDING.get(arch, 1e-4), rtol=1e-4)
 
 
-@pytest.mark.parametrize("family, window_cache", [("mistral", "ring"), ("gemma3", "ring"), ("gpt_oss", "ring"),
-                                                  ("mistral", "full")])
+@pytest.mark.parametrize("family, window_cache", family_params([("mistral", "ring"), ("gemma3", "ring"),
+                                                                ("gpt_oss", "ring"), ("mistral", "full")]))
 def test_a_sliding_window_model_serves_its_whole_context(device: str, family: str, window_cache: str) -> None:
     """Mistral (every layer windowed), Gemma 3 and GPT-OSS (window layers
     beside global ones; GPT-OSS's with attention sinks and MoE experts) with
@@ -433,7 +433,7 @@ def _follows(got: list[int], model: Any, exact: Any, prompt: list[int], turn: st
 
 
 @requires_cuda
-@pytest.mark.parametrize("family", ARCHS)
+@pytest.mark.parametrize("family", family_params())
 def test_bfloat16_two_turn_chat_on_cuda(family: str) -> None:
     """Every family in bfloat16 on CUDA, decode captured as CUDA graphs: a
     two-turn chat (the second turn reusing the first's cache) and a fork's
