@@ -7,7 +7,10 @@ steps; CUDA graphs per padded batch size."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -346,6 +349,82 @@ def test_memory_is_what_sessions_hold_and_the_budget_evicts(paged_pkg: Path, dev
         torch.testing.assert_close(eng.run_batch("decode", [sessions[0]], ids([8], device))[0], refs[0].feed([8]),
                                    atol=ATOL, rtol=0)
         assert eng.stats()["restores"] >= 1
+
+
+# Run in a process of its own: its address space is capped (RLIMIT_AS) while one batch runs, so that the pool's
+# growth, and nothing else, fails for want of memory, as cudaMalloc does on a full GPU.
+OUT_OF_MEMORY = r"""
+import json, resource, sys
+import torch
+import aoti_sessions as ais
+package, saved, page, max_pages, prefill = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+eng = ais.Engine(package, max_sessions=1000)
+
+
+def feed(s, n):
+    while n >= 2:
+        k = min(prefill, n)
+        s.run("prefill", torch.ones(1, k, dtype=torch.long))
+        n -= k
+    if n:
+        s.run("decode", torch.ones(1, 1, dtype=torch.long))
+
+
+def free():  # pages the pool has and nobody holds (less its zero and scratch pages)
+    stats = eng.stats()
+    return stats["pool_pages"] - stats["pool_pages_used"] - 2
+
+
+a, b = eng.new_session(), eng.new_session()
+feed(a, page)
+feed(b, page)  # both at a page's end: the next position takes a new page each
+others = []
+while eng.stats()["pool_pages"] < 2000 or free() != 1:  # a large pool, one page left: A takes it, B grows the pool
+    f = free()
+    others.append(eng.new_session())
+    feed(others[-1], page * max(1, max_pages if f == 0 or f > max_pages else f - 1))
+held = eng.stats()["pool_pages_used"]
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + 4 * 2**20, hard))  # far less than the pool's doubling
+try:
+    eng.run_batch("decode", [a, b], torch.ones(2, 1, dtype=torch.long))
+    error = None
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+lengths, held_after = [a.length, b.length], eng.stats()["pool_pages_used"]
+a.save(saved)  # sized by its length: pages past it would be written past the copy's end
+loaded = eng.load_session(saved)
+same = all(torch.equal(x, y) for x, y in zip(a.state().values(), loaded.state().values()))
+# The batch again, now with memory: each row as a session with the same history computes alone.
+again = eng.run_batch("decode", [a, b], torch.ones(2, 1, dtype=torch.long))
+alone = []
+for _ in range(2):
+    s = eng.new_session()
+    feed(s, page)
+    alone.append(s.run("decode", torch.ones(1, 1, dtype=torch.long))[0])
+print(json.dumps({"error": error, "lengths": lengths, "held": [held, held_after], "same": same,
+                  "again": [float((again[i] - alone[i]).abs().max()) for i in range(2)]}))
+"""
+
+
+def test_a_batch_whose_pages_run_out_midway_leaves_every_row_as_it_was(tmp_path: Path) -> None:
+    """The device runs out of memory while a batch's rows take their new pages, after the first row took
+    its own: that row gives its page back (a session holds the pages of its positions, no more: saving it,
+    reading its state and offloading it size their copies by its length), every row keeps its length, and
+    the batch runs right once memory is there."""
+    result = subprocess.run([sys.executable, "-c", OUT_OF_MEMORY, str(paged_package("cpu")),
+                             str(tmp_path / "a.ais"), str(PAGE), str(MAX_PAGES), str(PREFILL)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got["error"] is not None and got["error"].startswith("DeviceError: host allocation of"), got
+    assert got["lengths"] == [PAGE, PAGE]
+    held, held_after = got["held"]
+    assert held_after == held, f"{held_after - held} page(s) kept past their sessions' lengths"
+    assert got["same"] and max(got["again"]) <= ATOL, got
 
 
 def test_old_block_state_files_are_refused_with_the_reason(engine: ais.Engine, decoder_engine: ais.Engine,

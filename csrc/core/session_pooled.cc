@@ -125,7 +125,16 @@ std::vector<OwnedTensor> Session::RunRowsLocked(const EngineParts& parts,
     int64_t growth = 0;
     for (const SessionState* state : rows) growth += store.Growth(*state, count);
     PoolLease lease(store, *parts.residency, held, growth, stream);
-    for (SessionState* state : rows) lease.Grow(*state, count, stream);
+    try {
+      for (SessionState* state : rows) lease.Grow(*state, count, stream);
+    } catch (...) {
+      // A row's pages could not be had (the device out of memory, say): the
+      // rows grown before it give theirs back, as a failed run's do below (a
+      // session holds the pages of its positions, no more: saving, reading and
+      // offloading it size their copies by its length).
+      for (SessionState* state : rows) lease.Trim(*state, stream);
+      throw;
+    }
   }
   std::vector<const PoolShare*> shares;
   for (const SessionState* state : rows) shares.push_back(&state->share());
