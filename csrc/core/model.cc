@@ -45,7 +45,7 @@ TensorLayout PoolLayout::SessionLayout(size_t tensor, size_t pages) const {
 
 std::vector<size_t> PoolLayout::Add(const std::string& method, const PoolSource& source,
                                     const std::vector<InputSpec>& inputs) {
-  if (from.empty()) {
+  if (tensors.empty()) {  // the first pooled method (every pool has a tensor: PoolSource::Validate)
     from = method;
     page_size = source.page_size;
   }
