@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import _core
+import aoti_sessions._core as _core
 from ._graphs import TorchGraphHost
 from ._methods import ModelSource, describe, method_source, resolve_methods, trust_option
 from ._session import Closable, MethodCall, Session, from_handles, to_handles

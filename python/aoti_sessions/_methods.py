@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 import torch.utils._pytree as pytree
 
-from . import _core
+import aoti_sessions._core as _core
 from ._package import MethodFiles, open_model
 from ._proxy import proxy_call, trust_option
 from ._session import MethodCall

@@ -14,7 +14,7 @@ from typing_extensions import Self
 import torch
 import torch.utils._pytree as pytree
 
-from . import _core
+import aoti_sessions._core as _core
 from ._core import BufferInfo, Engine as CoreEngine
 from ._words import shown
 
