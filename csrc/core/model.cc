@@ -45,7 +45,8 @@ TensorLayout PoolLayout::SessionLayout(size_t tensor, size_t pages) const {
 
 std::vector<size_t> PoolLayout::Add(const std::string& method, const PoolSource& source,
                                     const std::vector<InputSpec>& inputs) {
-  if (tensors.empty()) {  // the first pooled method (every pool has a tensor: PoolSource::Validate)
+  // The first method laid out finds no tensor here (every pool has one: PoolSource::Validate).
+  if (tensors.empty()) {
     from = method;
     page_size = source.page_size;
   }
