@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,10 @@ def test_wheel_is_manylinux_2_28(built: tuple[Path, str]) -> None:
     # Only the system's C libraries: no libstdc++ (zig's libc++ is inside), no libtorch, no libpython.
     needed = set(re.findall(r"\b(lib[\w+-]+\.so(?:\.\d+)*)", show.stdout))
     assert needed <= {"libc.so.6", "libm.so.6", "libpthread.so.0", "libdl.so.2", "librt.so.1"}, show.stdout
+    # torch >= 2.13: older torch's model libraries hand over a libstdc++ map this libc++ build cannot read.
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(f"aoti_sessions-{aoti_sessions.__version__}.dist-info/METADATA").decode()
+    assert re.search(r"^Requires-Dist: torch(<2\.15,>=2\.13|>=2\.13,<2\.15)$", metadata, re.M), metadata
 
 
 @pytest.mark.registry  # installs torch from the package index into the new environment

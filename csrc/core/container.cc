@@ -78,6 +78,20 @@ std::shared_ptr<ModelLibrary> ModelLibrary::Open(const std::string& path) {
     Throw(ErrorKind::kPackage, "model library " + path +
                                    " exports no AOTInductorModelContainerExtractConstantsMap*");
   }
+#ifdef _LIBCPP_VERSION
+  // Without the entries (torch < 2.13) a library hands its constants over as a
+  // libstdc++ std::unordered_map, which a core built with libc++ (the
+  // manylinux wheels: scripts/build-wheels) cannot read.
+  if (lib->extract_entries == nullptr) {
+    Throw(ErrorKind::kPackage,
+          "model library " + path +
+              " was compiled by torch older than 2.13 (it exports no "
+              "AOTInductorModelContainerExtractConstantsMapEntries): this build of aoti-sessions "
+              "(libc++, a manylinux wheel) reads only torch >= 2.13's libraries; compile the "
+              "model with torch >= 2.13, or install aoti-sessions from source, which builds "
+              "with the system's libstdc++ (docs/development.md)");
+  }
+#endif
   for (const std::string& needed : elf.needed) {
     lib->targets_cuda_ = lib->targets_cuda_ || IsCudaRuntime(needed);
   }
@@ -184,7 +198,8 @@ std::unordered_map<std::string, AtenTensorHandle> Container::CurrentConstants(Er
     for (size_t i = 0; i < n; ++i) current.emplace(entries[i].name, entries[i].handle);
   } else {
     // torch < 2.13: the map crosses the library boundary as a std::unordered_map,
-    // which is sound because model libraries and this core share libstdc++.
+    // which is sound because model libraries and this core share libstdc++
+    // (a core built with libc++ refuses such libraries at load: ModelLibrary::Open).
     if (library_->extract_map(handle_, reinterpret_cast<AOTInductorConstantMapHandle>(&current),
                               false) != 0) {
       Fail(kind, "ExtractConstantsMap");
