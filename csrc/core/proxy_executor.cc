@@ -12,8 +12,8 @@ thread_local std::string last_error;
 
 }  // namespace
 
-void ProxyExecutor::call_function(int extern_node_index, int num_ints, int64_t* flatten_int_args,
-                                  int num_tensors, AtenTensorHandle* flatten_tensor_args) {
+const char* ProxyExecutor::Call(int extern_node_index, int num_ints, int64_t* flatten_int_args,
+                                int num_tensors, AtenTensorHandle* flatten_tensor_args) noexcept {
   try {
     std::vector<int64_t> ints(flatten_int_args, flatten_int_args + num_ints);
     std::vector<AtenTensorHandle> tensors(flatten_tensor_args, flatten_tensor_args + num_tensors);
@@ -28,13 +28,13 @@ void ProxyExecutor::call_function(int extern_node_index, int num_ints, int64_t* 
         Throw(ErrorKind::kInternal, "torch shim call failed: assign_tensors");
       }
     }
+    return nullptr;
   } catch (const std::exception& e) {
     last_error = e.what();
-    throw;  // torch's shim turns it into the run's error code
   } catch (...) {
     last_error = "extern node " + std::to_string(extern_node_index) + " failed";
-    throw;
   }
+  return last_error.c_str();
 }
 
 std::string ProxyExecutor::TakeLastError() {

@@ -39,8 +39,10 @@ class ProxyExecutor {
   ProxyExecutor(const ProxyExecutor&) = delete;
   ProxyExecutor& operator=(const ProxyExecutor&) = delete;
 
-  // The entry torch's shim calls (the second virtual slot). Thread-safe: the
-  // call itself must be.
+  // The entry torch's shim calls (the second virtual slot; proxy_entry.cc).
+  // Thread-safe: the call itself must be. A failed call throws, as the shim
+  // expects, a std::runtime_error of torch's own C++ runtime (libstdc++),
+  // whatever runtime this core was built with.
   virtual void call_function(int extern_node_index, int num_ints, int64_t* flatten_int_args,
                              int num_tensors, AtenTensorHandle* flatten_tensor_args);
 
@@ -50,6 +52,11 @@ class ProxyExecutor {
   static std::string TakeLastError();
 
  private:
+  // The call itself: nullptr when it succeeded, else its message (this
+  // thread's last error, until the next call). Never throws.
+  const char* Call(int extern_node_index, int num_ints, int64_t* flatten_int_args,
+                   int num_tensors, AtenTensorHandle* flatten_tensor_args) noexcept;
+
   ProxyCall call_;
 };
 
