@@ -13,18 +13,27 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+TORCH_VERSION = torch.__version__.split("+")[0]
+
+
+def installed_in_fresh_venv(wheel: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A new venv under ``tmp_path`` holding this process's torch version (from the package index) and
+    ``wheel``: its folder and its python."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    f"torch=={TORCH_VERSION}", str(wheel)], check=True, capture_output=True)
+    return env_dir, python
+
+
 @pytest.mark.registry  # installs torch from the package index into the new environment
 def test_wheel_installs_and_serves_in_a_fresh_venv(tmp_path: Path, counter_cpu_pkg: Path) -> None:
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(wheels), str(ROOT)], check=True, capture_output=True)
     (wheel,) = wheels.glob("aoti_sessions-*.whl")
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
-    torch_version = torch.__version__.split("+")[0]
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    f"torch=={torch_version}", str(wheel)], check=True, capture_output=True)
+    env_dir, python = installed_in_fresh_venv(wheel, tmp_path)
     smoke = (
         "import sys, torch, aoti_sessions as ais\n"
         f"assert ais.__file__.startswith({str(env_dir)!r}), ais.__file__\n"

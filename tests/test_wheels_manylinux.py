@@ -11,14 +11,13 @@ import os
 import re
 import subprocess
 import sys
-import venv
 import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 
 import aoti_sessions
+from test_wheel import TORCH_VERSION, installed_in_fresh_venv
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = Path(os.environ.get("AOTI_SESSIONS_WHEEL_WORK", ROOT / "build" / "wheels"))
@@ -64,12 +63,7 @@ def test_wheel_is_manylinux_2_28(built: tuple[Path, str]) -> None:
 def test_wheel_installs_and_serves_in_a_fresh_venv(built: tuple[Path, str], tmp_path: Path,
                                                    counter_cpu_pkg: Path) -> None:
     wheel, _ = built
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
-    torch_version = torch.__version__.split("+")[0]
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    f"torch=={torch_version}", str(wheel)], check=True, capture_output=True)
+    env_dir, python = installed_in_fresh_venv(wheel, tmp_path)
     smoke = (
         "import torch, aoti_sessions as ais\n"
         "from aoti_sessions import _core\n"
@@ -88,5 +82,5 @@ def test_wheel_installs_and_serves_in_a_fresh_venv(built: tuple[Path, str], tmp_
                              capture_output=True, text=True)
     assert version.returncode == 0, version.stderr
     cuda = "with CUDA" if CUDA else "CPU only"
-    assert version.stdout.startswith(f"aoti-sessions {aoti_sessions.__version__} ({cuda}; torch {torch_version}"), \
+    assert version.stdout.startswith(f"aoti-sessions {aoti_sessions.__version__} ({cuda}; torch {TORCH_VERSION}"), \
         version.stdout
