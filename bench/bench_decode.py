@@ -35,7 +35,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,6 +57,9 @@ SHAPES: dict[str, dict[str, object]] = {
 }
 VARIANTS: dict[str, dict[str, object]] = {
     "fused": {}, "unfused": {"fuse": False}, "int8wo": {"quantize": "int8wo"}, "int4wo": {"quantize": "int4wo"},
+    # With export's decode_one: a lone chat's step on its own one-row method (tuned Triton reductions).
+    "one": {"decode_one": True}, "int8wo-one": {"quantize": "int8wo", "decode_one": True},
+    "int4wo-one": {"quantize": "int4wo", "decode_one": True},
     # Inductor autotuning its matmul and pointwise kernels for the traced shapes (slow to compile: opt-in).
     "autotune": {"inductor_configs": {"max_autotune": True, "coordinate_descent_tuning": True}},
 }
@@ -72,6 +75,7 @@ class Round:
     device_ms: float
     kernels: float
     batch_ms: float = 0.0  # a decode step of --rows sessions
+    step: dict[str, tuple[float, float]] = field(default_factory=dict)  # kernel name: (launches, us) a step
 
 
 def one_chat_rounds(llm: LLM, tokens: int, rounds: int) -> list[Round]:
@@ -88,25 +92,40 @@ def one_chat_rounds(llm: LLM, tokens: int, rounds: int) -> list[Round]:
             times.append(time.perf_counter())
         return times
 
-    def kernel_ms(n: int) -> tuple[float, int]:
+    def kernel_ms(n: int) -> tuple[float, int, dict[str, list[float]]]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             stream(n)
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        return sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels)
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            seen = by_name.setdefault(e.name, [0, 0.0])
+            seen[0] += 1
+            seen[1] += e.time_range.elapsed_us()
+        return sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels), by_name
 
     stream(tokens)  # warm: graphs captured, allocations made
     out = []
     for _ in range(rounds):
         times = stream(tokens)
         gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # (the first token's: prefill's)
-        whole, count = kernel_ms(tokens)
-        first, count1 = kernel_ms(1)
+        whole, count, names = kernel_ms(tokens)
+        first, count1, names1 = kernel_ms(1)
         device = (whole - first) / (tokens - 1)
         if count == count1 or device <= 0:
             raise SystemExit(f"torch.profiler saw no decode kernels ({count} and {count1} kernel events)")
-        out.append(Round(1e3 * statistics.median(gaps), device, (count - count1) / (tokens - 1)))
+        step = {name: ((n - names1.get(name, [0, 0.0])[0]) / (tokens - 1),
+                       (us - names1.get(name, [0, 0.0])[1]) / (tokens - 1)) for name, (n, us) in names.items()}
+        out.append(Round(1e3 * statistics.median(gaps), device, (count - count1) / (tokens - 1), step=step))
     return out
+
+
+def kernel_table(shape: str, variant: str, step: dict[str, tuple[float, float]], top: int) -> str:
+    """A decode step's ``top`` kernels by device time: launches and us a step (one round's)."""
+    rows = sorted(step.items(), key=lambda item: -item[1][1])[:top]
+    lines = [f"#### {shape} {variant}: a decode step's kernels by device time (launches, us a step)"]
+    lines += [f"- {us:7.1f} us  {n:5.1f}x  {name[:150]}" for name, (n, us) in rows if n > 0]
+    return "\n".join(lines)
 
 
 def step_bytes(llm: LLM, size: dict[str, object], position: int) -> int:
@@ -164,6 +183,7 @@ def main() -> None:
     parser.add_argument("--anchor", action="store_true")
     parser.add_argument("--hbm-tbs", type=float, default=None)
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--kernels", type=int, default=0, help="list each variant's N costliest kernels a step")
     parser.add_argument("--only-built", action="store_true",
                         help="measure only the variants whose packages are built (the others are named, not compiled)")
     args = parser.parse_args()
@@ -206,10 +226,14 @@ def main() -> None:
                   f"{kernels / int(size['num_hidden_layers']):.1f} | {roof:.3f} | "
                   f"{roof / statistics.median(ms):.0%} | {roof / statistics.median(dev):.0%} | "
                   f"{1e3 / statistics.median(ms):,.0f} | {spread([r.batch_ms for r in rounds])} |", flush=True)
-        if "fused" in packages:
+        if args.kernels:
+            for variant, rounds in results.items():
+                print(kernel_table(shape, variant, rounds[0].step, args.kernels), flush=True)
+        reference = next((v for v in ("fused", "one") if v in packages), None)  # bf16's
+        if reference is not None:
             for variant in (v for v in packages if v.startswith("int")):
-                agree, error = accuracy(packages["fused"], packages[variant])
-                print(f"| {shape} | {variant} against fused bf16 | greedy agreement {agree:.1%}, largest logit "
+                agree, error = accuracy(packages[reference], packages[variant])
+                print(f"| {shape} | {variant} against {reference} bf16 | greedy agreement {agree:.1%}, largest logit "
                       f"error {error:.1%} of the largest logit ({ACCURACY_PROMPTS} prompts x {ACCURACY_TOKENS} "
                       "positions) |", flush=True)
         if args.anchor:

@@ -64,7 +64,7 @@ import transformers  # noqa: E402
 
 from aoti_sessions._package import cache_dir  # noqa: E402
 from aoti_sessions.llm import LLM, export  # noqa: E402
-from aoti_sessions.llm.exporting import (_export, _fused, _linear_attention, _paged, _paged_attention,  # noqa: E402
+from aoti_sessions.llm.exporting import (_export, _export_methods, _fused, _linear_attention, _paged, _paged_attention,  # noqa: E402
                                          _quantize)
 from aoti_sessions.serve._cli import compute_threads  # noqa: E402
 from llm_models import hf_model_dir  # noqa: E402
@@ -145,8 +145,8 @@ def family_config(family: str, size: dict[str, Any], base: dict[str, Any]) -> tr
 
 
 def bench_package(device: str, family: str = "qwen3", build: bool = True, **overrides: object) -> Path:
-    """The bench model of ``family`` (``overrides``: config fields, or ``dtype``, ``fuse``, ``quantize`` or
-    ``inductor_configs``: export's), exported once per device and size (``build`` False: FileNotFoundError
+    """The bench model of ``family`` (``overrides``: config fields, or ``dtype``, ``fuse``, ``quantize``,
+    ``decode_one`` or ``inductor_configs``: export's), exported once per device and size (``build`` False: FileNotFoundError
     where it is not yet)."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     layers = {} if family == "qwen3" else {"num_hidden_layers": FAMILY_LAYERS[kind]}
@@ -155,12 +155,14 @@ def bench_package(device: str, family: str = "qwen3", build: bool = True, **over
     fuse = bool(size.pop("fuse", True))
     quantize = size.pop("quantize", None)
     configs = size.pop("inductor_configs", None)
+    one = bool(size.pop("decode_one", False))
     key = (f"{torch.__version__}-{transformers.__version__}-{sorted(size.items())}-{CONTEXT}-{PREFILL}-"
-           f"{inspect.getsource(_export)}-{inspect.getsource(_paged)}-{inspect.getsource(_paged_attention)}-"
+           f"{inspect.getsource(_export)}-{inspect.getsource(_export_methods)}-{inspect.getsource(_paged)}-"
+           f"{inspect.getsource(_paged_attention)}-{'decode_one-' if one else ''}"
            f"{inspect.getsource(_fused) if fuse else 'unfused'}-"
            f"{'' if quantize is None else f'{quantize}-{inspect.getsource(_quantize)}'}-"
            f"{'' if configs is None else sorted(dict(configs).items())}-"
-           f"{_export.PREFILL_ATTENTION}-{_export.DECODE_ATTENTION}")
+           f"{_export_methods.PREFILL_ATTENTION}-{_export_methods.DECODE_ATTENTION}")
     if family != "qwen3":  # (the dense model's key as before)
         key += f"-{family}-{inspect.getsource(family_config)}-{inspect.getsource(_linear_attention)}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -184,7 +186,7 @@ def bench_package(device: str, family: str = "qwen3", build: bool = True, **over
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name("tmp-" + target.name)
     export(folder, tmp, device=device, max_cache_len=CONTEXT, max_prefill=PREFILL, dtype=dtype, fuse=fuse,
-           quantize=None if quantize is None else str(quantize), inductor_configs=configs)
+           quantize=None if quantize is None else str(quantize), inductor_configs=configs, decode_one=one)
     os.replace(tmp, target)
     return target
 

@@ -2,9 +2,9 @@
 # Issue 38's GPU part in one call: fused projections and quantized weights. Builds with CUDA
 # (bench/gpu_setup.sh), compiles bench_decode's packages (SHAPES x VARIANTS, bf16) and the tests' quantized
 # CUDA packages in parallel (JOBS processes, within COMPILE_S seconds), runs the CUDA cases of
-# tests/test_quantize.py and tests/test_fused.py and, where TEST_K is given, of test_llm_export (pytest's
+# tests/test_quantize.py, tests/test_fused.py and tests/test_decode_one.py and, where TEST_K is given, of test_llm_export (pytest's
 # -k), within TEST_S seconds (TESTS=0: neither the tests nor their packages); then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
-# B = 1) within BENCH_S seconds, on the packages the compile stage built (a variant it did not finish is named, not
+# B = 1; KERNELS=N lists each variant's N costliest kernels a step) within BENCH_S seconds, on the packages the compile stage built (a variant it did not finish is named, not
 # compiled then; BENCH_S=0: no bench). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
@@ -30,8 +30,12 @@ def build(job: tuple[str, str]) -> str:
             from bench_serve import bench_package
             shape, variant = what.split(":")
             return f"{what}: {bench_package('cuda', dtype='bfloat16', **VARIANTS[variant], **SHAPES[shape])}"
+        if what == "decode_one":  # test_decode_one's
+            from llm_models import llm_package
+            return f"{what}: {llm_package('qwen3', 'cuda', dtype='bfloat16', decode_one=True)}"
         from test_quantize import _package
-        return f"{what}: {_package('cuda', 'bfloat16', what)}"
+        scheme, _, one = what.partition("-")
+        return f"{what}: {_package('cuda', 'bfloat16', scheme, one == 'one')}"
     except Exception as e:  # noqa: BLE001 - reported, the others go on
         traceback.print_exc()
         return f"{what}: FAILED: {str(e).splitlines()[0][:600]}"
@@ -39,7 +43,8 @@ def build(job: tuple[str, str]) -> str:
 
 if __name__ == "__main__":
     shapes, variants = sys.argv[1].split(","), sys.argv[2].split(",")
-    tests = [("test", q) for q in ("int8wo", "int4wo")] if os.environ.get("TESTS", "1") != "0" else []
+    tests = [("test", q) for q in ("int8wo", "int4wo", "int8wo-one", "int4wo-one", "decode_one")] \
+        if os.environ.get("TESTS", "1") != "0" else []
     pairs = os.environ.get("PAIRS", "").split() or [f"{s}:{v}" for s in shapes for v in variants]
     jobs = [("bench", p) for p in pairs] + tests
     with ProcessPoolExecutor(int(os.environ.get("JOBS", "12"))) as pool:
@@ -48,11 +53,12 @@ if __name__ == "__main__":
 PY
 grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
 echo "$(date +%T) tests" >> "$OUT/stages.txt"
-[ "${TESTS:-1}" = 0 ] || timeout "${TEST_S:-150}" python3 -m pytest tests/test_quantize.py tests/test_fused.py \
+[ "${TESTS:-1}" = 0 ] || timeout "${TEST_S:-150}" python3 -m pytest tests/test_quantize.py tests/test_fused.py tests/test_decode_one.py \
   ${TEST_K:+tests/test_llm_export.py} -k "${TEST_K:+($TEST_K) or }cuda or fused" -v --tb=line -rs \
   -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"
 echo "$(date +%T) bench" >> "$OUT/stages.txt"
 [ "${BENCH_S:-240}" = 0 ] || timeout "${BENCH_S:-240}" python3 bench/bench_decode.py --shapes "$SHAPES" --variants "$VARIANTS" \
-  --rounds "${ROUNDS:-3}" ${ANCHOR:+--anchor} --only-built 2>&1 | tee "$OUT/decode.md" | grep -E '^[|#]' || status=$?
+  --rounds "${ROUNDS:-3}" ${ANCHOR:+--anchor} ${KERNELS:+--kernels "$KERNELS"} --only-built 2>&1 | tee "$OUT/decode.md" \
+  | grep -E '^[|#-]' || status=$?
 exit $status

@@ -177,12 +177,12 @@ def attention_sweep(layers: int) -> None:
     and 4-session scaling."""
     from torch.nn.attention import SDPBackend
 
-    from aoti_sessions.llm.exporting import _export
+    from aoti_sessions.llm.exporting import _export_methods
     variants = {"default (cuDNN)": None, "efficient": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION),
                 "math": (SDPBackend.MATH,)}
     rows = []
     for label, backends in variants.items():
-        _export.PREFILL_ATTENTION = _export.DECODE_ATTENTION = backends
+        _export_methods.PREFILL_ATTENTION = _export_methods.DECODE_ATTENTION = backends
         package = bench_package("cuda", num_hidden_layers=layers)
         with LLM(package, device="cuda") as llm:
             dev = llm.device

@@ -30,8 +30,8 @@ from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
 from aoti_sessions.llm import _spec  # noqa: E402
 from aoti_sessions.llm.exporting import (  # noqa: E402
-    _export, _export_check, _fused, _latent, _linear_attention, _paged, _paged_attention, _paged_layout, _quantize,
-    _ring, _rotary)
+    _export, _export_check, _export_methods, _fused, _latent, _linear_attention, _paged, _paged_attention,
+    _paged_layout, _quantize, _ring, _rotary)
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
@@ -264,9 +264,9 @@ def hf_model_dir(arch: str) -> Path:
 def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object]) -> Path:
     """The package ``build(path)`` writes, built once: cached under the models
     folder by ``key``, this file, the exporter's and the compiler's sources."""
-    sources = [inspect.getsource(module) for module in (_export, _export_check, _paged, _paged_layout, _latent,
-                                                        _paged_attention, _linear_attention, _ring, _rotary, _fused,
-                                                        _quantize, _spec, _compile, _pool, _program)]
+    sources = [inspect.getsource(module) for module in (_export, _export_check, _export_methods, _paged, _paged_layout,
+                                                        _latent, _paged_attention, _linear_attention, _ring, _rotary,
+                                                        _fused, _quantize, _spec, _compile, _pool, _program)]
     target = cache_dir() / "models" / f"{name}-{_source_key(*sources, *key)}.pt2"
     if target.is_file():
         return target
@@ -280,14 +280,14 @@ def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object
 
 
 def llm_package(arch: str, device: str = "cpu", max_cache_len: int = 128, window_cache: str = "ring",
-                dtype: str = "float32", quantize: str | None = None) -> Path:
+                dtype: str = "float32", quantize: str | None = None, decode_one: bool = False) -> Path:
     """``hf_model_dir(arch)`` exported with ``aoti_sessions.llm.export``, once."""
     def build(path: Path) -> None:
         _export.export(hf_model_dir(arch), path, device=device, max_cache_len=max_cache_len, inductor_configs=FAST,
-                       window_cache=window_cache, dtype=dtype, quantize=quantize)
+                       window_cache=window_cache, dtype=dtype, quantize=quantize, decode_one=decode_one)
 
     suffix = ("" if window_cache == "ring" else f"-{window_cache}") + ("" if dtype == "float32" else f"-{dtype}") \
-        + ("" if quantize is None else f"-{quantize}")
+        + ("" if quantize is None else f"-{quantize}") + ("-one" if decode_one else "")
     return cached_package(f"llm-{arch}-{device}{suffix}",
-                          (arch, device, str(max_cache_len), window_cache, dtype, *([quantize] if quantize else [])),
-                          build)
+                          (arch, device, str(max_cache_len), window_cache, dtype, *([quantize] if quantize else []),
+                           *(["decode_one"] if decode_one else [])), build)

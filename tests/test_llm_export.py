@@ -242,7 +242,7 @@ def test_a_two_turn_chat_with_a_fork_matches_transformers(arch: str, device: str
         assert two.token_ids == _reference(model, second)[0]
         # Every family's decode steps run as CUDA graphs (MoE experts too:
         # batched, without the grouped-mm fallback's trip to the host).
-        assert llm.engine.captures("decode") == (device == "cuda")
+        assert llm.engine.captures("decode_one" if decode_one else "decode") == (device == "cuda")
         if not llm.spec.recurrent:
             branch = second[:len(first) + 4] + llm.encode(" by the bridge")
             other = fork.generate(branch, max_tokens=STEPS, temperature=0, ignore_eos=True)
@@ -443,8 +443,8 @@ def test_bfloat16_two_turn_chat_on_cuda(family: str) -> None:
     _bfloat16_chat(family, "cuda")
 
 
-def _bfloat16_chat(family: str, device: str) -> None:
-    package = llm_package(family, device, dtype="bfloat16")
+def _bfloat16_chat(family: str, device: str, decode_one: bool = False) -> None:
+    package = llm_package(family, device, dtype="bfloat16", decode_one=decode_one)
     exact = _eager(family, device)
     model = _eager(family, device).to(torch.bfloat16)
     with LLM(package, device=device) as llm:
@@ -462,7 +462,7 @@ def _bfloat16_chat(family: str, device: str) -> None:
         other = fork.generate(branch, max_tokens=24, temperature=0, ignore_eos=True)
         assert other.cached_tokens == len(first) + 23
         followed.append(_follows(other.token_ids, model, exact, branch, "the fork's turn"))
-        assert llm.engine.captures("decode") == (device == "cuda")
+        assert llm.engine.captures("decode_one" if decode_one else "decode") == (device == "cuda")
     print(f"{family}: tokens equal to transformers' bf16 ones before the two part, per turn: {followed}")
 
 

@@ -54,12 +54,13 @@ def _cache_root() -> Path:
     return cache_dir() / "hf"
 
 
-def _package(device: str, dtype: str, scheme: str) -> Path:
+def _package(device: str, dtype: str, scheme: str, decode_one: bool = False) -> Path:
     def build(path: Path) -> None:
-        export(_wide_dir(), path, device=device, max_cache_len=128, dtype=dtype, quantize=scheme, inductor_configs=FAST)
+        export(_wide_dir(), path, device=device, max_cache_len=128, dtype=dtype, quantize=scheme, inductor_configs=FAST,
+               decode_one=decode_one)
 
-    return cached_package(f"wide-qwen3-{device}-{dtype}-{scheme}", (device, dtype, scheme, repr(sorted(WIDE.items()))),
-                          build)
+    return cached_package(f"wide-qwen3-{device}-{dtype}-{scheme}{'-one' * decode_one}",
+                          (device, dtype, scheme, repr(sorted(WIDE.items())), *(["decode_one"] * decode_one)), build)
 
 
 def _eager(device: str, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
@@ -135,10 +136,13 @@ def test_bad_quantization_requests_are_refused_before_anything_is_read(tmp_path:
 
 
 @requires_cuda
+@pytest.mark.parametrize("decode_one", [False, True])
 @pytest.mark.parametrize("scheme", ["int8wo", "int4wo"])
-def test_quantized_bfloat16_packages_on_cuda(scheme: str) -> None:
+def test_quantized_bfloat16_packages_on_cuda(scheme: str, decode_one: bool) -> None:
     """Decode captured as CUDA graphs; the package's tokens follow the eager
-    model quantized the same way, in bfloat16."""
-    package = _package("cuda", "bfloat16", scheme)
+    model quantized the same way, in bfloat16 (with decode_one: the lone
+    chat's steps on its one-row method, the int8 weights' conversion and
+    scale fused into its reductions)."""
+    package = _package("cuda", "bfloat16", scheme, decode_one)
     assert read_llm_package(package).spec.quantization == scheme
     _quantized_tokens_match(package, "cuda", scheme, torch.bfloat16)

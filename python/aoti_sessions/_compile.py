@@ -198,6 +198,7 @@ def _named_methods(methods: Mapping[str, Method | tuple[Any, ...]]) -> list[tupl
 
 def _compile_one(module: torch.nn.Module, method: Method, path: str | os.PathLike[str],
                  configs: dict[str, Any], strict: bool | None, progress: TextIO | None) -> str:
+    configs = {**configs, **(method.inductor_configs or {})}
     with method.attention_backends(), method.size_reasoning():
         with _phase(progress, f"exporting {method.entry}"):
             exported = export(module, method.entry, method, strict)
@@ -222,7 +223,8 @@ def _compile_methods(module: torch.nn.Module, methods: list[tuple[str, Method]],
             with method.attention_backends(), method.size_reasoning():
                 with _phase(progress, f"exporting {label}"):
                     exported = export(module, name, method, strict)
-                warn_folded_counters(exported, name, configs)
+                own = {**configs, **(method.inductor_configs or {})}
+                warn_folded_counters(exported, name, own)
                 ep = exported.program
                 for fqn, value in (*ep.state_dict.items(), *ep.constants.items()):
                     if not isinstance(value, torch.Tensor):
@@ -233,7 +235,7 @@ def _compile_methods(module: torch.nn.Module, methods: list[tuple[str, Method]],
                         variants.append((value.detach(), [name]))
                     else:
                         same[1].append(name)
-                method_configs = _metadata(name, method, exported, configs, weights=WEIGHTS_INDEX)
+                method_configs = _metadata(name, method, exported, own, weights=WEIGHTS_INDEX)
                 method_configs.update({
                     "aot_inductor.package": True,
                     "aot_inductor.package_constants_in_so": False,

@@ -48,10 +48,16 @@ class Method:
     attention: tuple[SDPBackend, ...] | None = None
     # How the method addresses the engine's pooled state (docs/batching.md).
     pool: Pool | None = None
+    # Inductor settings for this method's compile alone, over compile()'s
+    # (e.g. autotuning a one-row decode step, not the prefill beside it).
+    inductor_configs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.pool is not None and not isinstance(self.pool, Pool):
             raise TypeError(f"pool must be an ais.Pool, got {type(self.pool).__name__}")
+        configs = self.inductor_configs
+        if configs is not None and (not isinstance(configs, Mapping) or not all(isinstance(k, str) for k in configs)):
+            raise TypeError(f"inductor_configs must be a mapping of Inductor setting names, got {configs!r:.80}")
         if self.attention is None:
             return
         backends = tuple(self.attention)

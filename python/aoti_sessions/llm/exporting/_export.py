@@ -21,19 +21,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch.nn.attention import SDPBackend
 
-from ..._compile import Method, Pool, compile
+from ..._compile import compile
 from ..._package import top_folder
 from ...errors import Error, ExportError
 from ._export_check import Refused, check_shapes, refuses_one_row
 from ._export_errors import explained, ours
+from ._export_methods import methods
 from ._export_source import HUB_ID, check_folder, checked_model, hub_folder, load_model, load_tokenizer
 from ._linear_attention import layers_traceable
 from ._paged import PagedLM, paged_attention_on
 from ._fused import fused_projections
 from ._quantize import check_scheme, check_target, quantized_weights
-from ._quantize import inductor_configs as quantize_configs
 from ._rotary import real_rotary
 from .._spec import (DEFAULT_MAX_BATCH, DEFAULT_PAGE_SIZE, GENERATION_CONFIG_FILE, LLM_DIR, SPEC_FILE, TOKENIZER_DIR,
                     LLMSpec, require_transformers)
@@ -47,8 +46,6 @@ log = logging.getLogger("aoti_sessions.llm")
 
 DEFAULT_MAX_CACHE_LEN = 4096  # capped by the model's max_position_embeddings
 DEFAULT_MAX_PREFILL = 512  # capped by max_cache_len
-_EXAMPLE_PREFILL = 8  # tokens of the example prefill call (any size in [2, max_prefill] serves)
-_EXAMPLE_ROWS = 2  # sessions of the example calls (any count in [1, max_batch] serves)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -101,80 +98,6 @@ def _first_id(*values: Any) -> int | None:
         if value is not None:
             return int(value)
     return None
-
-
-# Attention backends per method (bench/results/attention_cuda.md). Prefill:
-# not cuDNN's, which builds an execution plan for every new input shape, cached
-# per thread: about 50 ms on an H100 (torch 2.11) that a prefill of a length
-# not seen before on that thread (most chat turns) would add to its time to
-# first token; the memory-efficient kernel is as fast there. Decode: torch's
-# choice (cuDNN on an H100): its one shape is planned once per thread, before
-# the session's graph is captured, and its step is 1.7x faster than the
-# memory-efficient kernel's.
-PREFILL_ATTENTION: tuple[SDPBackend, ...] | None = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                                    SDPBackend.MATH)
-DECODE_ATTENTION: tuple[SDPBackend, ...] | None = None
-
-
-def _methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtype,
-             device: torch.device, min_rows: int = 1) -> dict[str, Method]:
-    """Example inputs: prefill's length is dynamic in [2, max_prefill], both
-    methods' rows in [1, max_batch]; the pool's pages are dynamic (the engine
-    sizes it)."""
-    example = min(_EXAMPLE_PREFILL, max_prefill)
-    # A hint, not a named Dim: on CUDA, attention pads the mask to a multiple of
-    # 8 and dynamo cannot prove the guard that adds for every length in range
-    # ("Constraints violated (tokens)"); a hint lets export keep it as a check.
-    tokens = torch.export.Dim.DYNAMIC(min=2, max=max_prefill)
-    # A model with slots (hybrid layers, window rings) makes the trace guard
-    # the row count against 1 (views Inductor or export cannot prove for a
-    # batch of one, torch 2.11 and 2.13 at different places): it is compiled
-    # for two rows or more, and the engine pads a call of one session with a
-    # scratch row (min_rows). So is any model whose trace guards it so
-    # (``min_rows``: export tries again; transformers' grouped-mm fallback
-    # in bfloat16 on torch 2.11's CPU does).
-    rows = torch.export.Dim("rows", min=min(max(min_rows, 2 if module.state.slots else 1), max_batch),
-                            max=max_batch)
-    pages = torch.export.Dim.DYNAMIC
-    # The page table's width: the pages the call's rows hold, so attention
-    # reads only those; static (every page a session may hold) where decode
-    # runs the paged kernel, which reads only held positions anyway and is
-    # captured in CUDA graphs.
-    # (At least 2: a width of one guards the trace; the engine passes at
-    # least min(4, max_pages).)
-    width = torch.export.Dim("width", min=2, max=module.max_pages) if module.max_pages > 2 else None
-    prefill_width = {} if width is None else {1: width}
-    decode_width = None if module.kernel or width is None else {1: width}
-    # A hybrid model's conv and recurrent state, window layers' rings: slot
-    # tensors (one slot a session; slot 0 is the engine's scratch), rows
-    # addressed by slot_ids; passed by name.
-    slots = module.slot_examples(1 + _EXAMPLE_ROWS, device)
-    pool = Pool(tokens="input_ids", pages=("kv",), page_size=module.page_size, page_table="page_table",
-                positions="positions", slots=tuple(slots), slot_ids="slot_ids" if slots else None)
-    state = {"slot_ids": torch.arange(1, 1 + _EXAMPLE_ROWS, dtype=torch.int32, device=device), **slots} \
-        if slots else {}
-    state_shapes = {name: {0: rows if name == "slot_ids" else torch.export.Dim.DYNAMIC} for name in state}
-
-    def shapes(tokens_dim: dict[int, Any], width_dim: dict[int, Any] | None) -> dict[str, Any]:
-        return {"input_ids": tokens_dim, "kv": {0: pages}, "page_table": {0: rows, **(width_dim or {})},
-                "positions": {0: rows}, **state_shapes}
-
-    def table(n: int) -> torch.Tensor:
-        t = torch.zeros(n, module.max_pages, dtype=torch.int32, device=device)
-        t[:, 0] = torch.arange(2, 2 + n)
-        return t
-
-    kv = module.pool_example(2 + _EXAMPLE_ROWS, dtype, device)
-    return {
-        "prefill": Method((torch.zeros(_EXAMPLE_ROWS, example, dtype=torch.long, device=device), kv,
-                           table(_EXAMPLE_ROWS), torch.zeros(_EXAMPLE_ROWS, dtype=torch.long, device=device)),
-                          kwargs=state, dynamic_shapes=shapes({0: rows, 1: tokens}, prefill_width), entry="prefill",
-                          attention=PREFILL_ATTENTION, pool=pool),
-        "decode": Method((torch.zeros(_EXAMPLE_ROWS, 1, dtype=torch.long, device=device), kv, table(_EXAMPLE_ROWS),
-                          torch.full((_EXAMPLE_ROWS,), example, dtype=torch.long, device=device)),
-                         kwargs=state, dynamic_shapes=shapes({0: rows}, decode_width), entry="decode",
-                         attention=DECODE_ATTENTION, pool=pool),
-    }
 
 
 def _guards_one_row(error: BaseException) -> bool:
@@ -314,6 +237,7 @@ def export(
     window_cache: str = "ring",
     fuse: bool = True,
     quantize: str | None = None,
+    decode_one: bool = False,
 ) -> str:
     """Compile a transformers causal LM into one LLM package at ``path`` (.pt2).
 
@@ -348,6 +272,12 @@ def export(
     ``quantize``: ``"int8wo"`` or ``"int4wo"``: weight-only quantization of
     every linear layer but the output head (torchao, ``llm/exporting/_quantize.py``;
     the spec records it); None (default): the weights in ``dtype``.
+    ``decode_one``: also compile decode for one row alone (a method
+    ``decode_one``, which the step loop calls when one chat decodes; its
+    matrix-vector products are tuned Triton reductions with their
+    neighbours' pointwise work fused in: ``llm/exporting/_export_methods.py``).
+    For CUDA; not for models with recurrent or ring state. Off by default:
+    one more method to compile.
     Returns the package path.
     """
     require_transformers()
@@ -356,8 +286,9 @@ def export(
     if not target.endswith(".pt2"):
         raise ValueError(f"package path must end in .pt2, got {target}")
     check_scheme(quantize)
-    if not isinstance(fuse, bool):
-        raise ValueError(f"fuse must be True or False, got {fuse!r}")
+    for flag, setting in (("fuse", fuse), ("decode_one", decode_one)):
+        if not isinstance(setting, bool):
+            raise ValueError(f"{flag} must be True or False, got {setting!r}")
     if window_cache not in ("ring", "full"):
         raise ValueError(f"window_cache must be 'ring' or 'full', got {window_cache!r}")
     for name, value, low in (("max_batch", max_batch, 1), ("page_size", page_size, 1)):
@@ -409,9 +340,9 @@ def export(
             def compiled(min_rows: int) -> None:
                 cast(torch.nn.Module, model).to(dev)
                 with rewritten(model, prefill_len, fuse, quantize, grouped_mm):
-                    compile(module, _methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=min_rows),
-                            path=tmp, inductor_configs={**quantize_configs(quantize), **(inductor_configs or {})},
-                            strict=False)
+                    compile(module, methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=min_rows,
+                                            quantize=quantize, decode_one=decode_one),
+                            path=tmp, inductor_configs=inductor_configs, strict=False)
                 if dev.type == "cuda":  # (the package's copy of the weights beside the model's would double them)
                     cast(torch.nn.Module, model).to("cpu")
                     torch.cuda.empty_cache()

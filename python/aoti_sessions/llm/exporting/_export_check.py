@@ -57,13 +57,14 @@ def check_shapes(path: str, device: torch.device, vocab: int, max_prefill: int, 
                  max_batch: int) -> None:
     """Runs ``path``'s prefill at (1 row, 2 tokens), (1 row, ``max_prefill``)
     and (``prefill_rows`` rows, 2 tokens), and its decode at 1 and
-    ``max_batch`` rows, each on sessions of its own (random token ids);
+    ``max_batch`` rows (and decode_one where it has it), each on sessions of
+    its own (random token ids);
     raises :class:`Refused` for the first the compiled code refuses."""
     cases = [("prefill", 1, 2), ("prefill", 1, max_prefill), ("prefill", prefill_rows, 2), ("decode", 1, 1),
              ("decode", max_batch, 1)]
     generator = torch.Generator().manual_seed(0)
     with Engine(path, device=device, max_sessions=max(prefill_rows, max_batch), cuda_graphs=False) as engine:
-        for method, rows, tokens in dict.fromkeys(cases):
+        for method, rows, tokens in dict.fromkeys(cases + [("decode_one", 1, 1)] * ("decode_one" in engine.methods)):
             sessions = [engine.new_session() for _ in range(rows)]
             printed: list[str] = []
             try:

@@ -101,11 +101,12 @@ class Scheduler:
         assert pool is not None
         self.max_rows = int(pool["max_rows"])
         self._cuda = self._engine.device.type == "cuda"
+        # A lone chat's step, where the package compiled one (export's decode_one): its tuned one-row kernels.
+        self._decode_one = "decode_one" if "decode_one" in self._engine.methods else "decode"
         # Sessions one prefill call feeds (packages made before batched prefill: 1).
         prefill_rows = min(llm.spec.prefill_rows, self.max_rows)
-        # Prompt tokens fed per step at most. On CUDA a prefill call costs
-        # about the same for a few hundred tokens as for a few (launches,
-        # weight reads): up to four calls' worth, so a burst of new turns is
+        # Prompt tokens fed per step at most. On CUDA a prefill call costs about the same for a few hundred
+        # tokens as for a few (launches, weight reads): up to four calls' worth, so a burst of new turns is
         # read in one step; on the CPU its cost grows with the tokens: one.
         budget = llm.spec.max_prefill * (min(4, prefill_rows) if self._cuda else 1)
         # What bounds a step's plan (_plan.py; tests replace it to vary the budget).
@@ -116,9 +117,8 @@ class Scheduler:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._stream = torch.cuda.Stream(self._engine.device) if self._cuda else None  # type: ignore[no-untyped-call]
-        # (CUDA) Where steps' sampled tokens land on the host: two pinned
-        # buffers with their events, taken in turn (a step's tokens are read
-        # before the step after next is queued), made once, not every step.
+        # (CUDA) Where steps' sampled tokens land on the host: two pinned buffers with their events, taken in
+        # turn (a step's tokens are read before the step after next is queued), made once, not every step.
         self._landing: list[tuple[torch.Tensor, Any] | None] = [None, None]
         self._landed = 1
         self._masks = Masks()  # structured output's (_grammar.py)
@@ -351,7 +351,8 @@ class Scheduler:
         try:
             with Held(sessions) as locked:
                 called = time.perf_counter()
-                out: torch.Tensor = self._engine.run_batch("decode", [s._session for s in sessions], ids)
+                method = self._decode_one if len(rows) == 1 else "decode"
+                out: torch.Tensor = self._engine.run_batch(method, [s._session for s in sessions], ids)
                 self.engine_seconds += time.perf_counter() - called
                 self.decode_rows += len(rows)
                 for r, s in zip(rows, sessions):

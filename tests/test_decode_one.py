@@ -1,0 +1,109 @@
+"""export(decode_one=True) (llm/exporting/_export_methods.py): a third method,
+decode compiled for one row alone, which the step loop calls when one chat
+decodes and never for a batch. A lone chat's tokens stay transformers'
+greedy tokens; chats stepping together, and one going on alone after the
+others ended, each get what they get alone; a model that keeps state in
+slots, or a flag that is not a bool, is refused before anything compiles."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aoti_sessions._package import open_model
+from aoti_sessions.errors import ExportError
+from aoti_sessions.llm import LLM, export
+from conftest import requires_cuda
+from llm_models import hf_model_dir, llm_package
+from test_llm_export import PROMPTS, _bfloat16_chat, _chat, _eager, _reference, _tokenizer
+
+
+def _counted(llm: LLM) -> list[tuple[str, int]]:
+    """The (method, rows) of every batch the LLM's engine runs from now on."""
+    calls: list[tuple[str, int]] = []
+    engine = llm.engine
+    run = engine.run_batch
+
+    def counting(method: str, sessions: list[Any], *args: Any, **kwargs: Any) -> Any:
+        calls.append((method, len(sessions)))
+        return run(method, sessions, *args, **kwargs)
+
+    engine.run_batch = counting  # type: ignore[method-assign]
+    return calls
+
+
+def test_the_package_holds_a_one_row_decode_beside_the_batched_one() -> None:
+    methods = {f.name: f for f in open_model(llm_package("qwen3", decode_one=True))}
+    assert sorted(methods) == ["decode", "decode_one", "prefill"]
+    one, batched = methods["decode_one"].metadata, methods["decode"].metadata
+    assert one is not None and one.pool is not None and batched is not None and batched.pool is not None
+    assert (one.pool.min_rows, one.pool.max_rows) == (1, 1)
+    assert batched.pool.max_rows > 1
+
+
+def test_chats_alone_and_together_get_transformers_greedy_tokens() -> None:
+    """CPU, float32. Each prompt alone: every decode step is decode_one's,
+    and the tokens are transformers' greedy ones. Then the prompts together,
+    each turn a random length (seeded), in threads: steps of two rows run
+    the batched decode, the longer turn's lone tail runs decode_one, and each
+    chat's tokens are its solo run's."""
+    package = llm_package("qwen3", decode_one=True)
+    model, tokenizer = _eager("qwen3"), _tokenizer("qwen3")
+    prompts = [_chat(tokenizer, text) for text in PROMPTS]
+    rng = random.Random(20261202)
+    with LLM(package) as llm:
+        calls = _counted(llm)
+        solo = []
+        for prompt in prompts:
+            calls.clear()
+            got = llm.new_session().generate(prompt, max_tokens=24, temperature=0, ignore_eos=True).token_ids
+            assert got == _reference(model, prompt, 24)[0]
+            decodes = [c for c in calls if c[0].startswith("decode")]
+            assert decodes and set(decodes) == {("decode_one", 1)}, decodes
+            solo.append(got)
+        for _ in range(3):
+            lengths = [rng.randint(4, 24) for _ in prompts]
+            calls.clear()
+            results: list[list[int]] = [[] for _ in prompts]
+            start = threading.Barrier(len(prompts))
+
+            def chat(i: int) -> None:
+                session = llm.new_session()
+                start.wait()
+                results[i] = session.generate(prompts[i], max_tokens=lengths[i], temperature=0,
+                                              ignore_eos=True).token_ids
+
+            threads = [threading.Thread(target=chat, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for i, got in enumerate(results):
+                assert got == solo[i][:lengths[i]], (lengths, i)
+            decodes = [c for c in calls if c[0].startswith("decode")]
+            assert all(rows == 1 for method, rows in decodes if method == "decode_one"), decodes
+            assert all(method == "decode" for method, rows in decodes if rows > 1), decodes
+            assert ("decode", 2) in decodes, decodes  # (the turns' steps were shared)
+
+
+def test_decode_one_is_refused_where_it_cannot_serve(tmp_path: Path) -> None:
+    target = tmp_path / "m.pt2"
+    with pytest.raises(ValueError, match="decode_one must be True or False"):
+        export(hf_model_dir("qwen3"), target, decode_one="yes")  # type: ignore[arg-type]
+    # Mamba2 keeps recurrent state in slots: its decode is compiled for batches alone.
+    with pytest.raises(ExportError, match=r"decode_one=True: .* slots"):
+        export(hf_model_dir("mamba2"), target, max_cache_len=64, decode_one=True)
+    assert not target.exists() and not list(tmp_path.iterdir())
+
+
+@requires_cuda
+def test_bfloat16_chat_on_cuda_with_decode_one() -> None:
+    """bfloat16 on CUDA, as test_llm_export's families (two turns and a
+    fork, following transformers' greedy tokens as _follows holds them),
+    with the lone chat's steps on decode_one's tuned one-row kernels (its
+    matrix-vector products reductions of their own, summed in another order
+    than cuBLAS's), captured as CUDA graphs."""
+    _bfloat16_chat("qwen3", "cuda", decode_one=True)
