@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "CUDA and bfloat16 only); default: none")
     parser.add_argument("--no-fuse", dest="fuse", action="store_false",
                         help="keep each layer's q/k/v and gate/up projections apart (default: one matrix multiply each)")
+    parser.add_argument("--decode-one", action="store_true",
+                        help="also compile decode for one row alone, which a lone chat's steps run (tuned one-row "
+                             "kernels; CUDA; not for models with recurrent or ring state)")
     parser.add_argument("--verbose", action="store_true",
                         help="where export fails in the model's tracing or compiling, the whole traceback too")
 
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         path = export(args.model_dir, args.output, device=args.device, max_cache_len=args.max_cache_len,
                       max_prefill=args.max_prefill, dtype=args.dtype, max_batch=args.max_batch,
                       page_size=args.page_size, window_cache=args.window_cache, fuse=args.fuse,
-                      quantize=args.quantize)
+                      quantize=args.quantize, decode_one=args.decode_one)
     except (Error, ValueError, TypeError, OSError, ImportError) as e:
         if args.verbose and isinstance(e, ExportError) and e.details:
             sys.stderr.write(e.details)
