@@ -79,8 +79,9 @@ def _quantized_tokens_match(package: Path, device: str, scheme: str, dtype: torc
     with quantized_weights(model, scheme) as layers:
         assert layers == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down a layer
         want, logits = _reference(model, prompt, 16)
-    for i, (mine, theirs, row) in enumerate(zip(got, want, logits)):
+    for i, (mine, theirs, last) in enumerate(zip(got, want, logits)):
         if mine != theirs:
+            row = last[0]  # (the reference's logits are [1, vocab])
             gap = float(row.max() - row[mine])
             assert gap <= (1e-3 if dtype == torch.float32 else 0.02 * float(row.abs().max())), \
                 f"step {i}: {mine} where the quantized model's greedy token is {theirs} (logit gap {gap:.4f})"
