@@ -247,8 +247,12 @@ def check_interpreter() -> None:
             params = (scale_of(case), case.window, case.softcap)
             expected = pa.paged_decode_reference(*args, *params)
             tol = TOLERANCE[dtype]
-            torch.testing.assert_close(torch.ops.aoti_sessions.paged_decode_attention(*args, *params), expected,
-                                       atol=tol, rtol=tol, msg=lambda m: f"{name} {dtype} op: {m}")
+            # One counters tensor for two calls: the kernel leaves it zeroed.
+            counters = pa.counters_for(args[0].shape[0], args[1].shape[2] + 1, args[0].device)
+            for _ in range(2):
+                torch.testing.assert_close(torch.ops.aoti_sessions.paged_decode_attention(*args, *params, counters),
+                                           expected, atol=tol, rtol=tol, msg=lambda m: f"{name} {dtype} op: {m}")
+                assert not counters.any(), counters
             for split, block_n in [(16, 16), (32, 16)]:
                 out = pa._launch(*args, *params, split=split, block_n=block_n)
                 torch.testing.assert_close(out, expected, atol=tol, rtol=tol,
@@ -276,35 +280,37 @@ def check_compile_and_trace() -> None:
 
     triton.runtime.driver.set_active(_TargetOnly())
     target = _TargetOnly().get_current_target()
-    pointers = ["Q", "K", "V", "PT", "SL", "M_OUT", "L_OUT", "ACC_OUT"]
+    pointers = ["Q", "K", "V", "PT", "SL", "M_OUT", "L_OUT", "ACC_OUT", "CNT", "OUT"]
     # Float arguments come as fp32 from a Python launch and as fp64 from
     # AOTInductor's generated launcher (seen on an H100, torch 2.11).
     for dtype, d, g, window, softcap, floats in [("bf16", 64, 2, False, False, "fp64"),
                                                  ("fp16", 128, 8, True, True, "fp64"),
                                                  ("fp32", 96, 1, True, False, "fp32")]:
         scalars = {"scale": floats, "softcap": floats, "window": "i32",
-                   **{f"stride_{s}": "i32" for s in ["qb", "qh", "kp", "ko", "kh", "vp", "vo", "vh", "pt"]}}
+                   **{f"stride_{s}": "i32" for s in ["qb", "qh", "kp", "ko", "kh", "vp", "vo", "vh", "pt", "cnt",
+                                                     "ob", "oh"]}}
         d_pad = 1 << (d - 1).bit_length()
-        kinds = [f"*{dtype}"] * 3 + ["*i32", "*i64"] + ["*fp32"] * 3
+        kinds = [f"*{dtype}"] * 3 + ["*i32", "*i64"] + ["*fp32"] * 3 + ["*i32", f"*{dtype}"]
         constants = {"G": g, "G_PAD": 16, "HQ": 8 * g, "HEAD_DIM": d, "D_PAD": d_pad, "PAGE": 16, "BLOCK_N": 64,
-                     "SPLIT": 64, "NUM_SPLITS": 16, "WINDOW": window, "SOFTCAP": softcap, "IEEE": dtype == "fp32"}
+                     "SPLIT": 64, "NUM_SPLITS": 16, "S_PAD": 16, "WINDOW": window, "SOFTCAP": softcap,
+                     "IEEE": dtype == "fp32"}
         signature = {**dict(zip(pointers, kinds)), **scalars, **{k: "constexpr" for k in constants}}
         triton.compile(ASTSource(pa._split_kernel, signature, constants), target=target, options={"num_warps": 8})
-        constants = {"HQ": 8 * g, "HEAD_DIM": d, "D_PAD": d_pad, "SPLIT": 64, "NUM_SPLITS": 16, "S_PAD": 16,
-                     "WINDOW": window}
-        signature = {"M_IN": "*fp32", "L_IN": "*fp32", "ACC_IN": "*fp32", "SL": "*i64", "OUT": f"*{dtype}",
-                     "window": "i32", "stride_ob": "i32", "stride_oh": "i32", **{k: "constexpr" for k in constants}}
-        triton.compile(ASTSource(pa._combine_kernel, signature, constants), target=target)
 
     def step(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        counters = pa.counters_for(q.shape[0], 2, q.device)  # (one for both layers, as export makes it)
         out: torch.Tensor = torch.ops.aoti_sessions.paged_decode_attention(q, kv[:, 1, 0], kv[:, 1, 1], table, lens,
-                                                                            0.125, 0, 0.0)
-        return out
+                                                                            0.125, 0, 0.0, counters)
+        again: torch.Tensor = torch.ops.aoti_sessions.paged_decode_attention(out, kv[:, 0, 0], kv[:, 0, 1], table,
+                                                                              lens, 0.125, 0, 0.0, counters)
+        return again
 
     graph = make_fx(dispatch_functionalize(step), tracing_mode="symbolic")(*two_layer_inputs(3, 20, 0))
     calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
-    assert len(calls) == 2, graph.code
-    assert [sorted(c.kwargs["tensors_to_clone"]) for c in calls] == [["ACC_OUT", "L_OUT", "M_OUT"], ["OUT"]], graph.code
+    assert len(calls) == 2, graph.code  # one kernel a layer
+    assert [sorted(c.kwargs["tensors_to_clone"]) for c in calls] == [["ACC_OUT", "CNT", "L_OUT", "M_OUT", "OUT"]] * 2, \
+        graph.code
+    assert calls[1].kwargs["kwargs"]["CNT"] is not calls[0].kwargs["kwargs"]["CNT"], graph.code  # the first's, mutated
     assert all(isinstance(c.kwargs["grid"][0][0], torch.fx.Node) for c in calls), graph.code  # the batch, symbolic
     print("checked compile for sm_90 and the functional trace")
 

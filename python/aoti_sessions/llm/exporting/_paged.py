@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._latent import absorbed_attention, latent_unexpanded, takes_latents
-from ._paged_attention import paged_decode_attention
+from ._paged_attention import counters_for, paged_decode_attention
 from ._paged_layout import KVLayout, StateLayout, attention_as, chunk_of, chunked_layers, kv_layout, layer_kinds, \
     state_layout
 from ._ring import RingStep, rows
@@ -82,6 +82,7 @@ class _Step:
     # read from the slots on first use, written back after the call.
     states: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     ring: RingStep | None = None  # the window layers' rings (_ring.py), where they keep one
+    counters: torch.Tensor | None = None  # the paged kernel's, one zeroed tensor a call for every layer
 
 
 _current: list[_Step] = []  # the call being traced (one at a time)
@@ -228,8 +229,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if takes_latents(module):  # a latent attention layer's decode (_latent.py)
         return absorbed_attention(module, query, key, value, attention_mask, scale), None
     if step.kernel and not ring:
+        if step.counters is None or step.counters.shape[1] < key.shape[2]:
+            step.counters = counters_for(query.shape[0], key.shape[2], query.device)
         out = paged_decode_attention(query[:, :, 0], key, value, step.page_table, step.lengths, scale,
-                                     int(sliding_window or 0), float(softcap or 0.0))
+                                     int(sliding_window or 0), float(softcap or 0.0), step.counters)
         return out[:, None], None
     if softcap or s_aux is not None:  # sdpa has neither (Gemma2, GPT-OSS): the plain computation
         groups = query.shape[1] // key.shape[1]

@@ -14,14 +14,21 @@ need be contiguous); ``page_table`` int32 ``[B, MP]``; ``seq_lens`` int64
 token's K/V already written); the result is ``[B, Hq, D]`` in ``q``'s dtype.
 Query head ``h`` reads kv head ``h // (Hq // Hkv)``.
 
-The kernels split each row's positions into chunks (flash-decoding): grid
+The kernel splits each row's positions into chunks (flash-decoding): grid
 ``(B, Hkv, NUM_SPLITS)``, ``NUM_SPLITS`` fixed by the page table's width (a
 static dimension in an export; B and P may be dynamic), so one captured CUDA
 graph serves any ``seq_lens``; each program handles all
 query heads of one kv head over one chunk and writes a partial softmax
-(max, sum, weighted values) to scratch, and a second kernel merges a row's
-partials. Only positions below ``seq_lens[b]`` (and inside the sliding
-window) are loaded, so pages the row does not own are never read.
+(max, sum, weighted values) to scratch, then counts itself done on
+``counters[b, kv head]`` (an atomic add, acquire-release); the program that
+counts last merges the row's partials for its query heads and sets the
+counter back to zero. One kernel a layer, where a second kernel launched
+after the first merged them before (issue 38: fewer launches a decode
+step). ``counters`` is int32 ``[B, >= Hkv]`` of zeros, and zeros again
+after every call, so one tensor serves every layer of a step (export makes
+one a step: ``_paged.py``). Only positions below ``seq_lens[b]`` (and
+inside the sliding window) are loaded, so pages the row does not own are
+never read.
 """
 
 from __future__ import annotations
@@ -84,14 +91,23 @@ def paged_decode_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
 
 def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
-                           softcap: float = 0.0) -> torch.Tensor:
+                           softcap: float = 0.0, counters: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton op on CUDA tensors (where triton is installed), the
-    reference otherwise. Traceable by ``torch.export`` either way."""
+    reference otherwise. Traceable by ``torch.export`` either way.
+    ``counters``: the kernel's (see the module's doc; :func:`counters_for`),
+    made for this call where not given."""
     if q.is_cuda and HAS_TRITON_OP:
+        if counters is None:
+            counters = counters_for(q.shape[0], k_pages.shape[2], q.device)
         out: torch.Tensor = torch.ops.aoti_sessions.paged_decode_attention(
-            q, k_pages, v_pages, page_table, seq_lens, scale, sliding_window, softcap)
+            q, k_pages, v_pages, page_table, seq_lens, scale, sliding_window, softcap, counters)
         return out
     return paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, scale, sliding_window, softcap)
+
+
+def counters_for(rows: int | torch.SymInt, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """Zeroed counters for calls of ``rows`` rows of up to ``kv_heads`` kv heads."""
+    return torch.zeros((rows, kv_heads), dtype=torch.int32, device=device)
 
 
 def _check_shapes(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
@@ -121,14 +137,19 @@ def _plan(max_positions: int, block_n: int, split: int | None) -> tuple[int, int
 
 
 def _launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-            seq_lens: torch.Tensor, scale: float, sliding_window: int = 0, softcap: float = 0.0, *,
-            split: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-            num_stages: int | None = None) -> torch.Tensor:
-    """Both kernels, launched through ``wrap_triton`` (traced into the graph
-    under export, plain launches in eager mode). ``split``, ``block_n``,
-    ``num_warps`` and ``num_stages`` (of the split kernel) override the
-    defaults (tests, tuning)."""
+            seq_lens: torch.Tensor, scale: float, sliding_window: int = 0, softcap: float = 0.0,
+            counters: torch.Tensor | None = None, *, split: int | None = None, block_n: int | None = None,
+            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """The kernel, launched through ``wrap_triton`` (traced into the graph
+    under export, a plain launch in eager mode). ``split``, ``block_n``,
+    ``num_warps`` and ``num_stages`` override the defaults (tests, tuning)."""
     _check_shapes(q, k_pages, v_pages, page_table, seq_lens)
+    if counters is None:
+        counters = counters_for(q.shape[0], k_pages.shape[2], q.device)
+    if counters.dtype != torch.int32 or counters.dim() != 2 or counters.shape[1] < k_pages.shape[2] \
+            or not counters.is_contiguous():
+        raise ValueError(f"counters must be contiguous int32 [B, >= {k_pages.shape[2]}] (the kv heads), "
+                         f"got {counters.dtype} {tuple(counters.shape)}")
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         raise ValueError("k_pages and v_pages must be contiguous in their last dimension (head_dim)")
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
@@ -152,23 +173,20 @@ def _launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_
     out = torch.empty((batch, hq, d), dtype=q.dtype, device=q.device)
     num_warps = num_warps or (NUM_WARPS_SMALL_D if d_pad <= 64 else NUM_WARPS_LARGE_D)
     wrap_triton(_split_kernel)[(batch, hkv, num_splits)](
-        q, k_pages, v_pages, page_table, seq_lens, m, sums, acc,
+        q, k_pages, v_pages, page_table, seq_lens, m, sums, acc, counters, out,
         float(scale), float(softcap), int(sliding_window),
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), page_table.stride(0),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), page_table.stride(0), counters.stride(0),
+        out.stride(0), out.stride(1),
         G=g, G_PAD=max(_MIN_DOT, 1 << (g - 1).bit_length()), HQ=hq, HEAD_DIM=d, D_PAD=d_pad, PAGE=page_size,
-        BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, WINDOW=sliding_window > 0, SOFTCAP=softcap > 0,
+        BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, S_PAD=1 << (num_splits - 1).bit_length(),
+        WINDOW=sliding_window > 0, SOFTCAP=softcap > 0,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages or NUM_STAGES)
-    wrap_triton(_combine_kernel)[(batch, hq)](
-        m, sums, acc, seq_lens, out, int(sliding_window), out.stride(0), out.stride(1),
-        HQ=hq, HEAD_DIM=d, D_PAD=d_pad, SPLIT=split, NUM_SPLITS=num_splits,
-        S_PAD=1 << (num_splits - 1).bit_length(), WINDOW=sliding_window > 0)
     return out
 
 
 if TYPE_CHECKING:
     _split_kernel: Any
-    _combine_kernel: Any
 
 # triton is optional (CPU installs have none): without it the kernels and the
 # op do not exist and paged_decode_attention always takes the reference path.
@@ -183,12 +201,12 @@ if not TYPE_CHECKING:
 
     if triton is not None:
         @triton.jit
-        def _split_kernel(Q, K, V, PT, SL, M_OUT, L_OUT, ACC_OUT, scale, softcap, window,
+        def _split_kernel(Q, K, V, PT, SL, M_OUT, L_OUT, ACC_OUT, CNT, OUT, scale, softcap, window,
                           stride_qb, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-                          stride_pt, G: tl.constexpr, G_PAD: tl.constexpr, HQ: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
-                          SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+                          stride_pt, stride_cnt, stride_ob, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
+                          HQ: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          S_PAD: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
             b = tl.program_id(0)
             kvh = tl.program_id(1)
             s = tl.program_id(2)
@@ -207,16 +225,14 @@ if not TYPE_CHECKING:
             g_mask = offs_g < G
             d_mask = offs_d < HEAD_DIM
             heads = kvh * G + offs_g
-            part = (b * HQ + heads) * NUM_SPLITS + s  # [G_PAD], this chunk's partial of each query head
-            if start >= end:  # a chunk past the row's end (or before its window): an empty partial
-                tl.store(M_OUT + part, tl.full([G_PAD], float("-inf"), tl.float32), mask=g_mask)
-                tl.store(L_OUT + part, tl.zeros([G_PAD], tl.float32), mask=g_mask)
-                return
-            q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                        mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+            base = (b * HQ + heads) * NUM_SPLITS  # [G_PAD], each query head's partials
+            part = base + s  # this chunk's
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+            # A chunk past the row's end (or before its window) loops none: an empty partial.
+            q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=(g_mask & (offs_g * 0 + start < end))[:, None] & d_mask[None, :], other=0.0)
             for n0 in range(start, end, BLOCK_N):
                 pos = n0 + offs_n
                 valid = pos < end
@@ -251,43 +267,43 @@ if not TYPE_CHECKING:
             tl.store(L_OUT + part, l_i, mask=g_mask)
             tl.store(ACC_OUT + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                      mask=g_mask[:, None] & d_mask[None, :])
-
-        @triton.jit
-        def _combine_kernel(M_IN, L_IN, ACC_IN, SL, OUT, window, stride_ob, stride_oh, HQ: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr,
-                            NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, WINDOW: tl.constexpr):
-            b = tl.program_id(0)
-            h = tl.program_id(1)
-            seq_len = tl.load(SL + b).to(tl.int32)
-            lo = 0
-            if WINDOW:
-                lo = tl.maximum(seq_len - window, 0)
-            # Only the chunks that saw positions (the others hold empty partials):
-            # a short row in a wide page table merges a few.
-            s_lo = lo // SPLIT
-            s_hi = (seq_len + SPLIT - 1) // SPLIT
-            base = (b * HQ + h) * NUM_SPLITS
-            offs_s = tl.arange(0, S_PAD)
-            s_mask = (offs_s >= s_lo) & (offs_s < s_hi)
-            ms = tl.load(M_IN + base + offs_s, mask=s_mask, other=float("-inf"))
-            m_max = tl.max(ms, 0)
-            total = tl.sum(tl.load(L_IN + base + offs_s, mask=s_mask, other=0.0) * tl.exp2(ms - m_max), 0)
-            offs_d = tl.arange(0, D_PAD)
-            d_mask = offs_d < HEAD_DIM
-            acc = tl.zeros([D_PAD], tl.float32)
-            for s in range(s_lo, s_hi):
-                w = tl.exp2(tl.load(M_IN + base + s) - m_max)
-                acc += w * tl.load(ACC_IN + (base + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-            tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(OUT.dtype.element_ty),
-                     mask=d_mask)
+            # Every thread's stores issued before the count (a barrier), the count released with them; the
+            # program that counts last acquires every chunk's, merges and sets the counter back to zero.
+            tl.debug_barrier()
+            counter = CNT + b * stride_cnt + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                # Only the chunks that saw positions (the others hold empty partials):
+                # a short row in a wide page table merges a few.
+                s_lo = lo // SPLIT
+                s_hi = (seq_len + SPLIT - 1) // SPLIT
+                offs_s = tl.arange(0, S_PAD)
+                s_mask = (offs_s >= s_lo) & (offs_s < s_hi)
+                gs_mask = g_mask[:, None] & s_mask[None, :]
+                # (.cg: read from L2, where the other programs' partials are, not a stale L1 line.)
+                ms = tl.load(M_OUT + base[:, None] + offs_s[None, :], mask=gs_mask, other=float("-inf"),
+                             cache_modifier=".cg")
+                m_max = tl.where(g_mask, tl.max(ms, 1), 0.0)
+                ls = tl.load(L_OUT + base[:, None] + offs_s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
+                total = tl.sum(ls * tl.exp2(ms - m_max[:, None]), 1)
+                merged = tl.zeros([G_PAD, D_PAD], tl.float32)
+                for c in range(s_lo, s_hi):
+                    w = tl.exp2(tl.load(M_OUT + base + c, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+                                - m_max)
+                    merged += w[:, None] * tl.load(ACC_OUT + (base + c)[:, None] * HEAD_DIM + offs_d[None, :],
+                                                   mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+                                                   cache_modifier=".cg")
+                total = tl.where(g_mask, total, 1.0)
+                tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         (merged / total[:, None]).to(OUT.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+                tl.atomic_xchg(counter, 0)  # for the next call (the next layer)
 
         def _paged_decode_op(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-                             seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
-                             softcap: float = 0.0) -> torch.Tensor:
-            return _launch(q, k_pages, v_pages, page_table, seq_lens, scale, sliding_window, softcap)
+                             seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float,
+                             counters: torch.Tensor) -> torch.Tensor:
+            return _launch(q, k_pages, v_pages, page_table, seq_lens, scale, sliding_window, softcap, counters)
 
         # A second import of this module (a reload) finds the op registered:
         # registering a name twice raises, and the first registration is the same op.
         if not hasattr(torch.ops.aoti_sessions, "paged_decode_attention"):
-            torch.library.triton_op(OP_NAME, mutates_args=())(_paged_decode_op)
+            torch.library.triton_op(OP_NAME, mutates_args=("counters",))(_paged_decode_op)
         HAS_TRITON_OP = True
