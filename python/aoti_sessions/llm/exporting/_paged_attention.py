@@ -232,7 +232,7 @@ if not TYPE_CHECKING:
             acc = tl.zeros([G_PAD, D_PAD], tl.float32)
             # A chunk past the row's end (or before its window) loops none: an empty partial.
             q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                        mask=(g_mask & (offs_g * 0 + start < end))[:, None] & d_mask[None, :], other=0.0)
+                        mask=g_mask[:, None] & d_mask[None, :], other=0.0)
             for n0 in range(start, end, BLOCK_N):
                 pos = n0 + offs_n
                 valid = pos < end
@@ -263,10 +263,12 @@ if not TYPE_CHECKING:
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
-            tl.store(M_OUT + part, m_i, mask=g_mask)
-            tl.store(L_OUT + part, l_i, mask=g_mask)
-            tl.store(ACC_OUT + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                     mask=g_mask[:, None] & d_mask[None, :])
+            # An empty chunk writes nothing (the merge reads the chunks that saw positions alone): a
+            # wide page table's many empty chunks would write a partial each, every layer, every row.
+            live = g_mask & (offs_g * 0 + start < end)
+            tl.store(M_OUT + part, m_i, mask=live)
+            tl.store(L_OUT + part, l_i, mask=live)
+            tl.store(ACC_OUT + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=live[:, None] & d_mask[None, :])
             # Every thread's stores issued before the count (a barrier), the count released with them; the
             # program that counts last acquires every chunk's, merges and sets the counter back to zero.
             tl.debug_barrier()
