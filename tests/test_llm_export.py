@@ -242,7 +242,7 @@ def test_a_two_turn_chat_with_a_fork_matches_transformers(arch: str, device: str
         assert two.token_ids == _reference(model, second)[0]
         # Every family's decode steps run as CUDA graphs (MoE experts too:
         # batched, without the grouped-mm fallback's trip to the host).
-        assert llm.engine.captures("decode_one" if decode_one else "decode") == (device == "cuda")
+        assert llm.engine.captures("decode") == (device == "cuda")
         if not llm.spec.recurrent:
             branch = second[:len(first) + 4] + llm.encode(" by the bridge")
             other = fork.generate(branch, max_tokens=STEPS, temperature=0, ignore_eos=True)
