@@ -8,7 +8,6 @@ slots, or a flag that is not a bool, is refused before anything compiles."""
 from __future__ import annotations
 
 import random
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +46,9 @@ def test_the_package_holds_a_one_row_decode_beside_the_batched_one() -> None:
 def test_chats_alone_and_together_get_transformers_greedy_tokens() -> None:
     """CPU, float32. Each prompt alone: every decode step is decode_one's,
     and the tokens are transformers' greedy ones. Then the prompts together,
-    each turn a random length (seeded), in threads: steps of two rows run
-    the batched decode, the longer turn's lone tail runs decode_one, and each
-    chat's tokens are its solo run's."""
+    each turn a random length (seeded), started together: steps of two rows
+    run the batched decode, the longer turn's lone tail runs decode_one, and
+    each chat's tokens are its solo run's."""
     package = llm_package("qwen3", decode_one=True)
     model, tokenizer = _eager("qwen3"), _tokenizer("qwen3")
     prompts = [_chat(tokenizer, text) for text in PROMPTS]
@@ -67,26 +66,23 @@ def test_chats_alone_and_together_get_transformers_greedy_tokens() -> None:
         for _ in range(3):
             lengths = [rng.randint(4, 24) for _ in prompts]
             calls.clear()
-            results: list[list[int]] = [[] for _ in prompts]
-            start = threading.Barrier(len(prompts))
-
-            def chat(i: int) -> None:
-                session = llm.new_session()
-                start.wait()
-                results[i] = session.generate(prompts[i], max_tokens=lengths[i], temperature=0,
-                                              ignore_eos=True).token_ids
-
-            threads = [threading.Thread(target=chat, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            for i, got in enumerate(results):
-                assert got == solo[i][:lengths[i]], (lengths, i)
+            # Both started before either is read: the step loop has both from its first step.
+            sessions = [llm.new_session() for _ in prompts]
+            generations = [s.start(p, max_tokens=n, temperature=0, ignore_eos=True)
+                           for s, p, n in zip(sessions, prompts, lengths)]
+            for g in generations:
+                while g.step() is not None:
+                    pass
+            for i, g in enumerate(generations):
+                assert g.token_ids == solo[i][:lengths[i]], (lengths, i)
             decodes = [c for c in calls if c[0].startswith("decode")]
             assert all(rows == 1 for method, rows in decodes if method == "decode_one"), decodes
             assert all(method == "decode" for method, rows in decodes if rows > 1), decodes
             assert ("decode", 2) in decodes, decodes  # (the turns' steps were shared)
+            if lengths[0] != lengths[1]:  # the longer turn's tail, alone
+                assert ("decode_one", 1) in decodes, (lengths, decodes)
+            for s in sessions:
+                s.close()
 
 
 def test_decode_one_is_refused_where_it_cannot_serve(tmp_path: Path) -> None:

@@ -217,10 +217,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         assert step.ring is not None
         attention_mask = step.ring.mask
     elif (sliding_window or chunk) and not step.kernel and attention_mask is not None:
-        # A window layer attends to the last `sliding_window` positions only
-        # (key > query - window, as transformers' sliding masks), a chunked
-        # one to its query's chunk; the cache holds every position, so the
-        # context is not cut to the window.
+        # A window layer attends to the last `sliding_window` positions only (key > query - window, as
+        # transformers' sliding masks), a chunked one to its query's chunk; the cache holds every
+        # position, so the context is not cut to the window.
         keys = torch.arange(attention_mask.shape[-1], device=attention_mask.device)[None, None, :]
         queries = step.positions[:, :, None]
         seen = keys > queries - int(sliding_window) if sliding_window else \
@@ -274,10 +273,9 @@ class PagedLM(torch.nn.Module):
         self.kv = kv_layout(config, page_size) if self.state.attention else KVLayout(parts=2, heads=1, width=1)
         self.page_size = page_size
         self.max_pages = max_pages
-        # The paged kernel reads per-head keys and values within a sliding
-        # window at most: a latent layer expands its positions into them
-        # itself, and a chunked layer kept in pages attends within its chunk,
-        # so such models decode by gathering.
+        # The paged kernel reads per-head keys and values within a sliding window at most: a latent layer
+        # expands its positions into them itself, and a chunked layer kept in pages attends within its
+        # chunk, so such models decode by gathering.
         chunked = chunked_layers(config) & set(self.state.attention)
         self.kernel = kernel and not self.kv.is_latent and not (
             chunked and int(config.attention_chunk_size) < max_pages * page_size)
