@@ -150,13 +150,14 @@ def _teacher_forced(package: Path, prompts: list[list[int]], continuations: list
     position's logits (float32, on the host)."""
     fed, logits = [], []
     with LLM(package, device="cuda") as llm:
+        decode = "decode_one" if "decode_one" in llm.engine.methods else "decode"  # (what a lone chat runs)
         for i, prompt in enumerate(prompts):
             with llm.engine.new_session() as session:
                 rows = [session.run("prefill", torch.tensor([prompt], device="cuda"))[0].float().cpu()]
                 tokens: list[int] = []
                 for step in range(ACCURACY_TOKENS):
                     tokens.append(int(rows[-1].argmax()) if continuations is None else continuations[i][step])
-                    rows.append(session.run("decode", torch.tensor([[tokens[-1]]], device="cuda"))[0].float().cpu())
+                    rows.append(session.run(decode, torch.tensor([[tokens[-1]]], device="cuda"))[0].float().cpu())
                 fed.append(tokens)
                 logits.append(torch.stack(rows[:-1]))
     return fed, logits

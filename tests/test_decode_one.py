@@ -103,3 +103,32 @@ def test_bfloat16_chat_on_cuda_with_decode_one() -> None:
     matrix-vector products reductions of their own, summed in another order
     than cuBLAS's), captured as CUDA graphs."""
     _bfloat16_chat("qwen3", "cuda", decode_one=True)
+
+
+def test_the_callers_inductor_settings_go_over_each_methods_own(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """decode_one's tuning and a quantized package's settings are each
+    method's own; what the caller passes to export goes over them (the
+    methods as export hands them to compile, which is stopped there)."""
+    from aoti_sessions.llm.exporting import _export
+
+    pytest.importorskip("torchao")
+    handed: dict[str, Any] = {}
+    every: dict[str, Any] = {}
+
+    def stop(module: Any, methods: dict[str, Any], **kwargs: Any) -> None:
+        handed.update(methods)
+        every.update(kwargs["inductor_configs"])
+        raise KeyboardInterrupt  # (not an Exception: export passes it on as it is)
+
+    monkeypatch.setattr(_export, "compile", stop)
+    with pytest.raises(KeyboardInterrupt):
+        export(hf_model_dir("qwen3"), tmp_path / "m.pt2", quantize="int8wo", decode_one=True,
+               inductor_configs={"coordinate_descent_tuning": False, "max_autotune": False})
+    assert sorted(handed) == ["decode", "decode_one", "prefill"]
+    own = {name: dict(m.inductor_configs or {}) for name, m in handed.items()}
+    assert every == {"coordinate_descent_tuning": False, "max_autotune": False}  # (every method's)
+    assert own["prefill"] == {}
+    for name in ("decode", "decode_one"):
+        assert own[name]["coordinate_descent_tuning"] is False and own[name]["max_autotune"] is False, own
+        assert own[name]["force_fuse_int_mm_with_mul"] is True, own  # (the quantized settings' other parts)

@@ -449,6 +449,14 @@ def _bfloat16_chat(family: str, device: str, decode_one: bool = False) -> None:
     model = _eager(family, device).to(torch.bfloat16)
     with LLM(package, device=device) as llm:
         assert llm.spec.dtype == "bfloat16"
+        methods: list[str] = []  # the methods the step loop ran
+        run = llm.engine.run_batch
+
+        def counted(method: str, *args: Any, **kwargs: Any) -> Any:
+            methods.append(method)
+            return run(method, *args, **kwargs)
+
+        llm.engine.run_batch = counted  # type: ignore[method-assign]
         s = llm.new_session()
         first = llm.encode("The quick brown fox")
         one = s.generate(first, max_tokens=24, temperature=0, ignore_eos=True)
@@ -463,6 +471,7 @@ def _bfloat16_chat(family: str, device: str, decode_one: bool = False) -> None:
         assert other.cached_tokens == len(first) + 23
         followed.append(_follows(other.token_ids, model, exact, branch, "the fork's turn"))
         assert llm.engine.captures("decode_one" if decode_one else "decode") == (device == "cuda")
+        assert ("decode_one" in methods) == decode_one, sorted(set(methods))  # (a lone chat's steps)
     print(f"{family}: tokens equal to transformers' bf16 ones before the two part, per turn: {followed}")
 
 

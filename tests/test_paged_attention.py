@@ -194,8 +194,9 @@ def test_kernels_in_triton_interpreter() -> None:
 @requires_triton
 def test_kernels_compile_and_trace_for_a_gpu() -> None:
     """With no GPU: the kernels compile for sm_90 (triton's bundled ptxas),
-    and the op traces, with a symbolic batch, into the two kernel calls that
-    AOTInductor compiles, with the scratch tensors as their only outputs."""
+    and the op traces, with a symbolic batch, into one kernel call a layer
+    (two layers here) that AOTInductor compiles, each mutating the scratch,
+    the output and the counters, the second taking the first's counters."""
     out = run_script("trace", {})
     assert "checked" in out
 

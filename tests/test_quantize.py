@@ -79,6 +79,7 @@ def _quantized_tokens_match(package: Path, device: str, scheme: str, dtype: torc
     with quantized_weights(model, scheme) as layers:
         assert layers == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down a layer
         want, logits = _reference(model, prompt, 16)
+    assert len(got) == 16
     for i, (mine, theirs, last) in enumerate(zip(got, want, logits)):
         if mine != theirs:
             row = last[0]  # (the reference's logits are [1, vocab])

@@ -341,7 +341,8 @@ def export(
                 cast(torch.nn.Module, model).to(dev)
                 with rewritten(model, prefill_len, fuse, quantize, grouped_mm):
                     compile(module, methods(module, prefill_len, max_batch, model.dtype, dev, min_rows=min_rows,
-                                            quantize=quantize, decode_one=decode_one),
+                                            quantize=quantize, decode_one=decode_one,
+                                            inductor_configs=inductor_configs),
                             path=tmp, inductor_configs=inductor_configs, strict=False)
                 if dev.type == "cuda":  # (the package's copy of the weights beside the model's would double them)
                     cast(torch.nn.Module, model).to("cpu")

@@ -13,6 +13,7 @@ the shape; the batched ``decode`` keeps cuBLAS's kernels for 1-64 rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -46,13 +47,15 @@ DECODE_ATTENTION: tuple[SDPBackend, ...] | None = None
 
 
 def methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtype, device: torch.device,
-            min_rows: int = 1, quantize: str | None = None, decode_one: bool = False) -> dict[str, Method]:
+            min_rows: int = 1, quantize: str | None = None, decode_one: bool = False,
+            inductor_configs: Mapping[str, Any] | None = None) -> dict[str, Method]:
     """Example inputs: prefill's length is dynamic in [2, max_prefill], both
     methods' rows in [1, max_batch]; the pool's pages are dynamic (the engine
     sizes it). ``decode_one``: a third method, decode for one row alone
     (``DECODE_ONE``). A quantized package's decode methods are compiled with
     the Inductor settings torchao recommends (its prefill is not: the
-    settings' tuning took minutes a prefill and serves decode's GEMVs)."""
+    settings' tuning took minutes a prefill and serves decode's GEMVs).
+    ``inductor_configs`` (the caller's) go over every method's own."""
     example = min(_EXAMPLE_PREFILL, max_prefill)
     # A hint, not a named Dim: on CUDA, attention pads the mask to a multiple of
     # 8 and dynamo cannot prove the guard that adds for every length in range
@@ -97,7 +100,7 @@ def methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtyp
         return t
 
     kv = module.pool_example(2 + _EXAMPLE_ROWS, dtype, device)
-    decode_configs = quantize_configs(quantize)
+    decode_configs = {**quantize_configs(quantize), **(inductor_configs or {})}
     found = {
         "prefill": Method((torch.zeros(_EXAMPLE_ROWS, example, dtype=torch.long, device=device), kv,
                            table(_EXAMPLE_ROWS), torch.zeros(_EXAMPLE_ROWS, dtype=torch.long, device=device)),
@@ -118,5 +121,5 @@ def methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtyp
                                    dynamic_shapes={"input_ids": {}, "kv": {0: pages}, "page_table": decode_width or {},
                                                    "positions": {}},
                                    entry="decode", attention=DECODE_ATTENTION, pool=pool,
-                                   inductor_configs={**DECODE_ONE_CONFIGS, **decode_configs})
+                                   inductor_configs={**DECODE_ONE_CONFIGS, **decode_configs})  # (the caller's last)
     return found
