@@ -70,6 +70,7 @@ class FakeEngine:
 
     def __init__(self, max_rows: int) -> None:
         self.pool = {"max_rows": max_rows}
+        self.methods = ("prefill", "decode")  # (no decode_one: every step runs decode)
         self.device = torch.device("cpu")
         self.calls = 0
         self.widest = 0
