@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 38's GPU part in one call: fused projections and quantized weights. Builds with CUDA
 # (bench/gpu_setup.sh), compiles bench_decode's packages (SHAPES x VARIANTS, bf16) and the tests' quantized
-# CUDA packages in parallel (JOBS processes, within COMPILE_S seconds), runs the CUDA cases of
-# tests/test_quantize.py, tests/test_fused.py and tests/test_decode_one.py and, where TEST_K is given, of test_llm_export (pytest's
+# CUDA packages (TEST_JOBS) in parallel (JOBS processes, within COMPILE_S seconds), runs the CUDA cases of TEST_FILES
+# (tests/test_quantize.py, test_fused.py, test_decode_one.py, test_one_row.py) and, where TEST_K is given, of test_llm_export (pytest's
 # -k), within TEST_S seconds (TESTS=0: neither the tests nor their packages); then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
 # B = 1; KERNELS=N lists each variant's N costliest kernels a step) within BENCH_S seconds, on the packages the compile stage built (a variant it did not finish is named, not
 # compiled then; BENCH_S=0: no bench). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
@@ -43,7 +43,7 @@ def build(job: tuple[str, str]) -> str:
 
 if __name__ == "__main__":
     shapes, variants = sys.argv[1].split(","), sys.argv[2].split(",")
-    tests = [("test", q) for q in ("int8wo", "int4wo", "int8wo-one", "int4wo-one", "decode_one")] \
+    tests = [("test", q) for q in os.environ.get("TEST_JOBS", "int8wo int4wo int8wo-one int4wo-one decode_one").split()] \
         if os.environ.get("TESTS", "1") != "0" else []
     pairs = os.environ.get("PAIRS", "").split() or [f"{s}:{v}" for s in shapes for v in variants]
     jobs = [("bench", p) for p in pairs] + tests
@@ -53,7 +53,8 @@ if __name__ == "__main__":
 PY
 grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
 echo "$(date +%T) tests" >> "$OUT/stages.txt"
-[ "${TESTS:-1}" = 0 ] || timeout "${TEST_S:-150}" python3 -m pytest tests/test_quantize.py tests/test_fused.py tests/test_decode_one.py \
+[ "${TESTS:-1}" = 0 ] || timeout "${TEST_S:-150}" python3 -m pytest \
+  ${TEST_FILES:-tests/test_quantize.py tests/test_fused.py tests/test_decode_one.py tests/test_one_row.py} \
   ${TEST_K:+tests/test_llm_export.py} -k "${TEST_K:+($TEST_K) or }cuda or fused" -v --tb=line -rs \
   -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"

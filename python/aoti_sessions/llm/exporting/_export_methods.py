@@ -3,12 +3,15 @@
 ``decode`` over the pooled state and, where asked for, ``decode_one``.
 
 ``decode_one`` is decode compiled for one row alone, which the step loop
-calls when one chat decodes (issue 38). With the rows static at one,
-Inductor decomposes each matrix-vector product into a reduction (its
-``mm`` decomposition under coordinate-descent tuning, as gpt-fast's decode
-relies on), fuses the pointwise work around it into that kernel (a norm's
-scaling, SiLU-mul, an int8 weight's conversion and scale) and tunes it for
-the shape; the batched ``decode`` keeps cuBLAS's kernels for 1-64 rows.
+calls when one chat decodes (issue 38). Decoder layers of the Llama form
+run their projections on ``_gemv``'s kernel, norms, SiLU-mul and residual
+adds inside it (``_one_row.py``). Elsewhere (other layers, quantized
+weights), with the rows static at one, Inductor decomposes each
+matrix-vector product into a reduction (its ``mm`` decomposition under
+coordinate-descent tuning, as gpt-fast's decode relies on), fuses the
+pointwise work around it into that kernel (a norm's scaling, SiLU-mul, an
+int8 weight's conversion and scale) and tunes it for the shape. The
+batched ``decode`` keeps cuBLAS's kernels for 1-64 rows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.nn.attention import SDPBackend
 
 from ..._compile import Method, Pool
 from ...errors import ExportError
+from ._one_row import plan_one_row
 from ._paged import PagedLM
 from ._quantize import inductor_configs as quantize_configs
 
@@ -116,10 +120,12 @@ def methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtyp
             why = "keeps recurrent or ring state in slots" if slots else "traces for two rows at least"
             raise ExportError(f"decode_one=True: this model's decode {why}, so it is compiled for batches "
                               "alone; export with decode_one=False")
+        # Layers on the one-row kernels (_one_row.py) need no tuning of Inductor's reductions; the rest do.
+        tuning = {} if plan_one_row(module.model) else DECODE_ONE_CONFIGS
         found[DECODE_ONE] = Method((torch.zeros(1, 1, dtype=torch.long, device=device), kv, table(1),
                                     torch.full((1,), example, dtype=torch.long, device=device)),
                                    dynamic_shapes={"input_ids": {}, "kv": {0: pages}, "page_table": decode_width or {},
                                                    "positions": {}},
-                                   entry="decode", attention=DECODE_ATTENTION, pool=pool,
-                                   inductor_configs={**DECODE_ONE_CONFIGS, **decode_configs})  # (the caller's last)
+                                   entry=DECODE_ONE, attention=DECODE_ATTENTION, pool=pool,
+                                   inductor_configs={**tuning, **decode_configs})  # (the caller's last)
     return found

@@ -20,7 +20,7 @@ meanwhile, so the device never holds both.)
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -45,6 +45,8 @@ class FusedLinear(torch.nn.Module):
             self.weight = torch.nn.Parameter(torch.cat(tuple(layer.weight for layer in linears)), requires_grad=False)
             biases = [layer.bias for layer in linears]
             self.bias = None if biases[0] is None else torch.nn.Parameter(torch.cat(tuple(b for b in biases if b is not None)), requires_grad=False)
+        # The product of an input and the fused weights; None: F.linear (decode_one sets its kernel: _one_row.py).
+        self.product: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
 
@@ -53,7 +55,8 @@ class FusedLinear(torch.nn.Module):
         product, computed once for the siblings' shared input."""
         if self._input is not x:
             self._input = x
-            self._parts = tuple(torch.split(F.linear(x, self.weight, self.bias), self.widths, dim=-1))
+            product = F.linear(x, self.weight, self.bias) if self.product is None else self.product(x)
+            self._parts = tuple(torch.split(product, self.widths, dim=-1))
         # A copy, in a layout of its own: Inductor's lowering of the model's
         # ``.view`` of a column slice guards the rows (> 1, its stride rule for a
         # non-contiguous view), so the package would refuse a lone session's

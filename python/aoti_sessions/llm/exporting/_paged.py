@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._latent import absorbed_attention, latent_unexpanded, takes_latents
+from ._one_row import one_row_kernels
 from ._paged_attention import counters_for, paged_decode_attention
 from ._paged_layout import KVLayout, StateLayout, attention_as, chunk_of, chunked_layers, kv_layout, layer_kinds, \
     state_layout
@@ -88,10 +89,9 @@ class _Step:
 _current: list[_Step] = []  # the call being traced (one at a time)
 
 
-# An attention module's query temperature by position, (floor, scale): the
-# query is scaled by 1 + scale * log1p(floor((position + 1) / floor)) (Llama
-# 4's layers without rotary positions). The layer computes it from its
-# cache's length, one for every row; ours are the rows' own positions.
+# An attention module's query temperature by position, (floor, scale): the query is scaled by 1 + scale *
+# log1p(floor((position + 1) / floor)) (Llama 4's layers without rotary positions). The layer computes it from
+# its cache's length, one for every row; ours are the rows' own positions.
 TEMPERATURE = "_aoti_sessions_temperature"
 
 
@@ -196,10 +196,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     sliding_window: int | None = None, softcap: float | None = None,
                     s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The attention every layer runs while a PagedLM call is traced; returns
-    [B, T, Hq, D] as transformers' attention functions do. ``s_aux``: a
-    logit per head that joins every row's softmax and is then dropped
-    (GPT-OSS's attention sinks)."""
+    """The attention every layer runs while a PagedLM call is traced; returns [B, T, Hq, D] as
+    transformers' attention functions do. ``s_aux``: a logit per head that joins every row's softmax and
+    is then dropped (GPT-OSS's attention sinks)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     step = _current[-1]
@@ -298,9 +297,8 @@ class PagedLM(torch.nn.Module):
     def _run(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
              kernel: bool, slot_ids: torch.Tensor | None, slots: dict[str, torch.Tensor],
              real: torch.Tensor | None = None) -> torch.Tensor:
-        """``real``: each row's real positions (prefill: the rest is padding,
-        and each row's logits are its last real position's); None: all are
-        (decode)."""
+        """``real``: each row's real positions (prefill: the rest is padding, and each row's logits are
+        its last real position's); None: all are (decode)."""
         rows, count = input_ids.shape
         pos = positions[:, None] + torch.arange(count, device=input_ids.device)  # [B, T]
         page = torch.gather(page_table, 1, torch.div(pos, self.page_size, rounding_mode="floor")).long()
@@ -362,17 +360,20 @@ class PagedLM(torch.nn.Module):
             return self._run(input_ids, kv, page_table, positions, self.kernel, slot_ids,
                              self._slots(slot_ids, conv, recurrent, ring))
 
+    def decode_one(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+        """decode for one row alone, its layers on the one-row kernels where they apply (``_one_row.py``)."""
+        with one_row_kernels(self.model):
+            return self.decode(input_ids, kv, page_table, positions)
+
 
 @contextmanager
 def _batched_experts(model: PreTrainedModel, grouped_mm: bool) -> Iterator[None]:
-    """A decode step's MoE experts as transformers' ``batched_mm`` (each
-    token's experts' weights gathered, one batched matmul), where the
-    model's own choice would be its grouped-mm fallback: a custom op that
-    reads the token counts per expert on the host, which a CUDA graph
-    cannot capture. A step decodes a few tokens, so gathering their experts
-    costs about what reading them does. (bfloat16 weights keep torch's
-    grouped mm, which needs no host, where ``grouped_mm`` says AOTInductor
-    compiles it.)"""
+    """A decode step's MoE experts as transformers' ``batched_mm`` (each token's experts' weights gathered,
+    one batched matmul), where the model's own choice would be its grouped-mm fallback: a custom op that
+    reads the token counts per expert on the host, which a CUDA graph cannot capture. A step decodes a few
+    tokens, so gathering their experts costs about what reading them does. (bfloat16 weights keep torch's
+    grouped mm, which needs no host, where ``grouped_mm`` says AOTInductor compiles it.)"""
     configs: dict[int, Any] = {id(m.config): m.config for m in model.modules()
                                if hasattr(m, "has_gate")
                                and hasattr(getattr(m, "config", None), "_experts_implementation_internal")
@@ -396,10 +397,9 @@ def _expert_weights(experts: torch.nn.Module) -> torch.Tensor:
 
 @contextmanager
 def _pick_rows(model: PreTrainedModel, last: torch.Tensor) -> Iterator[None]:
-    """The model's output head applied to row ``r``'s position ``last[r]``
-    alone (the model's own code before and after it runs unchanged: a final
-    soft-cap, a logit scale). The head's forward is swapped for the block,
-    not the module: its weights keep their names, shared with decode."""
+    """The model's output head applied to row ``r``'s position ``last[r]`` alone (the model's own code
+    before and after it runs unchanged: a final soft-cap, a logit scale). The head's forward is swapped
+    for the block, not the module: its weights keep their names, shared with decode."""
     head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output head to pick rows' logits from")

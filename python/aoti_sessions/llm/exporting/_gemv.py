@@ -1,0 +1,220 @@
+"""Matrix-vector products for a decode step of one row, with the pointwise
+work around them in the same kernel (issue 38: a chat's decode step is ~100
+launches of a few microseconds each, every one reading a few MB).
+
+``decode_linear(x, weight, bias, norm_weight, eps, silu_mul, residual)`` is
+the entry point: ``x [M, K]`` (M a handful of rows; decode_one's is 1), ``weight
+[N, K]``. It computes, in one kernel:
+
+- ``norm_weight`` given: ``x`` RMS-normalized first, rounded as
+  transformers' Llama-style ``RMSNorm`` rounds it (``weight *
+  (x * rsqrt(mean(x^2) + eps)).to(dtype)``, in ``x``'s dtype);
+- the product with ``weight`` (and ``bias``), accumulated in float32;
+- ``silu_mul``: ``weight``'s two halves are a gate and an up projection
+  (``[gate; up]``, as ``_fused.py`` concatenates them); the result is
+  ``silu(gate) * up`` ``[M, N // 2]``, rounded as the MLP's own code
+  rounds it;
+- ``residual`` given (``[M, N]``): added to the result, rounded as the
+  decoder layer's ``residual + hidden_states`` rounds it.
+
+On CUDA tensors (where triton is installed) it calls the custom op
+``torch.ops.aoti_sessions.decode_linear``, a Triton kernel registered with
+``torch.library.triton_op`` (so ``torch.export`` keeps it and AOTInductor
+compiles it into the package); elsewhere :func:`decode_linear_reference`,
+plain PyTorch with the same rounding.
+
+Each program computes ``BLOCK_N`` outputs of one row over the whole of K
+(no split-K: a decode matrix has thousands of rows, enough programs to keep
+every SM loading), reading a ``[BLOCK_N, BLOCK_K]`` tile of the weight a
+step; the norm's sum of squares is computed by every program from ``x``
+(a few KB, from L2). Block sizes per shape: :func:`_config`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+# By this name: triton_op finds an op's kernels by reading its source for calls to ``wrap_triton(kernel)``.
+from torch.library import wrap_triton
+
+__all__ = ["decode_linear", "decode_linear_reference", "rms_norm_reference", "OP_NAME", "HAS_TRITON_OP"]
+
+OP_NAME = "aoti_sessions::decode_linear"
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama-style RMSNorm (Llama, Mistral, Qwen2, Qwen3),
+    rounded as it rounds: float32 inside, the normalized value rounded to
+    ``x``'s dtype before the weight multiplies it."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                            silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The op in plain PyTorch: the CPU path and the kernel's reference."""
+    _check(x, weight, bias, norm_weight, silu_mul, residual)
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, eps)
+    y = F.linear(x, weight, bias)
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton op on CUDA tensors (where triton is installed), the
+    reference otherwise. Traceable by ``torch.export`` either way."""
+    if x.is_cuda and HAS_TRITON_OP:
+        out: torch.Tensor = torch.ops.aoti_sessions.decode_linear(x, weight, bias, norm_weight, float(eps), silu_mul,
+                                                                  residual)
+        return out
+    return decode_linear_reference(x, weight, bias, norm_weight, eps, silu_mul, residual)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
+           silu_mul: bool, residual: torch.Tensor | None) -> None:
+    """Static checks only (the rows may be symbolic in an export)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"decode_linear takes x [M, K] and weight [N, K], got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    n, k = weight.shape
+    if silu_mul and n % 2:
+        raise ValueError(f"silu_mul needs a weight of two halves (gate; up), got {n} rows")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if norm_weight is not None and tuple(norm_weight.shape) != (k,):
+        raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    n_out = n // 2 if silu_mul else n
+    if residual is not None and (residual.dim() != 2 or residual.shape[1] != n_out or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [M, {n_out}] in {x.dtype}, got {residual.dtype} {tuple(residual.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) \
+            or (norm_weight is not None and norm_weight.dtype != x.dtype):
+        raise ValueError(f"x, weight, bias and norm_weight must share a dtype, got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}, {None if norm_weight is None else norm_weight.dtype}")
+
+
+def _config(n_out: int, k: int, silu_mul: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``n_out`` outputs over
+    ``k``: the fastest of bench/probe_gemv.py's sweep at the Qwen3-0.6B and
+    -4B projections on an H200 (bench/results/decode_cuda.md, stop 53),
+    within 1% of it at every shape:
+
+    - gate/up with SiLU-mul: 4 outputs (8 weight rows) a program, 256-512 wide tiles, 4 warps;
+    - a long K (o_proj, down_proj: 2048 and more): 1024-wide tiles on 8 warps, 2-4 outputs a program;
+    - q/k/v and the output head: 512-wide tiles on 4 warps, 2 outputs a program (8 at K >= 2048).
+    """
+    if silu_mul:
+        config = (4, 256 if k <= 1024 else 512, 4, 4)
+    elif k >= 2048 and n_out <= 4096:
+        config = (4 if n_out >= 2048 else 2, 1024, 8, 4 if k > 4096 else 1)
+    else:
+        config = (8 if k >= 2048 else 2, 512, 4, 2)
+    return config[0], min(config[1], 1 << (k - 1).bit_length()), config[2], config[3]
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
+            eps: float, silu_mul: bool, residual: torch.Tensor | None = None, *, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """The kernel through ``wrap_triton`` (traced into the graph under export,
+    a plain launch in eager mode); ``config`` overrides :func:`_config`
+    (the probe, tests)."""
+    _check(x, weight, bias, norm_weight, silu_mul, residual)
+    if weight.stride(1) != 1 or x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("decode_linear needs x, weight and residual contiguous in their last dimension")
+    n, k = int(weight.shape[0]), int(weight.shape[1])
+    n_out = n // 2 if silu_mul else n
+    rows = x.shape[0]
+    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config or _config(n_out, k, silu_mul)
+    wrap_triton(_linear_kernel)[(triton.cdiv(n_out, block_n), rows)](
+        x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
+        out if residual is None else residual, out, float(eps), x.stride(0), weight.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0),
+        K=k, N_OUT=n_out, NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        RESIDUAL=residual is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out
+
+
+if TYPE_CHECKING:
+    _linear_kernel: Any
+    triton: Any
+
+# triton is optional (CPU installs have none): without it decode_linear always takes the reference path.
+HAS_TRITON_OP = False
+if not TYPE_CHECKING:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        triton = None
+
+    if triton is not None:
+        @triton.jit
+        def _linear_kernel(X, W, B, NW, R, Y, eps, stride_xm, stride_wn, stride_rm, stride_ym, K: tl.constexpr,
+                           N_OUT: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            pid = tl.program_id(0)
+            row = tl.program_id(1)
+            dtype = Y.dtype.element_ty
+            eps = tl.cast(eps, tl.float32)  # (AOTInductor passes Python floats as fp64)
+            offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < N_OUT
+            offs_k = tl.arange(0, BLOCK_K)
+            x_row = X + row * stride_xm
+            rstd = 1.0
+            if NORM:  # the row's sum of squares, by every program (x is a few KB, read from L2)
+                squares = tl.zeros([BLOCK_K], tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    xs = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+                    squares += xs * xs
+                rstd = tl.math.rsqrt(tl.sum(squares, 0) / K + eps)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                k_mask = kk < K  # (K static: triton sees the mask constant over a vector)
+                xk = tl.load(x_row + kk, mask=k_mask, other=0.0)
+                if NORM:  # rounded where transformers' RMSNorm rounds
+                    xk = (xk.to(tl.float32) * rstd).to(dtype)
+                    xk = (tl.load(NW + kk, mask=k_mask, other=0.0).to(tl.float32) * xk.to(tl.float32)).to(dtype)
+                xf = xk.to(tl.float32)[None, :]
+                tile_mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_rows + kk[None, :], mask=tile_mask, other=0.0)
+                acc += w.to(tl.float32) * xf
+                if SILU_MUL:  # the up projection's rows, N_OUT further
+                    u = tl.load(w_rows + N_OUT * stride_wn + kk[None, :], mask=tile_mask, other=0.0)
+                    acc_up += u.to(tl.float32) * xf
+            y = tl.sum(acc, 1)
+            if HAS_BIAS:
+                y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if SILU_MUL:
+                up = tl.sum(acc_up, 1)
+                if HAS_BIAS:
+                    up += tl.load(B + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                # As the MLP rounds: each projection to the dtype, silu in float32 rounded, then the product.
+                gate = y.to(dtype).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+                y = act * up.to(dtype).to(tl.float32)
+            if RESIDUAL:  # rounded as the layer's residual + hidden_states rounds
+                y = tl.load(R + row * stride_rm + offs_n, mask=n_mask, other=0.0).to(tl.float32) \
+                    + y.to(dtype).to(tl.float32)
+            tl.store(Y + row * stride_ym + offs_n, y.to(dtype), mask=n_mask)
+
+        def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
+                              residual: torch.Tensor | None) -> torch.Tensor:
+            return _launch(x, weight, bias, norm_weight, eps, silu_mul, residual)
+
+        # A second import of this module (a reload) finds the op registered.
+        if not hasattr(torch.ops.aoti_sessions, "decode_linear"):
+            torch.library.triton_op(OP_NAME, mutates_args=())(_decode_linear_op)
+        HAS_TRITON_OP = True

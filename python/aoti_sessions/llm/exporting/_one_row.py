@@ -1,0 +1,190 @@
+"""decode_one's kernels (issue 38): a decode step of one row with each
+layer's projections on ``_gemv.decode_linear``, the pointwise work around
+them inside the same kernels:
+
+- the input norm and the fused q/k/v projection: one kernel;
+- the output projection: one kernel (cuBLAS splits it in two at these shapes);
+- the post-attention norm, the fused gate/up projection and SiLU-mul: one kernel;
+- the down projection: one kernel.
+
+Applied, for the export of ``decode_one`` alone, to decoder layers of the
+Llama form (Llama, Mistral, Qwen2, Qwen3: each norm's output feeds only the
+attention's projections or the MLP), where the export fused their siblings
+(``_fused.py``) and the pieces behave as the kernel computes them: each
+norm equals transformers' Llama-style RMSNorm and the MLP equals
+``down(silu(gate(x)) * up(x))`` on a probe input, and the weights are plain
+tensors (a quantized package keeps Inductor's kernels). Every other layer
+runs as it does in ``decode``.
+
+The swap sets ``forward`` on the module instances (and the fused
+projection's product) for the block, never the modules themselves: the
+weights keep their names, shared with the other methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import inspect
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from ._fused import FusedLinear
+from ._gemv import decode_linear, decode_linear_reference, rms_norm_reference
+
+__all__ = ["plan_one_row", "one_row_kernels", "LAYERS"]
+
+# Decoder layers whose norms feed only their attention's projections and their MLP (transformers' code).
+LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+
+
+def _probe(like: torch.Tensor) -> torch.Tensor:
+    """A fixed input of ``like``'s width, dtype and device, to check a part's behaviour on."""
+    x = torch.randn(2, like.shape[0], generator=torch.Generator().manual_seed(0))
+    return x.to(device=like.device, dtype=like.dtype)
+
+
+def _plain(*weights: torch.Tensor | None) -> bool:
+    """Plain floating-point tensors (not a quantized tensor subclass)."""
+    return all(w is None or (type(w.data) is torch.Tensor and w.dtype.is_floating_point) for w in weights)
+
+
+def _eps(norm: torch.nn.Module) -> float | None:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if isinstance(eps, float) else None
+
+
+def _is_rms_norm(norm: torch.nn.Module, probe: torch.Tensor) -> float | None:
+    """The norm's epsilon where ``norm`` computes what :func:`rms_norm_reference`
+    does on ``probe``, bit for bit; None otherwise."""
+    weight, eps = getattr(norm, "weight", None), _eps(norm)
+    if not isinstance(weight, torch.Tensor) or eps is None or weight.shape != probe.shape[-1:] or not _plain(weight):
+        return None
+    return eps if torch.equal(norm(probe), rms_norm_reference(probe, weight, eps)) else None
+
+
+def _as_rows(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``kernel`` over ``x``'s rows ([..., K] as [rows, K]), shaped back."""
+    out = kernel(x.reshape(-1, x.shape[-1]))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _linear(layer: torch.nn.Module) -> torch.nn.Linear | None:
+    return layer if type(layer) is torch.nn.Linear and _plain(layer.weight, layer.bias) else None
+
+
+def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, Any]] | None:
+    """The layer's swaps (object, attribute, value), or None where they do
+    not apply: its forward (the residual adds move into the kernels), its
+    norms (to identity: the kernels apply them), its fused projections'
+    product, its output projection's and its MLP's forward."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    qkv, gate_up = getattr(attn, "fused_qkv", None), getattr(mlp, "fused_gate_up", None)
+    o_proj, down = _linear(getattr(attn, "o_proj", None)), _linear(getattr(mlp, "down_proj", None))
+    norms = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+    if not isinstance(qkv, FusedLinear) or not isinstance(gate_up, FusedLinear) or o_proj is None or down is None \
+            or not _plain(qkv.weight, qkv.bias, gate_up.weight, gate_up.bias) or not isinstance(attn, torch.nn.Module) \
+            or not isinstance(mlp, torch.nn.Module) or _returns(layer) is not True:
+        return None
+    eps = [_is_rms_norm(norm, probe) if isinstance(norm, torch.nn.Module) else None for norm in norms]
+    if None in eps:
+        return None
+    (in_norm, post_norm), (in_eps, post_eps) = norms, eps
+    assert isinstance(in_norm, torch.nn.Module) and isinstance(post_norm, torch.nn.Module)
+    # The MLP must be down(silu(gate(x)) * up(x)): its own forward against that formula on the probe.
+    expected = F.linear(decode_linear_reference(probe, gate_up.weight, gate_up.bias, silu_mul=True), down.weight,
+                        down.bias)
+    if not torch.allclose(mlp(probe), expected, rtol=1e-2, atol=1e-2):
+        return None
+    residual: list[torch.Tensor] = []  # the layer's input, for the output projection's epilogue
+
+    def layer_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # transformers' forward, residual + attention, then residual + MLP, with the adds in the kernels.
+        if args:  # (transformers passes the rest by name; by place they would mean other things to attn)
+            raise TypeError(f"decode_one's {type(layer).__name__} takes its arguments after hidden_states by name")
+        residual.append(hidden_states)
+        try:
+            attended = attn(hidden_states, **kwargs)[0]  # (the norm inside the q/k/v kernel)
+        finally:
+            residual.pop()
+        out: torch.Tensor = mlp(attended)  # (the norm inside gate/up's kernel, the residual inside down's)
+        return out
+
+    def mlp_forward(x: torch.Tensor) -> torch.Tensor:
+        act = _as_rows(x, lambda r: decode_linear(r, gate_up.weight, gate_up.bias, post_norm.weight, post_eps,
+                                                  silu_mul=True))
+        return _as_rows(act, lambda r: decode_linear(r, down.weight, down.bias, residual=x.reshape(r.shape[0], -1)))
+
+    return [(layer, "forward", layer_forward), (in_norm, "forward", lambda x: x), (post_norm, "forward", lambda x: x),
+            (qkv, "product", lambda x: _as_rows(x, lambda r: decode_linear(r, qkv.weight, qkv.bias, in_norm.weight,
+                                                                            in_eps))),
+            (o_proj, "forward", lambda x: _as_rows(x, lambda r: decode_linear(
+                r, o_proj.weight, o_proj.bias, residual=residual[-1].reshape(r.shape[0], -1)))),
+            (mlp, "forward", mlp_forward)]
+
+
+def _returns(layer: torch.nn.Module) -> bool:
+    """Whether the layer's forward returns the hidden states alone (transformers 5; earlier releases return a tuple)."""
+    annotation = inspect.signature(type(layer).forward).return_annotation
+    return annotation is torch.Tensor or annotation == "torch.Tensor"
+
+
+def _head(model: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, Any]] | None:
+    """The final norm into the output head's kernel, for the causal LMs of
+    the layers above (the norm's output feeds only the head)."""
+    if type(model).__name__.removesuffix("ForCausalLM") + "DecoderLayer" not in LAYERS:
+        return None
+    norm, head = getattr(getattr(model, "model", None), "norm", None), _linear(getattr(model, "lm_head", None))
+    eps = _is_rms_norm(norm, probe) if isinstance(norm, torch.nn.Module) else None
+    if head is None or eps is None or norm is None:
+        return None
+    return [(norm, "forward", lambda x: x),
+            (head, "forward", lambda x: _as_rows(x, lambda r: decode_linear(r, head.weight, head.bias, norm.weight,
+                                                                             eps)))]
+
+
+def plan_one_row(model: torch.nn.Module) -> int:
+    """Checks, eagerly (before the trace: the checks run the parts), which
+    layers of ``model`` the kernels apply to, for :func:`one_row_kernels`;
+    returns how many. Run with the siblings fused (``_fused.py``)."""
+    swaps: list[tuple[Any, str, Any]] = []
+    layers = 0
+    with torch.no_grad():
+        for layer in model.modules():
+            weight = getattr(getattr(layer, "input_layernorm", None), "weight", None)
+            if type(layer).__name__ not in LAYERS or not isinstance(weight, torch.Tensor):
+                continue
+            found = _layer(layer, _probe(weight))
+            if found is not None:
+                layers += 1
+                swaps += found + ((_head(model, _probe(weight)) or []) if layers == 1 else [])
+    _PLANS[model] = swaps
+    return layers
+
+
+_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[Any, str, Any]]] = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def one_row_kernels(model: torch.nn.Module) -> Iterator[None]:
+    """The swaps :func:`plan_one_row` found for ``model``, for the block
+    (see the module's doc)."""
+    if model not in _PLANS:
+        raise RuntimeError("one_row_kernels: plan_one_row(model) first (its checks cannot run in a trace)")
+    set_on: list[tuple[Any, str, bool, Any]] = []  # (object, attribute, had its own, its own value)
+    try:
+        for obj, name, value in _PLANS[model]:
+            own = name in obj.__dict__
+            set_on.append((obj, name, own, obj.__dict__.get(name)))
+            obj.__dict__[name] = value
+        yield
+    finally:
+        for obj, name, own, value in reversed(set_on):
+            if own:
+                obj.__dict__[name] = value
+            else:
+                del obj.__dict__[name]

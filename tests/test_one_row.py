@@ -1,0 +1,166 @@
+"""decode_one's kernels (llm/exporting/_gemv.py, _one_row.py): the one-row
+matrix-vector kernel against its reference (triton's interpreter on the
+CPU, the real op on a GPU), bad input refused by name, and the swap of a
+Llama-form model's layers: which layers it takes, the model's logits
+unchanged under it (the reference path on the CPU), and its modules given
+back after it. The package's tokens against transformers' greedy ones are
+tests/test_decode_one.py's."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+import transformers
+
+from aoti_sessions.llm.exporting import _gemv as gv
+from aoti_sessions.llm.exporting._fused import fused_projections
+from aoti_sessions.llm.exporting._one_row import one_row_kernels, plan_one_row
+from conftest import requires_cuda
+from llm_models import hf_model_dir
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+# (N, K, norm, silu_mul, bias, residual): every epilogue and prologue, K not a multiple of the block.
+CASES = [(96, 64, False, False, False, False), (96, 200, True, False, True, True), (64, 256, True, True, False, True),
+         (10, 130, False, True, True, False), (33, 48, True, False, False, False)]
+
+
+def _inputs(n: int, k: int, norm: bool, silu: bool, bias: bool, residual: bool, dtype: torch.dtype,
+            device: str, rows: int = 2) -> dict[str, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    out = n // 2 if silu else n
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    return {"x": rand(rows, k), "weight": rand(n, k) / k ** 0.5, "bias": rand(n) if bias else None,
+            "norm_weight": rand(k).abs() + 0.5 if norm else None, "residual": rand(rows, out) if residual else None}
+
+
+def _check_cases(launch: object, dtype: torch.dtype, device: str, config: tuple[int, int, int, int] | None) -> None:
+    for n, k, norm, silu, bias, residual in CASES:
+        a = _inputs(n, k, norm, silu, bias, residual, dtype, device)
+        ref = gv.decode_linear_reference(a["x"], a["weight"], a["bias"], a["norm_weight"], 1e-6, silu, a["residual"])
+        got = gv._launch(a["x"], a["weight"], a["bias"], a["norm_weight"], 1e-6, silu, a["residual"], config=config)
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        # bfloat16: a few units in the last place of outputs up to ~8 (the sum's order differs from torch's).
+        tol = 1e-5 if dtype == torch.float32 else 0.15
+        err = (got.float() - ref.float()).abs().max().item()
+        assert err <= tol, (n, k, norm, silu, bias, residual, dtype, err)
+
+
+def test_reference_is_the_model_formula() -> None:
+    """The reference: RMSNorm as transformers rounds it, then linear, SiLU-mul and the residual add."""
+    a = _inputs(64, 48, True, True, True, True, torch.bfloat16, "cpu")
+    x, w, b, nw, r = a["x"], a["weight"], a["bias"], a["norm_weight"], a["residual"]
+    assert x is not None and w is not None and b is not None and nw is not None and r is not None
+    h = x.float()
+    normed = nw * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    gate, up = torch.nn.functional.linear(normed, w, b).chunk(2, dim=-1)
+    expected = r + torch.nn.functional.silu(gate) * up
+    assert torch.equal(gv.decode_linear_reference(x, w, b, nw, 1e-6, True, r), expected)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"x": torch.zeros(1, 8)}, "x \\[M, K\\] and weight \\[N, K\\]"),
+    ({"weight": torch.zeros(7, 16), "silu_mul": True}, "two halves"),
+    ({"bias": torch.zeros(3)}, "bias must be \\[8\\]"),
+    ({"norm_weight": torch.zeros(15)}, "norm_weight must be \\[16\\]"),
+    ({"residual": torch.zeros(1, 5)}, "residual must be \\[M, 8\\]"),
+    ({"weight": torch.zeros(8, 16, dtype=torch.float64)}, "share a dtype"),
+])
+def test_bad_input_is_refused_by_name(bad: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"x": torch.zeros(1, 16), "weight": torch.zeros(8, 16), **bad}
+    with pytest.raises(ValueError, match=message):
+        gv.decode_linear(**args)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def models() -> Iterator[dict[str, transformers.PreTrainedModel]]:
+    yield {arch: transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(arch)).eval()
+           for arch in ("qwen3", "mistral", "lfm2")}
+
+
+@pytest.mark.parametrize("arch, layers", [("qwen3", 2), ("mistral", 2), ("lfm2", 0)])
+def test_the_swap_takes_llama_form_layers_and_keeps_the_logits(models: dict[str, transformers.PreTrainedModel],
+                                                               arch: str, layers: int) -> None:
+    model = models[arch]
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits
+        with fused_projections(model):
+            assert plan_one_row(model) == layers == (model.config.num_hidden_layers if layers else 0)
+            with one_row_kernels(model):
+                swapped = model(input_ids=ids, use_cache=False).logits
+                if layers:
+                    assert "forward" in model.model.layers[0].__dict__
+        after = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(swapped, before, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after, before)
+    assert not any("forward" in m.__dict__ or "product" in m.__dict__ and m.__dict__["product"] is not None
+                   for m in model.modules())
+
+
+def test_a_layer_whose_parts_compute_otherwise_is_left_alone(models: dict[str, transformers.PreTrainedModel]) -> None:
+    """Each layer is checked on its own parts: a norm computing another
+    formula (here: twice RMSNorm) or an MLP of another activation keeps its
+    layer on the model's own code."""
+    model = models["qwen3"]
+    norm = model.model.layers[1].post_attention_layernorm
+    cls_forward = type(norm).forward
+    norm.forward = lambda x: cls_forward(norm, x) * 2
+    try:
+        with fused_projections(model):
+            assert plan_one_row(model) == 1
+    finally:
+        del norm.forward
+    mlp = model.model.layers[0].mlp
+    act = mlp.act_fn
+    mlp.act_fn = torch.nn.GELU()
+    try:
+        with fused_projections(model):
+            assert plan_one_row(model) == 1
+    finally:
+        mlp.act_fn = act
+    with fused_projections(model):
+        assert plan_one_row(model) == 2
+
+
+def test_unplanned_model_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="plan_one_row"):
+        with one_row_kernels(torch.nn.Linear(2, 2)):
+            pass
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_kernel_in_triton_interpreter() -> None:
+    """The kernel on CPU tensors under TRITON_INTERPRET=1, blocks small enough
+    that rows span several programs and loop iterations."""
+    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    assert "checked" in result.stdout
+
+
+@requires_cuda
+@pytest.mark.skipif(not gv.HAS_TRITON_OP, reason="needs triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_on_cuda(dtype: torch.dtype) -> None:
+    """The op's own launch parameters and small ones (many programs and iterations a row)."""
+    _check_cases(gv._launch, dtype, "cuda", None)
+    _check_cases(gv._launch, dtype, "cuda", (4, 32, 2, 2))
+    a = _inputs(4096, 1024, True, False, False, True, dtype, "cuda", rows=1)
+    got = gv.decode_linear(a["x"], a["weight"], None, a["norm_weight"], 1e-6, False, a["residual"])
+    ref = gv.decode_linear_reference(a["x"], a["weight"], None, a["norm_weight"], 1e-6, False, a["residual"])
+    assert (got.float() - ref.float()).abs().max().item() <= (1e-4 if dtype == torch.float32 else 0.15)
+
+
+if __name__ == "__main__":  # the interpreter case, in a process of its own
+    for dt in (torch.float32, torch.bfloat16):
+        _check_cases(gv._launch, dt, "cpu", (4, 32, 4, 1))
+    print("checked")
