@@ -58,9 +58,11 @@ def _eps(norm: torch.nn.Module) -> float | None:
     return float(eps) if isinstance(eps, float) else None
 
 
-def _is_rms_norm(norm: torch.nn.Module, probe: torch.Tensor) -> float | None:
+def _is_rms_norm(norm: object, probe: torch.Tensor) -> float | None:
     """The norm's epsilon where ``norm`` computes what :func:`rms_norm_reference`
     does on ``probe``, bit for bit; None otherwise."""
+    if not isinstance(norm, torch.nn.Module):
+        return None
     weight, eps = getattr(norm, "weight", None), _eps(norm)
     if not isinstance(weight, torch.Tensor) or eps is None or weight.shape != probe.shape[-1:] or not _plain(weight):
         return None
@@ -73,8 +75,16 @@ def _as_rows(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]) ->
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _linear(layer: torch.nn.Module) -> torch.nn.Linear | None:
-    return layer if type(layer) is torch.nn.Linear and _plain(layer.weight, layer.bias) else None
+def _linear(layer: object) -> torch.nn.Linear | None:
+    return layer if isinstance(layer, torch.nn.Linear) and type(layer) is torch.nn.Linear \
+        and _plain(layer.weight, layer.bias) else None
+
+
+def _weight(module: torch.nn.Module) -> torch.Tensor:
+    """``module.weight``, read when the kernel is called (under export: the traced parameter)."""
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, Any]] | None:
@@ -90,10 +100,10 @@ def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, 
             or not _plain(qkv.weight, qkv.bias, gate_up.weight, gate_up.bias) or not isinstance(attn, torch.nn.Module) \
             or not isinstance(mlp, torch.nn.Module) or _returns(layer) is not True:
         return None
-    eps = [_is_rms_norm(norm, probe) if isinstance(norm, torch.nn.Module) else None for norm in norms]
-    if None in eps:
+    in_norm, post_norm = norms
+    in_eps, post_eps = _is_rms_norm(in_norm, probe), _is_rms_norm(post_norm, probe)
+    if in_eps is None or post_eps is None:
         return None
-    (in_norm, post_norm), (in_eps, post_eps) = norms, eps
     assert isinstance(in_norm, torch.nn.Module) and isinstance(post_norm, torch.nn.Module)
     # The MLP must be down(silu(gate(x)) * up(x)): its own forward against that formula on the probe.
     expected = F.linear(decode_linear_reference(probe, gate_up.weight, gate_up.bias, silu_mul=True), down.weight,
@@ -115,12 +125,12 @@ def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, 
         return out
 
     def mlp_forward(x: torch.Tensor) -> torch.Tensor:
-        act = _as_rows(x, lambda r: decode_linear(r, gate_up.weight, gate_up.bias, post_norm.weight, post_eps,
+        act = _as_rows(x, lambda r: decode_linear(r, gate_up.weight, gate_up.bias, _weight(post_norm), post_eps,
                                                   silu_mul=True))
         return _as_rows(act, lambda r: decode_linear(r, down.weight, down.bias, residual=x.reshape(r.shape[0], -1)))
 
     return [(layer, "forward", layer_forward), (in_norm, "forward", lambda x: x), (post_norm, "forward", lambda x: x),
-            (qkv, "product", lambda x: _as_rows(x, lambda r: decode_linear(r, qkv.weight, qkv.bias, in_norm.weight,
+            (qkv, "product", lambda x: _as_rows(x, lambda r: decode_linear(r, qkv.weight, qkv.bias, _weight(in_norm),
                                                                             in_eps))),
             (o_proj, "forward", lambda x: _as_rows(x, lambda r: decode_linear(
                 r, o_proj.weight, o_proj.bias, residual=residual[-1].reshape(r.shape[0], -1)))),
@@ -139,11 +149,11 @@ def _head(model: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, A
     if type(model).__name__.removesuffix("ForCausalLM") + "DecoderLayer" not in LAYERS:
         return None
     norm, head = getattr(getattr(model, "model", None), "norm", None), _linear(getattr(model, "lm_head", None))
-    eps = _is_rms_norm(norm, probe) if isinstance(norm, torch.nn.Module) else None
-    if head is None or eps is None or norm is None:
+    eps = _is_rms_norm(norm, probe)
+    if head is None or eps is None or not isinstance(norm, torch.nn.Module):
         return None
     return [(norm, "forward", lambda x: x),
-            (head, "forward", lambda x: _as_rows(x, lambda r: decode_linear(r, head.weight, head.bias, norm.weight,
+            (head, "forward", lambda x: _as_rows(x, lambda r: decode_linear(r, head.weight, head.bias, _weight(norm),
                                                                              eps)))]
 
 
