@@ -11,7 +11,8 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
 SHAPES=${SHAPES:-0.6b,4b-slice}
 VARIANTS=${VARIANTS:-fused,unfused,int8wo,int4wo}
-# PAIRS (e.g. "0.6b:fused 4b-slice:int8wo"): compile these shape:variant pairs alone, not SHAPES x VARIANTS.
+# PAIRS (e.g. "0.6b:fused 4b-slice:int8wo"): compile these shape:variant pairs alone, not SHAPES x VARIANTS
+# ("none": no bench package, the tests' alone).
 export PAIRS=${PAIRS:-}
 status=0
 echo "$(date +%T) compile" > "$OUT/stages.txt"
@@ -45,7 +46,8 @@ if __name__ == "__main__":
     shapes, variants = sys.argv[1].split(","), sys.argv[2].split(",")
     tests = [("test", q) for q in os.environ.get("TEST_JOBS", "int8wo int4wo int8wo-one int4wo-one decode_one").split()] \
         if os.environ.get("TESTS", "1") != "0" else []
-    pairs = os.environ.get("PAIRS", "").split() or [f"{s}:{v}" for s in shapes for v in variants]
+    pairs = [] if os.environ.get("PAIRS") == "none" else \
+        os.environ.get("PAIRS", "").split() or [f"{s}:{v}" for s in shapes for v in variants]
     jobs = [("bench", p) for p in pairs] + tests
     with ProcessPoolExecutor(int(os.environ.get("JOBS", "12"))) as pool:
         for line in pool.map(build, jobs):

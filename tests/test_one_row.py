@@ -19,6 +19,8 @@ import torch
 import transformers
 
 from aoti_sessions.llm.exporting import _gemv as gv
+from aoti_sessions.llm.exporting import _kv_write as kw
+from aoti_sessions.llm.exporting import _one_row, _paged
 from aoti_sessions.llm.exporting._fused import fused_projections
 from aoti_sessions.llm.exporting._one_row import one_row_kernels, plan_one_row
 from conftest import requires_cuda
@@ -129,6 +131,36 @@ def test_a_layer_whose_parts_compute_otherwise_is_left_alone(models: dict[str, t
         mlp.act_fn = act
     with fused_projections(model):
         assert plan_one_row(model) == 2
+
+
+@pytest.mark.parametrize("arch, tampered", [("llama", False), ("qwen2", False), ("qwen3", False), ("mistral", False),
+                                             ("qwen3", True)])
+def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PagedLM run eagerly (the reference paths): decode_one's attention,
+    whose one write call a layer puts the keys and values into the pool,
+    leaves the pool and the logits decode leaves. ``tampered``: layer 0's
+    k norm computes otherwise than its q norm (another epsilon), which the
+    kernel cannot: that layer's attention runs the module's own code."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(arch), local_files_only=True).eval()
+    if tampered:
+        model.model.layers[0].self_attn.k_norm.variance_epsilon = 0.5
+    writes: list[int] = []
+    original = _one_row.rotary_kv_write
+    monkeypatch.setattr(_one_row, "rotary_kv_write", lambda *a: writes.append(a[6]) or original(*a))
+    with torch.no_grad(), fused_projections(model), _paged.paged_attention_on(model):
+        assert plan_one_row(model) == model.config.num_hidden_layers
+        module = _paged.PagedLM(model, page_size=4, max_pages=4, kernel=False)
+        kv = module.pool_example(5, torch.float32, torch.device("cpu"))
+        table = torch.tensor([[3, 1, 4, 0]], dtype=torch.int32)
+        module.prefill(torch.tensor([[5, 6, 7, 8, 9, 10]]), kv, table, torch.tensor([0]))
+        pool = kv.clone()
+        expected = module.decode(torch.tensor([[7]]), kv, table, torch.tensor([6]))
+        assert not writes
+        got = module.decode_one(torch.tensor([[7]]), pool, table, torch.tensor([6]))
+    assert writes == list(range(int(tampered), model.config.num_hidden_layers))  # (each layer's index in the pool)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, kv, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(pool[1, :, :, 2], torch.zeros_like(pool[1, :, :, 2]))  # (position 6: page 1, offset 2)
 
 
 def test_unplanned_model_is_refused() -> None:

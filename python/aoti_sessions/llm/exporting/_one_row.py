@@ -3,6 +3,9 @@ layer's projections on ``_gemv.decode_linear``, the pointwise work around
 them inside the same kernels:
 
 - the input norm and the fused q/k/v projection: one kernel;
+- the q/k norms (Qwen3's), the rotary embedding and the write of the new
+  keys and values into the pool: one kernel (``_kv_write.py``), where the
+  layer keeps its keys and values in the pool's pages (its cache says so);
 - the output projection: one kernel (cuBLAS splits it in two at these shapes);
 - the post-attention norm, the fused gate/up projection and SiLU-mul: one kernel;
 - the down projection: one kernel.
@@ -28,6 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import inspect
+import sys
 import weakref
 
 import torch
@@ -35,11 +39,17 @@ import torch.nn.functional as F
 
 from ._fused import FusedLinear
 from ._gemv import decode_linear, decode_linear_reference, rms_norm_reference
+from ._kv_write import rotate_reference, rotary_kv_write
 
 __all__ = ["plan_one_row", "one_row_kernels", "LAYERS"]
 
 # Decoder layers whose norms feed only their attention's projections and their MLP (transformers' code).
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+# Their attention modules, whose forward :func:`_attention`'s mirrors (transformers' code), by where each
+# reads its sliding window from (the module, the config, none).
+_WINDOWS: dict[str, Callable[[Any], Any]] = {
+    "LlamaAttention": lambda attn: None, "MistralAttention": lambda attn: getattr(attn.config, "sliding_window", None),
+    "Qwen2Attention": lambda attn: attn.sliding_window, "Qwen3Attention": lambda attn: attn.sliding_window}
 
 
 def _probe(like: torch.Tensor) -> torch.Tensor:
@@ -130,11 +140,72 @@ def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, 
         return _as_rows(act, lambda r: decode_linear(r, down.weight, down.bias, residual=x.reshape(r.shape[0], -1)))
 
     return [(layer, "forward", layer_forward), (in_norm, "forward", lambda x: x), (post_norm, "forward", lambda x: x),
-            (qkv, "product", lambda x: _as_rows(x, lambda r: decode_linear(r, qkv.weight, qkv.bias, _weight(in_norm),
+            *(_attention(attn, qkv, o_proj, in_norm, in_eps) or []), (qkv, "product", lambda x: _as_rows(x, lambda r: decode_linear(r, qkv.weight, qkv.bias, _weight(in_norm),
                                                                             in_eps))),
             (o_proj, "forward", lambda x: _as_rows(x, lambda r: decode_linear(
                 r, o_proj.weight, o_proj.bias, residual=residual[-1].reshape(r.shape[0], -1)))),
             (mlp, "forward", mlp_forward)]
+
+
+def _attention(attn: torch.nn.Module, qkv: FusedLinear, o_proj: torch.nn.Linear, in_norm: torch.nn.Module,
+               in_eps: float) -> list[tuple[Any, str, Any]] | None:
+    """The attention's forward on one kernel from the q/k/v projection's
+    output to the pool (q/k norms, rotary, the cache write), or None where
+    the module is not one whose forward this mirrors, its q/k norms or
+    rotary function compute otherwise on a probe, or its heads do not
+    match the fused projection's widths."""
+    window = _WINDOWS.get(type(attn).__name__)
+    config: Any = getattr(attn, "config", None)
+    head_dim = getattr(attn, "head_dim", None)
+    q_heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if window is None or not isinstance(head_dim, int) or not isinstance(q_heads, int) or not isinstance(kv_heads, int) \
+            or qkv.widths != [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]:
+        return None
+    probe = _probe(qkv.weight[0, :head_dim])  # [2, head_dim]
+    norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    eps = [_is_rms_norm(norm, probe) for norm in norms]
+    if norms != (None, None) and (None in eps or eps[0] != eps[1]):
+        return None
+    # The rotary function the module's code calls, against the kernel's on the probe.
+    rotary = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    cos, sin = probe[:1].cos(), probe[1:].sin()
+    if not callable(rotary) or not all(torch.equal(got[0, :, 0], rotate_reference(probe[None], cos, sin)[0])
+                                       for got in rotary(probe[None, :, None], probe[None, :, None], cos[None],
+                                                         sin[None])):
+        return None
+    original = type(attn).forward.__get__(attn)
+
+    def forward(hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        write_in_pool = getattr(cache, "write_in_pool", None)
+        shape = hidden_states.shape[:-1]
+        cos, sin = (t.reshape(-1, head_dim) for t in position_embeddings)
+
+        def write(kv: torch.Tensor, layer: int, page: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+            projected = decode_linear(hidden_states.reshape(-1, hidden_states.shape[-1]), qkv.weight, qkv.bias,
+                                      _weight(in_norm), in_eps)
+            # (The norms' weights read here: under export, the traced parameters.)
+            q_norm, k_norm = (_weight(n) if isinstance(n, torch.nn.Module) else None for n in norms)
+            return rotary_kv_write(projected, cos, sin, kv, page, offset, layer, q_heads, kv_heads, q_norm, k_norm,
+                                   eps[0] or 1e-6)
+
+        written = write_in_pool(attn.layer_idx, write) if callable(write_in_pool) and not args else None
+        if written is None:  # (a layer kept in a ring, say: the module's own code)
+            own: tuple[torch.Tensor, Any] = original(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+            return own
+        queries, key, value = written
+        attend = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+        for name in ("cache", "past_key_values"):
+            kwargs.pop(name, None)
+        out, weights = attend(attn, queries.reshape(*shape, q_heads, head_dim).transpose(1, 2), key, value,
+                              attention_mask, dropout=0.0, scaling=attn.scaling, sliding_window=window(attn), **kwargs)
+        result: tuple[torch.Tensor, Any] = (o_proj(out.reshape(*shape, -1).contiguous()), weights)
+        return result
+
+    return [(attn, "forward", forward)]
 
 
 def _returns(layer: torch.nn.Module) -> bool:

@@ -45,7 +45,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,9 +52,10 @@ import torch
 from ._latent import absorbed_attention, latent_unexpanded, takes_latents
 from ._one_row import one_row_kernels
 from ._paged_attention import counters_for, paged_decode_attention
-from ._paged_layout import KVLayout, StateLayout, attention_as, chunk_of, chunked_layers, kv_layout, layer_kinds, \
+from ._paged_cache import Step, cache_class, current
+from ._paged_layout import KVLayout, attention_as, chunk_of, chunked_layers, kv_layout, layer_kinds, \
     state_layout
-from ._ring import RingStep, rows
+from ._ring import RingStep
 from .._spec import PAD_ID
 
 if TYPE_CHECKING:
@@ -66,130 +66,10 @@ __all__ = ["PagedLM", "ATTENTION", "PAD_ID", "paged_attention", "paged_attention
 ATTENTION = "aoti_sessions_paged"  # the name our attention is registered under
 
 
-@dataclass
-class _Step:
-    """What one call's cache writes and attention reads, for every layer."""
-
-    kv: torch.Tensor           # the pool
-    page_table: torch.Tensor   # int32 [B, MP]
-    page: torch.Tensor         # int64 [B*T]: each new position's page
-    offset: torch.Tensor       # int64 [B*T]: and its place in the page
-    lengths: torch.Tensor      # int64 [B]: positions each row holds after the call
-    kernel: bool               # the paged kernel (one new position per row, CUDA), else gather
-    positions: torch.Tensor    # int64 [B, T]: the new positions (the gather path's sliding windows)
-    slots: dict[str, torch.Tensor] = field(default_factory=dict)  # slot tensors by name (hybrid models)
-    slot_ids: torch.Tensor | None = None  # int64 [B]: each row's slot
-    # Each layer's state as this call leaves it, by (slot tensor, layer):
-    # read from the slots on first use, written back after the call.
-    states: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    ring: RingStep | None = None  # the window layers' rings (_ring.py), where they keep one
-    counters: torch.Tensor | None = None  # the paged kernel's, one zeroed tensor a call for every layer
-
-
-_current: list[_Step] = []  # the call being traced (one at a time)
-
-
 # An attention module's query temperature by position, (floor, scale): the query is scaled by 1 + scale *
 # log1p(floor((position + 1) / floor)) (Llama 4's layers without rotary positions). The layer computes it from
 # its cache's length, one for every row; ours are the rows' own positions.
 TEMPERATURE = "_aoti_sessions_temperature"
-
-
-def _cache_class() -> type:
-    from transformers.cache_utils import Cache
-
-    class PagedCache(Cache):
-        """The model's cache: writes into the pool, hands attention what it reads."""
-
-        is_compileable = True
-
-        def __init__(self, step: _Step, layout: StateLayout, kv: KVLayout, written: set[int]) -> None:
-            super().__init__(layers=[])
-            self.step = step
-            self.kv = kv
-            self.written = written  # the layers whose cache the model wrote
-            self.pool_layer = {g: i for i, g in enumerate(layout.attention)}  # a layer's index in the pool
-            self.slot_layer = {g: i for i, g in enumerate(layout.recurrent)}  # and in the slot tensors
-            self.ring_layer = {g: i for i, g in enumerate(layout.ring.layers if layout.ring else ())}  # in the ring
-            self.layer_count = len(self.pool_layer) + len(self.slot_layer) + len(self.ring_layer)
-
-        def __len__(self) -> int:
-            return self.layer_count
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            step = self.step
-            self.written.add(layer_idx)
-            if layer_idx in self.ring_layer:
-                assert step.ring is not None
-                return step.ring.update(self.ring_layer[layer_idx], key_states, value_states)
-            layer_idx = self.pool_layer[layer_idx]
-            # index_put_ on the pool itself, with one index tensor per
-            # dimension: AOTInductor writes that in place. (A write through a
-            # view of the pool, or index_copy_, becomes a copy of the whole
-            # pool written back after the step: slow, and it would undo the
-            # writes of a concurrent step of other sessions.)
-            layer = torch.full_like(step.page, layer_idx)
-            if self.kv.is_latent:  # (latent, rotary key): one part, side by side
-                both = torch.cat([rows(key_states), rows(value_states).to(key_states.dtype)], dim=-1)
-                step.kv.index_put_((step.page, layer, torch.zeros_like(step.page), step.offset), both)
-            else:
-                step.kv.index_put_((step.page, layer, torch.zeros_like(step.page), step.offset), rows(key_states))
-                step.kv.index_put_((step.page, layer, torch.ones_like(step.page), step.offset), rows(value_states))
-            if step.kernel:
-                return step.kv[:, layer_idx, 0], step.kv[:, layer_idx, 1]
-            # [B, MP, page, Hkv, D] -> [B, Hkv, MP * page, D]: the row's positions in order.
-            pages = step.kv[step.page_table.long(), layer_idx]
-            if self.kv.is_latent:
-                both = pages[:, :, 0].flatten(1, 2).transpose(1, 2)
-                return both[..., :self.kv.latent], both[..., self.kv.latent:]
-            keys = pages[:, :, 0].flatten(1, 2).transpose(1, 2)
-            values = pages[:, :, 1].flatten(1, 2).transpose(1, 2)
-            return keys, values
-
-        def get_seq_length(self, layer_idx: int = 0) -> int:
-            return 0  # positions come from the engine, never from here
-
-        # Linear-attention layers' state (transformers' Cache API): a row's
-        # state is its slot's until the layer updates it; a call's last
-        # value of each is written back to the slots after the call (so an
-        # update made in place, as a one-token conv or SSM step does, counts).
-        def _key(self, name: str, layer_idx: int) -> tuple[str, int]:
-            return name, self.slot_layer[layer_idx]
-
-        def _state(self, name: str, layer_idx: int) -> torch.Tensor:
-            step = self.step
-            key = self._key(name, layer_idx)
-            if key not in step.states:
-                assert step.slot_ids is not None
-                step.states[key] = step.slots[name][step.slot_ids, key[1]]
-            return step.states[key]
-
-        def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-            self.written.add(layer_idx)
-            return self._state("conv", layer_idx)
-
-        def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                              **kwargs: Any) -> torch.Tensor:
-            # The layer convolves the kernel's width of earlier inputs, then the new ones.
-            before = self._state("conv", layer_idx)
-            full = torch.cat([before.to(conv_states.dtype), conv_states], dim=-1)
-            self.step.states[self._key("conv", layer_idx)] = full[..., -before.shape[-1]:]
-            return full
-
-        def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-            self.written.add(layer_idx)
-            return self._state("recurrent", layer_idx)
-
-        def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                                   **kwargs: Any) -> torch.Tensor:
-            self.step.states[self._key("recurrent", layer_idx)] = recurrent_states
-            return recurrent_states
-
-        def is_recording_past(self, layer_idx: int) -> bool:
-            return False
-
-    return PagedCache
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -201,7 +81,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     is then dropped (GPT-OSS's attention sinks)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    step = _current[-1]
+    step = current[-1]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     temperature = getattr(module, TEMPERATURE, None)
     if temperature is not None:
@@ -279,7 +159,6 @@ class PagedLM(torch.nn.Module):
         self.kernel = kernel and not self.kv.is_latent and not (
             chunked and int(config.attention_chunk_size) < max_pages * page_size)
         self.logits_to_keep = "logits_to_keep" in parameters
-        self.cache_class = _cache_class()
         self.layers = len(self.state.attention)  # the pool's layers: the attention layers'
         # Layers whose cache a traced call wrote: export checks the model used
         # the cache it was given (else sessions would keep no context).
@@ -304,7 +183,7 @@ class PagedLM(torch.nn.Module):
         page = torch.gather(page_table, 1, torch.div(pos, self.page_size, rounding_mode="floor")).long()
         offset = pos % self.page_size
         ids = None if slot_ids is None else slot_ids.long()
-        step = _Step(kv, page_table, page.reshape(-1), offset.reshape(-1), positions + count, kernel, pos, slots, ids)
+        step = Step(kv, page_table, page.reshape(-1), offset.reshape(-1), positions + count, kernel, pos, slots, ids)
         if self.state.ring is not None:
             assert ids is not None
             step.ring = RingStep(self.state.ring, slots["ring"], ids, pos, real, in_place=real is None)
@@ -314,14 +193,14 @@ class PagedLM(torch.nn.Module):
             # The positions the page table holds (its width may be only the pages the rows hold).
             keys = torch.arange(page_table.shape[1] * self.page_size, device=input_ids.device)
             mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, K]: causal, own positions only
-        extra: dict[str, Any] = {self.cache_argument: self.cache_class(step, self.state, self.kv, self.layers_written)}
+        extra: dict[str, Any] = {self.cache_argument: cache_class()(step, self.state, self.kv, self.layers_written)}
         if self.logits_to_keep:
             extra["logits_to_keep"] = 1 if real is None else 0  # (prefill: _pick_rows takes each row's last real one)
-        _current.append(step)
+        current.append(step)
         try:
             out = self.model(input_ids=input_ids, position_ids=pos, attention_mask=mask, use_cache=True, **extra)
         finally:
-            _current.pop()
+            current.pop()
         for (name, layer), value in step.states.items():  # the rows' state after the call, into their slots
             # (The rings write theirs as they go: _ring.py.)
             assert step.slot_ids is not None
