@@ -57,7 +57,7 @@ SHAPES: dict[str, dict[str, object]] = {
 }
 VARIANTS: dict[str, dict[str, object]] = {
     "fused": {}, "unfused": {"fuse": False}, "int8wo": {"quantize": "int8wo"}, "int4wo": {"quantize": "int4wo"},
-    # With export's decode_one: a lone chat's step on its own one-row method (tuned Triton reductions).
+    # With export's decode_one: a lone chat's step on its own one-row method (the one-row kernels, _one_row.py).
     "one": {"decode_one": True}, "int8wo-one": {"quantize": "int8wo", "decode_one": True},
     "int4wo-one": {"quantize": "int4wo", "decode_one": True},
     # Inductor autotuning its matmul and pointwise kernels for the traced shapes (slow to compile: opt-in).

@@ -8,7 +8,11 @@ Each case is timed as a CUDA graph of one launch per copy of the weight
 (copies enough that the weights outrun L2), replayed; one line a
 measurement on stdout (and in --out).
 
-    python bench/probe_gemv.py [--out FILE] [--quick]
+    python bench/probe_gemv.py [--out FILE] [--quick] [--int8]
+
+``--int8``: the weights int8 with a scale a row (torchao's int8wo, which the
+kernel reads as int8), against torchao's formula in eager PyTorch
+(``(x @ w.t().to(bf16)) * scale``: a conversion kernel, then cuBLAS).
 """
 
 from __future__ import annotations
@@ -68,15 +72,19 @@ def graph_time(calls: list[Callable[[], object]], replays: int = 20) -> float:
     return best
 
 
-def probe(name: str, quick: bool) -> None:
+def probe(name: str, quick: bool, int8: bool = False) -> None:
     n, k, norm, silu = SHAPES[name]
-    nbytes = n * k * 2
+    nbytes = n * k * (1 if int8 else 2)
     copies = max(2, min(64, -(-(400 << 20) // nbytes)))
-    ws = [torch.randn(n, k, dtype=DTYPE, device="cuda") / k ** 0.5 for _ in range(copies)]
+    if int8:
+        ws = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda") for _ in range(copies)]
+        scale: torch.Tensor | None = torch.rand(n, dtype=DTYPE, device="cuda") / (73 * k ** 0.5) + 1e-4
+    else:
+        ws, scale = [torch.randn(n, k, dtype=DTYPE, device="cuda") / k ** 0.5 for _ in range(copies)], None
     x = torch.randn(1, k, dtype=DTYPE, device="cuda")
     nw = (torch.rand(k, dtype=DTYPE, device="cuda") + 0.5) if norm else None
-    ref = gv.decode_linear_reference(x, ws[0], None, nw, 1e-6, silu)
-    out = gv.decode_linear(x, ws[0], None, nw, 1e-6, silu)
+    ref = gv.decode_linear_reference(x, ws[0], None, nw, 1e-6, silu, weight_scale=scale)
+    out = gv.decode_linear(x, ws[0], None, nw, 1e-6, silu, weight_scale=scale)
     err = (out.float() - ref.float()).abs().max().item()
     emit(f"{name} N={n} K={k} norm={norm} silu={silu} MB={nbytes / 1e6:.1f} copies={copies} "
          f"op_err={err:.4f} ref_max={ref.abs().max().item():.3f}")
@@ -84,27 +92,29 @@ def probe(name: str, quick: bool) -> None:
     def torch_calls(w: torch.Tensor) -> Callable[[], object]:
         def call() -> object:
             h = gv.rms_norm_reference(x, nw, 1e-6) if nw is not None else x
-            y = F.linear(h, w)
+            y = F.linear(h, w) if scale is None else torch.mm(h, w.t().to(DTYPE)) * scale
             if silu:
                 g, u = y.chunk(2, dim=-1)
                 y = F.silu(g) * u
             return y
         return call
 
-    t_lin = graph_time([(lambda w=w: F.linear(x, w)) for w in ws])
+    t_lin = graph_time([(lambda w=w: F.linear(x, w) if scale is None else torch.mm(x, w.t().to(DTYPE)) * scale)
+                        for w in ws])
     t_torch = graph_time([torch_calls(w) for w in ws])
     emit(f"{name} cublas_linear_us={t_lin:.2f} GBps={nbytes / t_lin / 1e3:.0f} torch_ops_us={t_torch:.2f}")
-    t_def = graph_time([(lambda w=w: gv.decode_linear(x, w, None, nw, 1e-6, silu)) for w in ws])
-    emit(f"{name} op_default cfg={gv._config(n // 2 if silu else n, k, silu)} us={t_def:.2f} GBps={nbytes / t_def / 1e3:.0f}")
+    t_def = graph_time([(lambda w=w: gv.decode_linear(x, w, None, nw, 1e-6, silu, weight_scale=scale)) for w in ws])
+    emit(f"{name} op_default cfg={gv._config(n // 2 if silu else n, k, silu, int8)} us={t_def:.2f} GBps={nbytes / t_def / 1e3:.0f}")
     block_ns = (2, 4, 8, 16) if not quick else (4, 8)
-    kw = ((256, 4), (512, 4), (512, 8), (1024, 8)) if not quick else ((512, 4),)
+    kw = ((256, 4), (512, 4), (512, 8), (1024, 8), (2048, 8)) if not quick else ((512, 4),)
     results = []
     for bn, (bk, warps) in itertools.product(block_ns, kw):
         if bk > 1 << (k - 1).bit_length():
             continue
         cfg = (bn, bk, warps, 3)
         try:
-            t = graph_time([(lambda w=w, cfg=cfg: gv._launch(x, w, None, nw, 1e-6, silu, config=cfg)) for w in ws])
+            t = graph_time([(lambda w=w, cfg=cfg: gv._launch(x, w, None, nw, 1e-6, silu, None, scale, config=cfg))
+                            for w in ws])
         except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
             emit(f"{name} cfg={cfg} ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
@@ -113,7 +123,8 @@ def probe(name: str, quick: bool) -> None:
     for t, cfg in results[:3]:
         for stages in (1, 2, 4):
             c2 = (*cfg[:3], stages)
-            t2 = graph_time([(lambda w=w, c2=c2: gv._launch(x, w, None, nw, 1e-6, silu, config=c2)) for w in ws])
+            t2 = graph_time([(lambda w=w, c2=c2: gv._launch(x, w, None, nw, 1e-6, silu, None, scale, config=c2))
+                             for w in ws])
             results.append((t2, c2))
     results.sort()
     for t, cfg in results[:5]:
@@ -128,13 +139,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--int8", action="store_true", help="int8 weights with a scale a row")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     emit(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
     failed = 0
     for name in args.shapes.split(","):
         try:
-            probe(name, args.quick)
+            probe(name, args.quick, args.int8)
         except Exception as e:  # noqa: BLE001 - each shape reports; the rest run
             failed += 1
             emit(f"{name} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")

@@ -107,8 +107,8 @@ def test_bfloat16_chat_on_cuda_with_decode_one() -> None:
 
 def test_the_callers_inductor_settings_go_over_each_methods_own(monkeypatch: pytest.MonkeyPatch,
                                                                 tmp_path: Path) -> None:
-    """decode_one's tuning and a quantized package's settings are each
-    method's own; what the caller passes to export goes over them (the
+    """A quantized package's settings are decode's own (decode_one's layers
+    on the one-row kernels need them not); what the caller passes to export goes over them (the
     methods as export hands them to compile, which is stopped there)."""
     from aoti_sessions.llm.exporting import _export
 
@@ -129,6 +129,8 @@ def test_the_callers_inductor_settings_go_over_each_methods_own(monkeypatch: pyt
     own = {name: dict(m.inductor_configs or {}) for name, m in handed.items()}
     assert every == {"coordinate_descent_tuning": False, "max_autotune": False}  # (every method's)
     assert own["prefill"] == {}
-    for name in ("decode", "decode_one"):
-        assert own[name]["coordinate_descent_tuning"] is False and own[name]["max_autotune"] is False, own
-        assert own[name]["force_fuse_int_mm_with_mul"] is True, own  # (the quantized settings' other parts)
+    assert own["decode"]["coordinate_descent_tuning"] is False and own["decode"]["max_autotune"] is False, own
+    assert own["decode"]["force_fuse_int_mm_with_mul"] is True, own  # (the quantized settings' other parts)
+    # decode_one's layers run on the one-row kernels, int8 rows and all (_one_row.py): neither the tuning
+    # nor torchao's settings, the caller's alone.
+    assert own["decode_one"] == {"coordinate_descent_tuning": False, "max_autotune": False}, own

@@ -22,38 +22,50 @@ from aoti_sessions.llm.exporting import _gemv as gv
 from aoti_sessions.llm.exporting import _kv_write as kw
 from aoti_sessions.llm.exporting import _one_row, _paged
 from aoti_sessions.llm.exporting._fused import fused_projections
+from aoti_sessions.llm.exporting._quantize import quantized_weights
 from aoti_sessions.llm.exporting._one_row import one_row_kernels, plan_one_row
 from conftest import requires_cuda
 from llm_models import hf_model_dir
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-# (N, K, norm, silu_mul, bias, residual): every epilogue and prologue, K not a multiple of the block.
-CASES = [(96, 64, False, False, False, False), (96, 200, True, False, True, True), (64, 256, True, True, False, True),
-         (10, 130, False, True, True, False), (33, 48, True, False, False, False)]
+# (N, K, norm, silu_mul, bias, residual, int8 weights): every epilogue and prologue, K not a multiple of the block.
+CASES = [(96, 64, False, False, False, False, False), (96, 200, True, False, True, True, False),
+         (64, 256, True, True, False, True, False), (10, 130, False, True, True, False, False),
+         (33, 48, True, False, False, False, False), (96, 200, True, False, True, True, True),
+         (64, 256, True, True, True, False, True), (40, 130, False, False, False, True, True)]
 
 
 def _inputs(n: int, k: int, norm: bool, silu: bool, bias: bool, residual: bool, dtype: torch.dtype,
-            device: str, rows: int = 2) -> dict[str, torch.Tensor | None]:
+            device: str, rows: int = 2, quant: bool = False) -> dict[str, torch.Tensor | None]:
     gen = torch.Generator().manual_seed(n * 1000 + k)
     out = n // 2 if silu else n
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    return {"x": rand(rows, k), "weight": rand(n, k) / k ** 0.5, "bias": rand(n) if bias else None,
-            "norm_weight": rand(k).abs() + 0.5 if norm else None, "residual": rand(rows, out) if residual else None}
+    x, weight, scale = rand(rows, k), rand(n, k) / k ** 0.5, None
+    if quant:  # int8 with a scale a row, as torchao's int8 weight-only tensors hold them
+        weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(device)
+        # (rows of about the float cases' size: uniform int8 has a standard deviation of ~73)
+        scale = ((torch.rand(n, generator=gen) * 0.5 + 0.75) / (73 * k ** 0.5)).to(device=device, dtype=dtype)
+    return {"x": x, "weight": weight, "bias": rand(n) if bias else None,
+            "norm_weight": rand(k).abs() + 0.5 if norm else None, "residual": rand(rows, out) if residual else None,
+            "weight_scale": scale}
 
 
-def _check_cases(launch: object, dtype: torch.dtype, device: str, config: tuple[int, int, int, int] | None) -> None:
-    for n, k, norm, silu, bias, residual in CASES:
-        a = _inputs(n, k, norm, silu, bias, residual, dtype, device)
-        ref = gv.decode_linear_reference(a["x"], a["weight"], a["bias"], a["norm_weight"], 1e-6, silu, a["residual"])
-        got = gv._launch(a["x"], a["weight"], a["bias"], a["norm_weight"], 1e-6, silu, a["residual"], config=config)
+def _check_cases(launch: object, dtype: torch.dtype, device: str, config: tuple[int, int, int, int] | None,
+                 bf16_tol: float = 0.15) -> None:
+    for n, k, norm, silu, bias, residual, quant in CASES:
+        a = _inputs(n, k, norm, silu, bias, residual, dtype, device, quant=quant)
+        ref = gv.decode_linear_reference(a["x"], a["weight"], a["bias"], a["norm_weight"], 1e-6, silu, a["residual"],
+                                         a["weight_scale"])
+        got = gv._launch(a["x"], a["weight"], a["bias"], a["norm_weight"], 1e-6, silu, a["residual"],
+                         a["weight_scale"], config=config)
         assert got.shape == ref.shape and got.dtype == ref.dtype
         # bfloat16: a few units in the last place of outputs up to ~8 (the sum's order differs from torch's).
-        tol = 1e-5 if dtype == torch.float32 else 0.15
+        tol = 1e-5 if dtype == torch.float32 else bf16_tol
         err = (got.float() - ref.float()).abs().max().item()
-        assert err <= tol, (n, k, norm, silu, bias, residual, dtype, err)
+        assert err <= tol, (n, k, norm, silu, bias, residual, quant, dtype, err)
 
 
 def test_reference_is_the_model_formula() -> None:
@@ -68,6 +80,20 @@ def test_reference_is_the_model_formula() -> None:
     assert torch.equal(gv.decode_linear_reference(x, w, b, nw, 1e-6, True, r), expected)
 
 
+def test_int8_reference_is_torchaos_linear() -> None:
+    """With an int8 weight and its scales: the reference equals torchao's
+    int8 weight-only linear (the package's quantized layers) bit for bit."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    linear = torch.nn.Linear(48, 64, bias=True).to(torch.bfloat16)
+    quantize_(linear, Int8WeightOnlyConfig(set_inductor_config=False))
+    weight = linear.weight
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = gv.decode_linear_reference(x, weight.qdata, linear.bias, weight_scale=weight.scale.reshape(-1).to(x.dtype))
+    assert weight.qdata.dtype == torch.int8 and torch.equal(got, linear(x))
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"x": torch.zeros(1, 8)}, "x \\[M, K\\] and weight \\[N, K\\]"),
     ({"weight": torch.zeros(7, 16), "silu_mul": True}, "two halves"),
@@ -75,6 +101,8 @@ def test_reference_is_the_model_formula() -> None:
     ({"norm_weight": torch.zeros(15)}, "norm_weight must be \\[16\\]"),
     ({"residual": torch.zeros(1, 5)}, "residual must be \\[M, 8\\]"),
     ({"weight": torch.zeros(8, 16, dtype=torch.float64)}, "share a dtype"),
+    ({"weight": torch.zeros(8, 16, dtype=torch.int8), "weight_scale": torch.zeros(4)}, "weight_scale .* must be \\[8\\]"),
+    ({"weight_scale": torch.zeros(8)}, "beside an int8 weight"),
 ])
 def test_bad_input_is_refused_by_name(bad: dict[str, object], message: str) -> None:
     args: dict[str, object] = {"x": torch.zeros(1, 16), "weight": torch.zeros(8, 16), **bad}
@@ -133,21 +161,32 @@ def test_a_layer_whose_parts_compute_otherwise_is_left_alone(models: dict[str, t
         assert plan_one_row(model) == 2
 
 
-@pytest.mark.parametrize("arch, tampered", [("llama", False), ("qwen2", False), ("qwen3", False), ("mistral", False),
-                                             ("qwen3", True)])
-def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("arch, tampered, quantized", [
+    ("llama", False, False), ("qwen2", False, False), ("qwen3", False, False), ("mistral", False, False),
+    ("qwen3", True, False), ("qwen3", False, True), ("qwen2", False, True)])
+def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, quantized: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A PagedLM run eagerly (the reference paths): decode_one's attention,
     whose one write call a layer puts the keys and values into the pool,
     leaves the pool and the logits decode leaves. ``tampered``: layer 0's
     k norm computes otherwise than its q norm (another epsilon), which the
-    kernel cannot: that layer's attention runs the module's own code."""
+    kernel cannot: that layer's attention runs the module's own code.
+    ``quantized``: int8 weight-only (torchao), which the kernels read as
+    int8 rows and scales, every projection on them."""
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(arch), local_files_only=True).eval()
     if tampered:
         model.model.layers[0].self_attn.k_norm.variance_epsilon = 0.5
     writes: list[int] = []
     original = _one_row.rotary_kv_write
     monkeypatch.setattr(_one_row, "rotary_kv_write", lambda *a: writes.append(a[6]) or original(*a))
-    with torch.no_grad(), fused_projections(model), _paged.paged_attention_on(model):
+    projections: list[bool] = []  # (whether each kernel call took int8 rows)
+    linear = _one_row.decode_linear
+    monkeypatch.setattr(_one_row, "decode_linear",
+                        lambda x, w, *a, **k: projections.append(w.dtype == torch.int8) or linear(x, w, *a, **k))
+    if quantized:
+        pytest.importorskip("torchao")
+    with torch.no_grad(), fused_projections(model), quantized_weights(model, "int8wo" if quantized else None), \
+            _paged.paged_attention_on(model):
         assert plan_one_row(model) == model.config.num_hidden_layers
         module = _paged.PagedLM(model, page_size=4, max_pages=4, kernel=False)
         kv = module.pool_example(5, torch.float32, torch.device("cpu"))
@@ -158,6 +197,8 @@ def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, monkeyp
         assert not writes
         got = module.decode_one(torch.tensor([[7]]), pool, table, torch.tensor([6]))
     assert writes == list(range(int(tampered), model.config.num_hidden_layers))  # (each layer's index in the pool)
+    # Four projections a layer (q/k/v, o, gate/up, down), int8 where quantized; the head, never quantized.
+    assert projections == [quantized] * 4 * model.config.num_hidden_layers + [False]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool, kv, rtol=1e-5, atol=1e-5)
     assert not torch.equal(pool[1, :, :, 2], torch.zeros_like(pool[1, :, :, 2]))  # (position 6: page 1, offset 2)
@@ -194,5 +235,7 @@ def test_kernel_on_cuda(dtype: torch.dtype) -> None:
 
 if __name__ == "__main__":  # the interpreter case, in a process of its own
     for dt in (torch.float32, torch.bfloat16):
-        _check_cases(gv._launch, dt, "cpu", (4, 32, 4, 1))
+        # (bfloat16: the interpreter truncates float32 to bfloat16, towards zero every time, so a normalized
+        # row's errors add up across its sum: a few more units in the last place than a GPU's rounding.)
+        _check_cases(gv._launch, dt, "cpu", (4, 32, 4, 1), bf16_tol=0.25)
     print("checked")

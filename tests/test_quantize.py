@@ -105,6 +105,22 @@ def test_int8_weights_package_computes_what_the_quantized_model_computes() -> No
     _quantized_tokens_match(package, "cpu", "int8wo", torch.float32)
 
 
+def test_int8_decode_one_reads_the_weights_every_method_shares() -> None:
+    """With decode_one, whose kernels read the int8 rows and their scales
+    (llm/exporting/_one_row.py): the package holds the same weights as
+    without it (nothing converted or copied for the third method), and its
+    lone chat's tokens (decode_one's steps) are the quantized model's."""
+    package, plain = _package("cpu", "float32", "int8wo", decode_one=True), _package("cpu", "float32", "int8wo")
+    held = []
+    for path in (package, plain):
+        with ais.Engine(path) as engine:
+            held.append({w["fqn"]: (w["dtype"], tuple(w["sizes"])) for w in engine.weights()})
+            if path == package:
+                assert "decode_one" in engine.methods
+    assert held[0] == held[1]
+    _quantized_tokens_match(package, "cpu", "int8wo", torch.float32)
+
+
 def test_quantizing_leaves_the_callers_model_as_it_was(tmp_path: Path) -> None:
     """The caller's weights, and the process's Inductor settings (torchao
     sets its recommended ones globally unless told not to: export passes them

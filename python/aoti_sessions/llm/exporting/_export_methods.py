@@ -4,14 +4,15 @@
 
 ``decode_one`` is decode compiled for one row alone, which the step loop
 calls when one chat decodes (issue 38). Decoder layers of the Llama form
-run their projections on ``_gemv``'s kernel, norms, SiLU-mul and residual
-adds inside it (``_one_row.py``). Elsewhere (other layers, quantized
-weights), with the rows static at one, Inductor decomposes each
-matrix-vector product into a reduction (its ``mm`` decomposition under
+run their projections on ``_gemv``'s kernel (bf16 or torchao's int8 rows),
+norms, SiLU-mul and residual adds inside it, and their q/k norms, rotary
+and cache write on ``_kv_write``'s (``_one_row.py``). Elsewhere (other
+layers, int4 weights), with the rows static at one, Inductor decomposes
+each matrix-vector product into a reduction (its ``mm`` decomposition under
 coordinate-descent tuning, as gpt-fast's decode relies on), fuses the
-pointwise work around it into that kernel (a norm's scaling, SiLU-mul, an
-int8 weight's conversion and scale) and tunes it for the shape. The
-batched ``decode`` keeps cuBLAS's kernels for 1-64 rows.
+pointwise work around it into that kernel (a norm's scaling, SiLU-mul) and
+tunes it for the shape. The batched ``decode`` keeps cuBLAS's kernels for
+1-64 rows.
 """
 
 from __future__ import annotations
@@ -120,12 +121,13 @@ def methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtyp
             why = "keeps recurrent or ring state in slots" if slots else "traces for two rows at least"
             raise ExportError(f"decode_one=True: this model's decode {why}, so it is compiled for batches "
                               "alone; export with decode_one=False")
-        # Layers on the one-row kernels (_one_row.py) need no tuning of Inductor's reductions; the rest do.
-        tuning = {} if plan_one_row(module.model) else DECODE_ONE_CONFIGS
+        # Layers on the one-row kernels (_one_row.py) need no tuning of Inductor's reductions (nor torchao's
+        # settings for them); the rest do.
+        tuning = {} if plan_one_row(module.model) else {**DECODE_ONE_CONFIGS, **quantize_configs(quantize)}
         found[DECODE_ONE] = Method((torch.zeros(1, 1, dtype=torch.long, device=device), kv, table(1),
                                     torch.full((1,), example, dtype=torch.long, device=device)),
                                    dynamic_shapes={"input_ids": {}, "kv": {0: pages}, "page_table": decode_width or {},
                                                    "positions": {}},
                                    entry=DECODE_ONE, attention=DECODE_ATTENTION, pool=pool,
-                                   inductor_configs={**tuning, **decode_configs})  # (the caller's last)
+                                   inductor_configs={**tuning, **(inductor_configs or {})})  # (the caller's last)
     return found

@@ -17,6 +17,12 @@ the entry point: ``x [M, K]`` (M a handful of rows; decode_one's is 1), ``weight
 - ``residual`` given (``[M, N]``): added to the result, rounded as the
   decoder layer's ``residual + hidden_states`` rounds it.
 
+``weight_scale`` given (``[N]``, ``x``'s dtype): ``weight`` is int8 with a
+scale a row (torchao's int8 weight-only tensors, ``_quantize.py``), read as
+int8 and converted in registers, so a step reads half of bf16's bytes; the
+product is rounded, then scaled, then the bias added, each rounded, as
+torchao's ``(x @ w.to(dtype)) * scale + bias`` rounds.
+
 On CUDA tensors (where triton is installed) it calls the custom op
 ``torch.ops.aoti_sessions.decode_linear``, a Triton kernel registered with
 ``torch.library.triton_op`` (so ``torch.export`` keeps it and AOTInductor
@@ -55,12 +61,17 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                             norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                            silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                            silu_mul: bool = False, residual: torch.Tensor | None = None,
+                            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The op in plain PyTorch: the CPU path and the kernel's reference."""
-    _check(x, weight, bias, norm_weight, silu_mul, residual)
+    _check(x, weight, bias, norm_weight, silu_mul, residual, weight_scale)
     if norm_weight is not None:
         x = rms_norm_reference(x, norm_weight, eps)
-    y = F.linear(x, weight, bias)
+    if weight_scale is None:
+        y = F.linear(x, weight, bias)
+    else:  # as torchao's int8 weight-only linear computes it
+        y = torch.mm(x, weight.t().to(x.dtype)) * weight_scale
+        y = y if bias is None else y + bias
     if silu_mul:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
@@ -69,18 +80,18 @@ def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton op on CUDA tensors (where triton is installed), the
     reference otherwise. Traceable by ``torch.export`` either way."""
     if x.is_cuda and HAS_TRITON_OP:
         out: torch.Tensor = torch.ops.aoti_sessions.decode_linear(x, weight, bias, norm_weight, float(eps), silu_mul,
-                                                                  residual)
+                                                                  residual, weight_scale)
         return out
-    return decode_linear_reference(x, weight, bias, norm_weight, eps, silu_mul, residual)
+    return decode_linear_reference(x, weight, bias, norm_weight, eps, silu_mul, residual, weight_scale)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
-           silu_mul: bool, residual: torch.Tensor | None) -> None:
+           silu_mul: bool, residual: torch.Tensor | None, weight_scale: torch.Tensor | None = None) -> None:
     """Static checks only (the rows may be symbolic in an export)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"decode_linear takes x [M, K] and weight [N, K], got x {tuple(x.shape)}, "
@@ -95,13 +106,17 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nor
     n_out = n // 2 if silu_mul else n
     if residual is not None and (residual.dim() != 2 or residual.shape[1] != n_out or residual.dtype != x.dtype):
         raise ValueError(f"residual must be [M, {n_out}] in {x.dtype}, got {residual.dtype} {tuple(residual.shape)}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) \
+    if weight_scale is not None and (weight.dtype != torch.int8 or tuple(weight_scale.shape) != (n,)
+                                     or weight_scale.dtype != x.dtype):
+        raise ValueError(f"weight_scale (an int8 weight's scale a row) must be [{n}] in {x.dtype} beside an int8 "
+                         f"weight, got {weight_scale.dtype} {tuple(weight_scale.shape)} beside {weight.dtype}")
+    if (weight.dtype != x.dtype and weight_scale is None) or (bias is not None and bias.dtype != x.dtype) \
             or (norm_weight is not None and norm_weight.dtype != x.dtype):
         raise ValueError(f"x, weight, bias and norm_weight must share a dtype, got {x.dtype}, {weight.dtype}, "
                          f"{None if bias is None else bias.dtype}, {None if norm_weight is None else norm_weight.dtype}")
 
 
-def _config(n_out: int, k: int, silu_mul: bool) -> tuple[int, int, int, int]:
+def _config(n_out: int, k: int, silu_mul: bool, int8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``n_out`` outputs over
     ``k``: the fastest of bench/probe_gemv.py's sweep at the Qwen3-0.6B and
     -4B projections on an H200 (bench/results/decode_cuda.md, stop 53),
@@ -110,6 +125,9 @@ def _config(n_out: int, k: int, silu_mul: bool) -> tuple[int, int, int, int]:
     - gate/up with SiLU-mul: 4 outputs (8 weight rows) a program, 256-512 wide tiles, 4 warps;
     - a long K (o_proj, down_proj: 2048 and more): 1024-wide tiles on 8 warps, 2-4 outputs a program;
     - q/k/v and the output head: 512-wide tiles on 4 warps, 2 outputs a program (8 at K >= 2048).
+
+    ``int8`` weights: tiles twice as wide, so a thread's load is as many
+    bytes (16) as with bf16's (not measured yet: bench/probe_gemv.py --int8).
     """
     if silu_mul:
         config = (4, 256 if k <= 1024 else 512, 4, 4)
@@ -117,28 +135,30 @@ def _config(n_out: int, k: int, silu_mul: bool) -> tuple[int, int, int, int]:
         config = (4 if n_out >= 2048 else 2, 1024, 8, 4 if k > 4096 else 1)
     else:
         config = (8 if k >= 2048 else 2, 512, 4, 2)
-    return config[0], min(config[1], 1 << (k - 1).bit_length()), config[2], config[3]
+    return config[0], min(config[1] * (2 if int8 else 1), 1 << (k - 1).bit_length()), config[2], config[3]
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
-            eps: float, silu_mul: bool, residual: torch.Tensor | None = None, *, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+            eps: float, silu_mul: bool, residual: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+            *, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The kernel through ``wrap_triton`` (traced into the graph under export,
     a plain launch in eager mode); ``config`` overrides :func:`_config`
     (the probe, tests)."""
-    _check(x, weight, bias, norm_weight, silu_mul, residual)
+    _check(x, weight, bias, norm_weight, silu_mul, residual, weight_scale)
     if weight.stride(1) != 1 or x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("decode_linear needs x, weight and residual contiguous in their last dimension")
     n, k = int(weight.shape[0]), int(weight.shape[1])
     n_out = n // 2 if silu_mul else n
     rows = x.shape[0]
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config or _config(n_out, k, silu_mul)
+    block_n, block_k, warps, stages = config or _config(n_out, k, silu_mul, weight_scale is not None)
     wrap_triton(_linear_kernel)[(triton.cdiv(n_out, block_n), rows)](
-        x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
-        out if residual is None else residual, out, float(eps), x.stride(0), weight.stride(0),
+        x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
+        out if residual is None else residual, x if weight_scale is None else weight_scale, out, float(eps),
+        x.stride(0), weight.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0),
         K=k, N_OUT=n_out, NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
-        RESIDUAL=residual is not None,
+        RESIDUAL=residual is not None, QUANT=weight_scale is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
@@ -158,9 +178,21 @@ if not TYPE_CHECKING:
 
     if triton is not None:
         @triton.jit
-        def _linear_kernel(X, W, B, NW, R, Y, eps, stride_xm, stride_wn, stride_rm, stride_ym, K: tl.constexpr,
+        def _output(y, B, S, offs_n, n_mask, dtype, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr):
+            """A row's sums with the scale (int8 weights: the product rounded, scaled, rounded) and the bias."""
+            if QUANT:  # as torchao's (x @ w.to(dtype)) * scale + bias rounds: each step in the dtype
+                y = (y.to(dtype).to(tl.float32) * tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32))
+                if HAS_BIAS:
+                    y = y.to(dtype).to(tl.float32) + tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            elif HAS_BIAS:  # (F.linear: the bias inside the product's float32 sum)
+                y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            return y
+
+        @triton.jit
+        def _linear_kernel(X, W, B, NW, R, S, Y, eps, stride_xm, stride_wn, stride_rm, stride_ym, K: tl.constexpr,
                            N_OUT: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
             pid = tl.program_id(0)
             row = tl.program_id(1)
             dtype = Y.dtype.element_ty
@@ -193,13 +225,9 @@ if not TYPE_CHECKING:
                 if SILU_MUL:  # the up projection's rows, N_OUT further
                     u = tl.load(w_rows + N_OUT * stride_wn + kk[None, :], mask=tile_mask, other=0.0)
                     acc_up += u.to(tl.float32) * xf
-            y = tl.sum(acc, 1)
-            if HAS_BIAS:
-                y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            y = _output(tl.sum(acc, 1), B, S, offs_n, n_mask, dtype, HAS_BIAS, QUANT)
             if SILU_MUL:
-                up = tl.sum(acc_up, 1)
-                if HAS_BIAS:
-                    up += tl.load(B + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                up = _output(tl.sum(acc_up, 1), B + N_OUT, S + N_OUT, offs_n, n_mask, dtype, HAS_BIAS, QUANT)
                 # As the MLP rounds: each projection to the dtype, silu in float32 rounded, then the product.
                 gate = y.to(dtype).to(tl.float32)
                 act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -211,8 +239,8 @@ if not TYPE_CHECKING:
 
         def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
-                              residual: torch.Tensor | None) -> torch.Tensor:
-            return _launch(x, weight, bias, norm_weight, eps, silu_mul, residual)
+                              residual: torch.Tensor | None, weight_scale: torch.Tensor | None) -> torch.Tensor:
+            return _launch(x, weight, bias, norm_weight, eps, silu_mul, residual, weight_scale)
 
         # A second import of this module (a reload) finds the op registered.
         if not hasattr(torch.ops.aoti_sessions, "decode_linear"):

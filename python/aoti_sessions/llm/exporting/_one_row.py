@@ -16,8 +16,9 @@ attention's projections or the MLP), where the export fused their siblings
 (``_fused.py``) and the pieces behave as the kernel computes them: each
 norm equals transformers' Llama-style RMSNorm and the MLP equals
 ``down(silu(gate(x)) * up(x))`` on a probe input, and the weights are plain
-tensors (a quantized package keeps Inductor's kernels). Every other layer
-runs as it does in ``decode``.
+tensors or torchao's int8 weight-only ones (int8 rows, a scale a row: the
+kernel reads the int8 bytes; an int4 package's layers keep torch's int4
+kernel). Every other layer runs as it does in ``decode``.
 
 The swap sets ``forward`` on the module instances (and the fused
 projection's product) for the block, never the modules themselves: the
@@ -35,7 +36,6 @@ import sys
 import weakref
 
 import torch
-import torch.nn.functional as F
 
 from ._fused import FusedLinear
 from ._gemv import decode_linear, decode_linear_reference, rms_norm_reference
@@ -63,6 +63,35 @@ def _plain(*weights: torch.Tensor | None) -> bool:
     return all(w is None or (type(w.data) is torch.Tensor and w.dtype.is_floating_point) for w in weights)
 
 
+def _int8_rows(weight: Any) -> bool:
+    """torchao's int8 weight-only tensor with a scale a row (``_quantize.py``'s int8wo), no activation
+    scaling on it (its linear then computes ``(x @ qdata.t().to(dtype)) * scale``, its zero point unread)."""
+    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    return type(weight).__name__ == "Int8Tensor" and isinstance(qdata, torch.Tensor) \
+        and isinstance(scale, torch.Tensor) and qdata.dtype == torch.int8 and qdata.dim() == 2 \
+        and scale.numel() == qdata.shape[0] and list(getattr(weight, "block_size", ())) == [1, qdata.shape[1]] \
+        and all(getattr(weight, name, None) is None for name in ("act_quant_kwargs", "act_pre_scale"))
+
+
+def _usable(module: Any) -> bool:
+    """A projection whose weight the kernel reads: plain floats or int8 rows; its bias plain."""
+    weight = getattr(module, "weight", None)
+    return (_plain(weight) or _int8_rows(weight)) and _plain(getattr(module, "bias", None))
+
+
+def _project(module: torch.nn.Module, x: torch.Tensor, reference: bool = False, **options: Any) -> torch.Tensor:
+    """``module``'s projection of ``x`` [M, K] on :func:`decode_linear` (or
+    its reference) with ``options``; the weight read now (under export: the
+    traced parameters), an int8 one as its rows and their scales (in the
+    weight's dtype, as torchao converts them)."""
+    weight: Any = module.weight
+    scale = weight.scale.reshape(-1).to(weight.dtype) if _int8_rows(weight) else None
+    bias = module.bias
+    assert bias is None or isinstance(bias, torch.Tensor)
+    linear = decode_linear_reference if reference else decode_linear
+    return linear(x, weight.qdata if scale is not None else weight, bias, weight_scale=scale, **options)
+
+
 def _eps(norm: torch.nn.Module) -> float | None:
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     return float(eps) if isinstance(eps, float) else None
@@ -86,8 +115,10 @@ def _as_rows(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]) ->
 
 
 def _linear(layer: object) -> torch.nn.Linear | None:
-    return layer if isinstance(layer, torch.nn.Linear) and type(layer) is torch.nn.Linear \
-        and _plain(layer.weight, layer.bias) else None
+    """A plain ``nn.Linear`` (or one whose weight a quantized package parametrizes) the kernel can read."""
+    plain = type(layer) is torch.nn.Linear or type(layer).__bases__ == (torch.nn.Linear,) \
+        and type(layer).__name__ == "ParametrizedLinear"
+    return layer if isinstance(layer, torch.nn.Linear) and plain and _usable(layer) else None
 
 
 def _weight(module: torch.nn.Module) -> torch.Tensor:
@@ -107,7 +138,7 @@ def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, 
     o_proj, down = _linear(getattr(attn, "o_proj", None)), _linear(getattr(mlp, "down_proj", None))
     norms = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
     if not isinstance(qkv, FusedLinear) or not isinstance(gate_up, FusedLinear) or o_proj is None or down is None \
-            or not _plain(qkv.weight, qkv.bias, gate_up.weight, gate_up.bias) or not isinstance(attn, torch.nn.Module) \
+            or not _usable(qkv) or not _usable(gate_up) or not isinstance(attn, torch.nn.Module) \
             or not isinstance(mlp, torch.nn.Module) or _returns(layer) is not True:
         return None
     in_norm, post_norm = norms
@@ -116,8 +147,7 @@ def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, 
         return None
     assert isinstance(in_norm, torch.nn.Module) and isinstance(post_norm, torch.nn.Module)
     # The MLP must be down(silu(gate(x)) * up(x)): its own forward against that formula on the probe.
-    expected = F.linear(decode_linear_reference(probe, gate_up.weight, gate_up.bias, silu_mul=True), down.weight,
-                        down.bias)
+    expected = _project(down, _project(gate_up, probe, reference=True, silu_mul=True), reference=True)
     if not torch.allclose(mlp(probe), expected, rtol=1e-2, atol=1e-2):
         return None
     residual: list[torch.Tensor] = []  # the layer's input, for the output projection's epilogue
@@ -135,15 +165,16 @@ def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, 
         return out
 
     def mlp_forward(x: torch.Tensor) -> torch.Tensor:
-        act = _as_rows(x, lambda r: decode_linear(r, gate_up.weight, gate_up.bias, _weight(post_norm), post_eps,
-                                                  silu_mul=True))
-        return _as_rows(act, lambda r: decode_linear(r, down.weight, down.bias, residual=x.reshape(r.shape[0], -1)))
+        act = _as_rows(x, lambda r: _project(gate_up, r, norm_weight=_weight(post_norm), eps=post_eps,
+                                             silu_mul=True))
+        return _as_rows(act, lambda r: _project(down, r, residual=x.reshape(r.shape[0], -1)))
 
     return [(layer, "forward", layer_forward), (in_norm, "forward", lambda x: x), (post_norm, "forward", lambda x: x),
-            *(_attention(attn, qkv, o_proj, in_norm, in_eps) or []), (qkv, "product", lambda x: _as_rows(x, lambda r: decode_linear(r, qkv.weight, qkv.bias, _weight(in_norm),
-                                                                            in_eps))),
-            (o_proj, "forward", lambda x: _as_rows(x, lambda r: decode_linear(
-                r, o_proj.weight, o_proj.bias, residual=residual[-1].reshape(r.shape[0], -1)))),
+            *(_attention(attn, qkv, o_proj, in_norm, in_eps) or []),
+            (qkv, "product", lambda x: _as_rows(x, lambda r: _project(qkv, r, norm_weight=_weight(in_norm),
+                                                                      eps=in_eps))),
+            (o_proj, "forward", lambda x: _as_rows(x, lambda r: _project(
+                o_proj, r, residual=residual[-1].reshape(r.shape[0], -1)))),
             (mlp, "forward", mlp_forward)]
 
 
@@ -161,7 +192,8 @@ def _attention(attn: torch.nn.Module, qkv: FusedLinear, o_proj: torch.nn.Linear,
     if window is None or not isinstance(head_dim, int) or not isinstance(q_heads, int) or not isinstance(kv_heads, int) \
             or qkv.widths != [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]:
         return None
-    probe = _probe(qkv.weight[0, :head_dim])  # [2, head_dim]
+    like = _weight(in_norm)
+    probe = _probe(torch.empty(head_dim, dtype=like.dtype, device=like.device))  # [2, head_dim]
     norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     eps = [_is_rms_norm(norm, probe) for norm in norms]
     if norms != (None, None) and (None in eps or eps[0] != eps[1]):
@@ -185,8 +217,8 @@ def _attention(attn: torch.nn.Module, qkv: FusedLinear, o_proj: torch.nn.Linear,
         cos, sin = (t.reshape(-1, head_dim) for t in position_embeddings)
 
         def write(kv: torch.Tensor, layer: int, page: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-            projected = decode_linear(hidden_states.reshape(-1, hidden_states.shape[-1]), qkv.weight, qkv.bias,
-                                      _weight(in_norm), in_eps)
+            projected = _project(qkv, hidden_states.reshape(-1, hidden_states.shape[-1]),
+                                 norm_weight=_weight(in_norm), eps=in_eps)
             # (The norms' weights read here: under export, the traced parameters.)
             q_norm, k_norm = (_weight(n) if isinstance(n, torch.nn.Module) else None for n in norms)
             return rotary_kv_write(projected, cos, sin, kv, page, offset, layer, q_heads, kv_heads, q_norm, k_norm,
@@ -224,8 +256,7 @@ def _head(model: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, A
     if head is None or eps is None or not isinstance(norm, torch.nn.Module):
         return None
     return [(norm, "forward", lambda x: x),
-            (head, "forward", lambda x: _as_rows(x, lambda r: decode_linear(r, head.weight, head.bias, _weight(norm),
-                                                                             eps)))]
+            (head, "forward", lambda x: _as_rows(x, lambda r: _project(head, r, norm_weight=_weight(norm), eps=eps)))]
 
 
 def plan_one_row(model: torch.nn.Module) -> int:
