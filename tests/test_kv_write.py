@@ -11,14 +11,17 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import transformers
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 from aoti_sessions.llm.exporting import _kv_write as kw
 from conftest import requires_cuda
+from llm_models import hf_model_dir
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # (rows, query heads, kv heads, head_dim, q/k norms): head_dim 80 leaves half of a block masked.
@@ -117,6 +120,66 @@ def test_kernel_on_cuda(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(got_kv, ref_kv, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not kw.HAS_TRITON_OP, reason="needs triton")
+def test_decode_one_writes_the_pool_in_place_at_every_layer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """decode_one's trace compiled by AOTInductor: each layer's kernel
+    writes the pool itself, none of them a copy of it (Inductor clones a
+    mutated input it cannot reinplace: a whole pool a layer, each step).
+    On a CPU the op is called in place of its reference and Triton's
+    analysis of which arguments the kernel writes (which needs a GPU
+    driver) is given its answer; the compile then stops at code generation,
+    after the reinplacing pass this checks."""
+    import logging
+
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+    from torch._dynamo.utils import ReinplaceCounters
+
+    from aoti_sessions.llm.exporting import _one_row, _paged
+    from aoti_sessions.llm.exporting._fused import fused_projections
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        monkeypatch.setattr(wrap, "get_mutated_tensors", lambda _k, _c, kwargs, _t: [n for n in ("KV", "Q") if n in kwargs])
+        monkeypatch.setattr(_one_row, "rotary_kv_write", lambda *a: torch.ops.aoti_sessions.rotary_kv_write(*a))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir("qwen3"), local_files_only=True)
+    model = model.to(device).eval()
+    reports: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reports.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("torch._inductor.fx_passes.reinplace")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    ReinplaceCounters.clear()
+    try:
+        with torch.no_grad(), fused_projections(model), _paged.paged_attention_on(model):
+            assert _one_row.plan_one_row(model) == model.config.num_hidden_layers
+            module = _paged.PagedLM(model, page_size=4, max_pages=4, kernel=device.type == "cuda")
+
+            class One(torch.nn.Module):
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.m = module
+
+                def forward(self, *args: torch.Tensor) -> torch.Tensor:
+                    return self.m.decode_one(*args)  # type: ignore[no-any-return]
+
+            args = (torch.tensor([[7]]), module.pool_example(64, torch.float32, device),
+                    torch.tensor([[3, 1, 4, 0]], dtype=torch.int32), torch.tensor([6]))
+            program = torch.export.export(One(), tuple(a.to(device) for a in args))
+            try:
+                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "one.pt2"))
+            except Exception as e:  # noqa: BLE001 - on a CPU, code generation needs the driver
+                if device.type == "cuda" or "driver" not in str(e):
+                    raise
+    finally:
+        logger.removeHandler(handler)
+    writes = [r for r in reports if "_rotary_kv_kernel" in r]
+    assert len(writes) == model.config.num_hidden_layers, reports
+    assert all("missed opportunities=[]" in r and "'KV'" in r.split("successfully reinplaced=")[1].split("]")[0]
+               for r in writes), writes
+    assert ReinplaceCounters.get_total_missed() == 0
 
 
 if __name__ == "__main__":  # the interpreter case, in a process of its own
