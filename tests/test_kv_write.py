@@ -154,8 +154,9 @@ def test_decode_one_writes_the_pool_in_place_at_every_layer(monkeypatch: pytest.
     ReinplaceCounters.clear()
     try:
         with torch.no_grad(), fused_projections(model), _paged.paged_attention_on(model):
-            assert _one_row.plan_one_row(model) == model.config.num_hidden_layers
             module = _paged.PagedLM(model, page_size=4, max_pages=4, kernel=device.type == "cuda")
+            module.one_row = _one_row.plan_one_row(model)
+            assert module.one_row.complete
 
             class One(torch.nn.Module):
                 def __init__(self) -> None:

@@ -124,8 +124,10 @@ def test_the_swap_takes_llama_form_layers_and_keeps_the_logits(models: dict[str,
     with torch.no_grad():
         before = model(input_ids=ids, use_cache=False).logits
         with fused_projections(model):
-            assert plan_one_row(model) == layers == (model.config.num_hidden_layers if layers else 0)
-            with one_row_kernels(model):
+            plan = plan_one_row(model)
+            assert plan.layers == layers == (model.config.num_hidden_layers if layers else 0)
+            assert plan.complete == bool(layers)
+            with one_row_kernels(plan):
                 swapped = model(input_ids=ids, use_cache=False).logits
                 if layers:
                     assert "forward" in model.model.layers[0].__dict__
@@ -136,35 +138,59 @@ def test_the_swap_takes_llama_form_layers_and_keeps_the_logits(models: dict[str,
                    for m in model.modules())
 
 
+class _Doubled(torch.nn.Module):
+    """A norm with an RMSNorm's weight and epsilon that computes twice what it does."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm, self.weight, self.variance_epsilon = norm, norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) * 2  # type: ignore[no-any-return]
+
+
 def test_a_layer_whose_parts_compute_otherwise_is_left_alone(models: dict[str, transformers.PreTrainedModel]) -> None:
     """Each layer is checked on its own parts: a norm computing another
-    formula (here: twice RMSNorm) or an MLP of another activation keeps its
-    layer on the model's own code."""
+    formula (here: twice RMSNorm), an MLP of another activation (GELU, its
+    weights small, where it is close to SiLU's values but not equal), or a
+    forward set on the instance (as a hook sets one, which the swap would
+    hide) keeps its layer on the model's own code."""
     model = models["qwen3"]
-    norm = model.model.layers[1].post_attention_layernorm
-    cls_forward = type(norm).forward
-    norm.forward = lambda x: cls_forward(norm, x) * 2
+    layers = model.model.layers
+    norm = layers[1].post_attention_layernorm
+    layers[1].post_attention_layernorm = _Doubled(norm)
     try:
         with fused_projections(model):
-            assert plan_one_row(model) == 1
+            assert plan_one_row(model).layers == 1
     finally:
-        del norm.forward
-    mlp = model.model.layers[0].mlp
-    act = mlp.act_fn
+        layers[1].post_attention_layernorm = norm
+    mlp = layers[0].mlp
+    act, weight = mlp.act_fn, mlp.gate_proj.weight.data.clone()
     mlp.act_fn = torch.nn.GELU()
+    mlp.gate_proj.weight.data *= 0.05
     try:
         with fused_projections(model):
-            assert plan_one_row(model) == 1
+            assert plan_one_row(model).layers == 1
     finally:
         mlp.act_fn = act
+        mlp.gate_proj.weight.data.copy_(weight)
+    hooked = layers[0].self_attn.o_proj
+    hooked.forward = lambda x: type(hooked).forward(hooked, x)
+    try:
+        with fused_projections(model):
+            assert plan_one_row(model).layers == 1
+    finally:
+        del hooked.forward
     with fused_projections(model):
-        assert plan_one_row(model) == 2
+        assert plan_one_row(model).complete
 
 
-@pytest.mark.parametrize("arch, tampered, quantized", [
-    ("llama", False, False), ("qwen2", False, False), ("qwen3", False, False), ("mistral", False, False),
-    ("qwen3", True, False), ("qwen3", False, True), ("qwen2", False, True)])
-def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, quantized: bool,
+@pytest.mark.parametrize("arch, tampered, quantized, dtype", [
+    ("llama", False, False, torch.float32), ("qwen2", False, False, torch.float32),
+    ("qwen3", False, False, torch.float32), ("mistral", False, False, torch.float32),
+    ("qwen3", True, False, torch.float32), ("qwen3", False, True, torch.float32), ("qwen2", False, True, torch.float32),
+    ("qwen3", False, False, torch.bfloat16), ("llama", False, True, torch.bfloat16)])
+def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, quantized: bool, dtype: torch.dtype,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A PagedLM run eagerly (the reference paths): decode_one's attention,
     whose one write call a layer puts the keys and values into the pool,
@@ -172,8 +198,10 @@ def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, quantiz
     k norm computes otherwise than its q norm (another epsilon), which the
     kernel cannot: that layer's attention runs the module's own code.
     ``quantized``: int8 weight-only (torchao), which the kernels read as
-    int8 rows and scales, every projection on them."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(arch), local_files_only=True).eval()
+    int8 rows and scales, every projection on them. In bfloat16 the two are
+    equal bit for bit: the references round where the model's code rounds."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(arch), local_files_only=True)
+    model = model.to(dtype).eval()
     if tampered:
         model.model.layers[0].self_attn.k_norm.variance_epsilon = 0.5
     writes: list[int] = []
@@ -187,9 +215,10 @@ def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, quantiz
         pytest.importorskip("torchao")
     with torch.no_grad(), fused_projections(model), quantized_weights(model, "int8wo" if quantized else None), \
             _paged.paged_attention_on(model):
-        assert plan_one_row(model) == model.config.num_hidden_layers
         module = _paged.PagedLM(model, page_size=4, max_pages=4, kernel=False)
-        kv = module.pool_example(5, torch.float32, torch.device("cpu"))
+        module.one_row = plan_one_row(model)
+        assert module.one_row.complete and module.one_row.layers == model.config.num_hidden_layers
+        kv = module.pool_example(5, dtype, torch.device("cpu"))
         table = torch.tensor([[3, 1, 4, 0]], dtype=torch.int32)
         module.prefill(torch.tensor([[5, 6, 7, 8, 9, 10]]), kv, table, torch.tensor([0]))
         pool = kv.clone()
@@ -199,15 +228,18 @@ def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, quantiz
     assert writes == list(range(int(tampered), model.config.num_hidden_layers))  # (each layer's index in the pool)
     # Four projections a layer (q/k/v, o, gate/up, down), int8 where quantized; the head, never quantized.
     assert projections == [quantized] * 4 * model.config.num_hidden_layers + [False]
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected) and torch.equal(pool, kv)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool, kv, rtol=1e-5, atol=1e-5)
     assert not torch.equal(pool[1, :, :, 2], torch.zeros_like(pool[1, :, :, 2]))  # (position 6: page 1, offset 2)
 
 
-def test_unplanned_model_is_refused() -> None:
+def test_decode_one_without_a_plan_is_refused(models: dict[str, transformers.PreTrainedModel]) -> None:
+    module = _paged.PagedLM(models["qwen3"], page_size=4, max_pages=4, kernel=False)
     with pytest.raises(RuntimeError, match="plan_one_row"):
-        with one_row_kernels(torch.nn.Linear(2, 2)):
-            pass
+        module.decode_one(torch.tensor([[7]]), module.pool_example(5, torch.float32, torch.device("cpu")),
+                          torch.tensor([[3, 1, 4, 0]], dtype=torch.int32), torch.tensor([6]))
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")

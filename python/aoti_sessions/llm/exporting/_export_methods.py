@@ -122,8 +122,9 @@ def methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtyp
             raise ExportError(f"decode_one=True: this model's decode {why}, so it is compiled for batches "
                               "alone; export with decode_one=False")
         # Layers on the one-row kernels (_one_row.py) need no tuning of Inductor's reductions (nor torchao's
-        # settings for them); the rest do.
-        tuning = {} if plan_one_row(module.model) else {**DECODE_ONE_CONFIGS, **quantize_configs(quantize)}
+        # settings for them); any other layer does.
+        module.one_row = plan_one_row(module.model)
+        tuning = {} if module.one_row.complete else {**DECODE_ONE_CONFIGS, **quantize_configs(quantize)}
         found[DECODE_ONE] = Method((torch.zeros(1, 1, dtype=torch.long, device=device), kv, table(1),
                                     torch.full((1,), example, dtype=torch.long, device=device)),
                                    dynamic_shapes={"input_ids": {}, "kv": {0: pages}, "page_table": decode_width or {},

@@ -33,7 +33,7 @@ from typing import Any
 
 import inspect
 import sys
-import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +41,7 @@ from ._fused import FusedLinear
 from ._gemv import decode_linear, decode_linear_reference, rms_norm_reference
 from ._kv_write import rotate_reference, rotary_kv_write
 
-__all__ = ["plan_one_row", "one_row_kernels", "LAYERS"]
+__all__ = ["OneRowPlan", "plan_one_row", "one_row_kernels", "LAYERS"]
 
 # Decoder layers whose norms feed only their attention's projections and their MLP (transformers' code).
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -139,8 +139,9 @@ def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, 
     norms = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
     if not isinstance(qkv, FusedLinear) or not isinstance(gate_up, FusedLinear) or o_proj is None or down is None \
             or not _usable(qkv) or not _usable(gate_up) or not isinstance(attn, torch.nn.Module) \
-            or not isinstance(mlp, torch.nn.Module) or _returns(layer) is not True:
-        return None
+            or not isinstance(mlp, torch.nn.Module) or _returns(layer) is not True \
+            or any("forward" in vars(m) for m in (layer, attn, mlp, o_proj, *norms) if isinstance(m, torch.nn.Module)):
+        return None  # (a forward set on an instance, a hook's say, is one the swap would hide)
     in_norm, post_norm = norms
     in_eps, post_eps = _is_rms_norm(in_norm, probe), _is_rms_norm(post_norm, probe)
     if in_eps is None or post_eps is None:
@@ -148,7 +149,7 @@ def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, 
     assert isinstance(in_norm, torch.nn.Module) and isinstance(post_norm, torch.nn.Module)
     # The MLP must be down(silu(gate(x)) * up(x)): its own forward against that formula on the probe.
     expected = _project(down, _project(gate_up, probe, reference=True, silu_mul=True), reference=True)
-    if not torch.allclose(mlp(probe), expected, rtol=1e-2, atol=1e-2):
+    if not torch.equal(mlp(probe), expected):  # (the same ops, so the same bits: another activation differs)
         return None
     residual: list[torch.Tensor] = []  # the layer's input, for the output projection's epilogue
 
@@ -185,7 +186,7 @@ def _attention(attn: torch.nn.Module, qkv: FusedLinear, o_proj: torch.nn.Linear,
     the module is not one whose forward this mirrors, its q/k norms or
     rotary function compute otherwise on a probe, or its heads do not
     match the fused projection's widths."""
-    window = _WINDOWS.get(type(attn).__name__)
+    window = _WINDOWS.get(type(attn).__name__) if _known(attn, _WINDOWS) and "forward" not in attn.__dict__ else None
     config: Any = getattr(attn, "config", None)
     head_dim = getattr(attn, "head_dim", None)
     q_heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
@@ -222,7 +223,7 @@ def _attention(attn: torch.nn.Module, qkv: FusedLinear, o_proj: torch.nn.Linear,
             # (The norms' weights read here: under export, the traced parameters.)
             q_norm, k_norm = (_weight(n) if isinstance(n, torch.nn.Module) else None for n in norms)
             return rotary_kv_write(projected, cos, sin, kv, page, offset, layer, q_heads, kv_heads, q_norm, k_norm,
-                                   eps[0] or 1e-6)
+                                   1e-6 if eps[0] is None else eps[0])
 
         written = write_in_pool(attn.layer_idx, write) if callable(write_in_pool) and not args else None
         if written is None:  # (a layer kept in a ring, say: the module's own code)
@@ -259,37 +260,53 @@ def _head(model: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, A
             (head, "forward", lambda x: _as_rows(x, lambda r: _project(head, r, norm_weight=_weight(norm), eps=eps)))]
 
 
-def plan_one_row(model: torch.nn.Module) -> int:
+@dataclass
+class OneRowPlan:
+    """What :func:`plan_one_row` found: the swaps :func:`one_row_kernels`
+    makes (object, attribute, value), and how many of the model's decoder
+    layers they cover."""
+
+    swaps: list[tuple[Any, str, Any]]
+    layers: int  # decoder layers on the kernels
+    of: int  # decoder layers in the model (modules named *DecoderLayer)
+
+    @property
+    def complete(self) -> bool:
+        """Every decoder layer on the kernels."""
+        return 0 < self.layers == self.of
+
+
+def plan_one_row(model: torch.nn.Module) -> OneRowPlan:
     """Checks, eagerly (before the trace: the checks run the parts), which
-    layers of ``model`` the kernels apply to, for :func:`one_row_kernels`;
-    returns how many. Run with the siblings fused (``_fused.py``)."""
+    layers of ``model`` the kernels apply to, for :func:`one_row_kernels`.
+    Run with the siblings fused (``_fused.py``). The plan holds the model's
+    fused projections: keep it no longer than the export that uses it."""
     swaps: list[tuple[Any, str, Any]] = []
-    layers = 0
+    layers = decoder_layers = 0
     with torch.no_grad():
         for layer in model.modules():
+            decoder_layers += type(layer).__name__.endswith("DecoderLayer")
             weight = getattr(getattr(layer, "input_layernorm", None), "weight", None)
-            if type(layer).__name__ not in LAYERS or not isinstance(weight, torch.Tensor):
+            if not _known(layer, LAYERS) or not isinstance(weight, torch.Tensor):
                 continue
             found = _layer(layer, _probe(weight))
             if found is not None:
                 layers += 1
                 swaps += found + ((_head(model, _probe(weight)) or []) if layers == 1 else [])
-    _PLANS[model] = swaps
-    return layers
+    return OneRowPlan(swaps, layers, decoder_layers)
 
 
-_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[Any, str, Any]]] = weakref.WeakKeyDictionary()
+def _known(module: object, names: tuple[str, ...] | dict[str, Any]) -> bool:
+    """One of transformers' own classes of these names (not a remote-code class that shares a name)."""
+    return type(module).__name__ in names and type(module).__module__.startswith("transformers.models.")
 
 
 @contextmanager
-def one_row_kernels(model: torch.nn.Module) -> Iterator[None]:
-    """The swaps :func:`plan_one_row` found for ``model``, for the block
-    (see the module's doc)."""
-    if model not in _PLANS:
-        raise RuntimeError("one_row_kernels: plan_one_row(model) first (its checks cannot run in a trace)")
+def one_row_kernels(plan: OneRowPlan) -> Iterator[None]:
+    """``plan``'s swaps for the block (see the module's doc)."""
     set_on: list[tuple[Any, str, bool, Any]] = []  # (object, attribute, had its own, its own value)
     try:
-        for obj, name, value in _PLANS[model]:
+        for obj, name, value in plan.swaps:
             own = name in obj.__dict__
             set_on.append((obj, name, own, obj.__dict__.get(name)))
             obj.__dict__[name] = value

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._latent import absorbed_attention, latent_unexpanded, takes_latents
-from ._one_row import one_row_kernels
+from ._one_row import OneRowPlan, one_row_kernels
 from ._paged_attention import counters_for, paged_decode_attention
 from ._paged_cache import Step, cache_class, current
 from ._paged_layout import KVLayout, attention_as, chunk_of, chunked_layers, kv_layout, layer_kinds, \
@@ -163,6 +163,7 @@ class PagedLM(torch.nn.Module):
         # Layers whose cache a traced call wrote: export checks the model used
         # the cache it was given (else sessions would keep no context).
         self.layers_written: set[int] = set()
+        self.one_row: OneRowPlan | None = None  # decode_one's plan (_one_row.py)
 
     def pool_example(self, pages: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.zeros(pages, self.layers, self.kv.parts, self.page_size, self.kv.heads, self.kv.width,
@@ -241,8 +242,11 @@ class PagedLM(torch.nn.Module):
 
     def decode_one(self, input_ids: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
-        """decode for one row alone, its layers on the one-row kernels where they apply (``_one_row.py``)."""
-        with one_row_kernels(self.model):
+        """decode for one row alone, its layers on the one-row kernels where ``one_row`` (``_one_row.py``'s
+        plan, made before the trace: its checks run the model) puts them."""
+        if self.one_row is None:
+            raise RuntimeError("PagedLM.decode_one: set one_row = plan_one_row(model) first")
+        with one_row_kernels(self.one_row):
             return self.decode(input_ids, kv, page_table, positions)
 
 
