@@ -2,7 +2,7 @@
 # Issue 38's GPU part in one call: fused projections and quantized weights. Builds with CUDA
 # (bench/gpu_setup.sh), compiles bench_decode's packages (SHAPES x VARIANTS, bf16) and the tests' quantized
 # CUDA packages (TEST_JOBS) in parallel (JOBS processes, within COMPILE_S seconds), runs the CUDA cases of TEST_FILES
-# (tests/test_quantize.py, test_fused.py, test_decode_one.py, test_one_row.py) and, where TEST_K is given, of test_llm_export (pytest's
+# (tests/test_quantize.py, test_fused.py, test_decode_one.py, test_one_row.py, test_kv_write.py) and, where TEST_K is given, of test_llm_export (pytest's
 # -k), within TEST_S seconds (TESTS=0: neither the tests nor their packages); then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
 # B = 1; KERNELS=N lists each variant's N costliest kernels a step) within BENCH_S seconds, on the packages the compile stage built (a variant it did not finish is named, not
 # compiled then; BENCH_S=0: no bench). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
@@ -56,8 +56,8 @@ PY
 grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
 echo "$(date +%T) tests" >> "$OUT/stages.txt"
 [ "${TESTS:-1}" = 0 ] || timeout "${TEST_S:-150}" python3 -m pytest \
-  ${TEST_FILES:-tests/test_quantize.py tests/test_fused.py tests/test_decode_one.py tests/test_one_row.py} \
-  ${TEST_K:+tests/test_llm_export.py} -k "${TEST_K:+($TEST_K) or }cuda or fused" -v --tb=line -rs \
+  ${TEST_FILES:-tests/test_quantize.py tests/test_fused.py tests/test_decode_one.py tests/test_one_row.py tests/test_kv_write.py} \
+  ${TEST_K:+tests/test_llm_export.py} -k "${TEST_K:+($TEST_K) or }cuda or fused or in_place" -v --tb=line -rs \
   -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"
 echo "$(date +%T) bench" >> "$OUT/stages.txt"
