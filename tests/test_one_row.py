@@ -185,13 +185,15 @@ def test_a_layer_whose_parts_compute_otherwise_is_left_alone(models: dict[str, t
         assert plan_one_row(model).complete
 
 
-@pytest.mark.parametrize("arch, tampered, quantized, dtype", [
-    ("llama", False, False, torch.float32), ("qwen2", False, False, torch.float32),
-    ("qwen3", False, False, torch.float32), ("mistral", False, False, torch.float32),
-    ("qwen3", True, False, torch.float32), ("qwen3", False, True, torch.float32), ("qwen2", False, True, torch.float32),
-    ("qwen3", False, False, torch.bfloat16), ("llama", False, True, torch.bfloat16)])
+@pytest.mark.parametrize("arch, tampered, quantized, dtype, kernel", [
+    ("llama", False, False, torch.float32, False), ("qwen2", False, False, torch.float32, False),
+    ("qwen3", False, False, torch.float32, False), ("mistral", False, False, torch.float32, False),
+    ("qwen3", True, False, torch.float32, False), ("qwen3", False, True, torch.float32, False),
+    ("qwen2", False, True, torch.float32, False), ("qwen3", False, False, torch.bfloat16, False),
+    ("llama", False, True, torch.bfloat16, False), ("qwen3", False, False, torch.float32, True),
+    ("mistral", False, False, torch.bfloat16, True)])
 def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, quantized: bool, dtype: torch.dtype,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                              kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A PagedLM run eagerly (the reference paths): decode_one's attention,
     whose one write call a layer puts the keys and values into the pool,
     leaves the pool and the logits decode leaves. ``tampered``: layer 0's
@@ -199,7 +201,9 @@ def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, quantiz
     kernel cannot: that layer's attention runs the module's own code.
     ``quantized``: int8 weight-only (torchao), which the kernels read as
     int8 rows and scales, every projection on them. In bfloat16 the two are
-    equal bit for bit: the references round where the model's code rounds."""
+    equal bit for bit: the references round where the model's code rounds.
+    ``kernel``: attention as a CUDA step runs it (the paged kernel's reference
+    on the pool's own layers, which the write must reach first)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(arch), local_files_only=True)
     model = model.to(dtype).eval()
     if tampered:
@@ -215,7 +219,7 @@ def test_decode_one_on_the_pool_equals_decode(arch: str, tampered: bool, quantiz
         pytest.importorskip("torchao")
     with torch.no_grad(), fused_projections(model), quantized_weights(model, "int8wo" if quantized else None), \
             _paged.paged_attention_on(model):
-        module = _paged.PagedLM(model, page_size=4, max_pages=4, kernel=False)
+        module = _paged.PagedLM(model, page_size=4, max_pages=4, kernel=kernel)
         module.one_row = plan_one_row(model)
         assert module.one_row.complete and module.one_row.layers == model.config.num_hidden_layers
         kv = module.pool_example(5, dtype, torch.device("cpu"))
