@@ -36,6 +36,19 @@ PREFILL = 8  # tokens per prefill call
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def run_in_triton_interpreter(script: str) -> str:
+    """Runs the test file ``script`` as a program (its ``__main__`` case) in a
+    process of its own under TRITON_INTERPRET=1, so the interpreter stays out
+    of this one; asserts it exited 0 and returns its stdout."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    return result.stdout
+
+
 def _compiled(cls: type, device: str) -> Path:
     def build():
         args, kwargs = cls.example() if cls is modeldefs.KwargsModel else (cls.example(), None)

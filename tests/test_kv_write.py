@@ -8,9 +8,6 @@ tests/test_one_row.py's; the package's tokens, tests/test_decode_one.py's."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,7 @@ import transformers
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 from aoti_sessions.llm.exporting import _kv_write as kw
-from conftest import requires_cuda
+from conftest import requires_cuda, run_in_triton_interpreter
 from llm_models import hf_model_dir
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -103,10 +100,7 @@ def test_bad_input_is_refused_by_name(bad: dict[str, Any], message: str) -> None
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_kernel_in_triton_interpreter() -> None:
     """The kernel on CPU tensors under TRITON_INTERPRET=1."""
-    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert "checked" in result.stdout
+    assert "checked" in run_in_triton_interpreter(__file__)
 
 
 @requires_cuda

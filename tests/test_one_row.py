@@ -9,9 +9,6 @@ tests/test_decode_one.py's."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -24,7 +21,7 @@ from aoti_sessions.llm.exporting import _one_row, _paged
 from aoti_sessions.llm.exporting._fused import fused_projections
 from aoti_sessions.llm.exporting._quantize import quantized_weights
 from aoti_sessions.llm.exporting._one_row import one_row_kernels, plan_one_row
-from conftest import requires_cuda
+from conftest import requires_cuda, run_in_triton_interpreter
 from llm_models import hf_model_dir
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -250,10 +247,7 @@ def test_decode_one_without_a_plan_is_refused(models: dict[str, transformers.Pre
 def test_kernel_in_triton_interpreter() -> None:
     """The kernel on CPU tensors under TRITON_INTERPRET=1, blocks small enough
     that rows span several programs and loop iterations."""
-    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert "checked" in result.stdout
+    assert "checked" in run_in_triton_interpreter(__file__)
 
 
 @requires_cuda

@@ -45,6 +45,8 @@ import torch.nn.functional as F
 # By this name: triton_op finds an op's kernels by reading its source for calls to ``wrap_triton(kernel)``.
 from torch.library import wrap_triton
 
+from ._triton import tl, triton
+
 __all__ = ["decode_linear", "decode_linear_reference", "rms_norm_reference", "OP_NAME", "HAS_TRITON_OP"]
 
 OP_NAME = "aoti_sessions::decode_linear"
@@ -165,17 +167,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, no
 
 if TYPE_CHECKING:
     _linear_kernel: Any
-    triton: Any
 
 # triton is optional (CPU installs have none): without it decode_linear always takes the reference path.
 HAS_TRITON_OP = False
 if not TYPE_CHECKING:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        triton = None
-
     if triton is not None:
         @triton.jit
         def _output(y, B, S, offs_n, n_mask, dtype, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr):

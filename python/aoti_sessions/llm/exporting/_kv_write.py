@@ -35,6 +35,7 @@ import torch
 from torch.library import wrap_triton
 
 from ._gemv import rms_norm_reference
+from ._triton import tl, triton
 
 __all__ = ["rotary_kv_write", "rotary_kv_write_reference", "rotate_reference", "OP_NAME", "HAS_TRITON_OP"]
 
@@ -129,17 +130,10 @@ def _launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.T
 
 if TYPE_CHECKING:
     _rotary_kv_kernel: Any
-    triton: Any
 
 # triton is optional (CPU installs have none): without it rotary_kv_write always takes the reference path.
 HAS_TRITON_OP = False
 if not TYPE_CHECKING:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        triton = None
-
     if triton is not None:
         @triton.jit
         def _rms_norm(x1, x2, W, d, mask, eps, HALF: tl.constexpr):

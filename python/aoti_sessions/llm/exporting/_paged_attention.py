@@ -40,6 +40,8 @@ import torch
 # by reading its source for calls to ``wrap_triton(kernel)``.
 from torch.library import wrap_triton
 
+from ._triton import tl, triton
+
 __all__ = ["paged_decode_attention", "paged_decode_reference", "OP_NAME", "HAS_TRITON_OP",
            "POSITIONS_PER_SPLIT", "MAX_SPLITS", "BLOCK_N", "NUM_WARPS_SMALL_D", "NUM_WARPS_LARGE_D", "NUM_STAGES"]
 
@@ -194,12 +196,6 @@ if TYPE_CHECKING:
 # Kept from mypy, which can type neither triton (no stubs) nor kernel bodies.
 HAS_TRITON_OP = False
 if not TYPE_CHECKING:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        triton = None
-
     if triton is not None:
         @triton.jit
         def _split_kernel(Q, K, V, PT, SL, M_OUT, L_OUT, ACC_OUT, CNT, OUT, scale, softcap, window,
