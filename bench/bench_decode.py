@@ -22,6 +22,11 @@ reduce-overhead: bench_serve's anchor), in a process of its own. And a
 decode step of ``--rows`` sessions (the engine's batched decode alone,
 captured: bench_pool's step time), so a variant that speeds one chat can be
 seen not to slow a full batch.
+A variant exported with ``decode_one`` (``one``, ``int8wo-one``,
+``int4wo-one``) is measured twice from its one package: as it serves a lone
+chat (its ``decode_one``) and, in the row ``<variant>, decode at B = 1``,
+with the LLM's ``decode_one=False`` (its batched ``decode`` at one row, what
+a package without ``decode_one`` runs): both paths' figures from one compile.
 Rounds: each variant measured ``--rounds`` times, interleaved; min / median / max.
 Quantized variants' accuracy against ``fused`` (bf16): over 8 fixed prompts,
 ``fused``'s greedy continuation of 32 tokens fed to both, position by
@@ -216,9 +221,12 @@ def main() -> None:
                 print(f"| {shape} | {v} | not measured: {e} |", flush=True)
         if not packages:
             continue
+        # A decode_one package's batched decode at one row too, beside its decode_one (see the module's doc).
+        runs = [(v, p, True) for v, p in packages.items()] + \
+               [(f"{v}, decode at B = 1", p, False) for v, p in packages.items() if VARIANTS[v].get("decode_one")]
         for _ in range(args.rounds):  # variants interleaved round by round: drift hits them alike
-            for variant, package in packages.items():
-                with LLM(package, device="cuda", max_sessions=args.rows + 1) as llm:
+            for variant, package, decode_one in runs:
+                with LLM(package, device="cuda", max_sessions=args.rows + 1, decode_one=decode_one) as llm:
                     one = one_chat_rounds(llm, args.tokens, 1)[0]
                     one.batch_ms = step_times(llm.engine, llm.spec, args.rows, 1, "cuda")[0]
                     results.setdefault(variant, []).append(one)

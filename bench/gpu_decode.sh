@@ -6,6 +6,11 @@
 # -k), within TEST_S seconds (TESTS=0: neither the tests nor their packages); then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
 # B = 1; KERNELS=N lists each variant's N costliest kernels a step) within BENCH_S seconds, on the packages the compile stage built (a variant it did not finish is named, not
 # compiled then; BENCH_S=0: no bench). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
+# A machine kept warm between calls is not to be counted on (it went back between two calls in stop 55), and a
+# package compiles 2-3x slower on some machines than on others: issue 38's figures in one call, one package a
+# variant (a decode_one package is benched both ways, bench_decode's doc):
+#   PAIRS="0.6b:one 4b-slice:one 4b-slice:int8wo-one" TESTS=0 SHAPES=0.6b,4b-slice VARIANTS=one,int8wo-one \
+#     COMPILE_S=330 BENCH_S=200 JOBS=3 KERNELS=12 bash bench/gpu_decode.sh
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
 source "$(dirname "$0")/gpu_setup.sh"

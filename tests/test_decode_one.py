@@ -85,6 +85,25 @@ def test_chats_alone_and_together_get_transformers_greedy_tokens() -> None:
                 s.close()
 
 
+def test_an_llm_told_not_to_runs_a_lone_chat_on_the_batched_decode() -> None:
+    """LLM(..., decode_one=False) on a package with decode_one: a lone chat's
+    steps run decode at one row, its tokens still transformers' greedy ones
+    (bench_decode measures both paths on one package this way); a flag that
+    is not a bool is refused before the package is read."""
+    package = llm_package("qwen3", decode_one=True)
+    model, tokenizer = _eager("qwen3"), _tokenizer("qwen3")
+    prompt = _chat(tokenizer, PROMPTS[0])
+    with LLM(package, decode_one=False) as llm:
+        assert "decode_one" in llm.engine.methods
+        calls = _counted(llm)
+        got = llm.new_session().generate(prompt, max_tokens=12, temperature=0, ignore_eos=True).token_ids
+        assert got == _reference(model, prompt, 12)[0]
+        decodes = [c for c in calls if c[0].startswith("decode")]
+        assert decodes and set(decodes) == {("decode", 1)}, decodes
+    with pytest.raises(ValueError, match="decode_one must be True or False, got 'no'"):
+        LLM(package, decode_one="no")  # type: ignore[arg-type]
+
+
 def test_decode_one_is_refused_where_it_cannot_serve(tmp_path: Path) -> None:
     target = tmp_path / "m.pt2"
     with pytest.raises(ValueError, match="decode_one must be True or False"):

@@ -74,6 +74,12 @@ class LLM(Prompts, Closable):
     ``prefix_cache_bytes``: their state's bytes at most (default: a quarter
     of ``memory_budget``, or 1 GiB without one). :attr:`prefix_cache`.
 
+    ``decode_one``: a lone chat's decode step runs the package's
+    ``decode_one`` method where it has one (export's ``decode_one=True``:
+    decode compiled for one row on its own kernels); False: the batched
+    ``decode`` at one row, as in a package without it (to compare the two,
+    or to keep to the batched path).
+
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``,
     ``trust_op_modules``, ...).
@@ -85,7 +91,10 @@ class LLM(Prompts, Closable):
     def __init__(self, package: str | os.PathLike[str], device: str | torch.device = "cpu",
                  threads: int | None = None, rewind_checkpoints: int = 1, prefix_cache: int = DEFAULT_ENTRIES,
                  prefix_cache_bytes: int | None = None, *, chat_template: str | None = None,
-                 tool_parser: str | None = None, reasoning_parser: str | None = None, **engine_options: Any) -> None:
+                 tool_parser: str | None = None, reasoning_parser: str | None = None, decode_one: bool = True,
+                 **engine_options: Any) -> None:
+        if not isinstance(decode_one, bool):
+            raise ValueError(f"decode_one must be True or False, got {decode_one!r}")
         for name, value in (("rewind_checkpoints", rewind_checkpoints), ("prefix_cache", prefix_cache),
                             ("prefix_cache_bytes", 0 if prefix_cache_bytes is None else prefix_cache_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -127,7 +136,7 @@ class LLM(Prompts, Closable):
         if prefix_cache_bytes is None:
             prefix_cache_bytes = budget // 4 if isinstance(budget, int) else DEFAULT_BYTES_WITHOUT_BUDGET
         self.prefix_cache = PrefixCache(self.engine, self.spec.recurrent, prefix_cache, prefix_cache_bytes)
-        self._scheduler = Scheduler(self)
+        self._scheduler = Scheduler(self, decode_one=decode_one)
 
     def _check_spec(self) -> None:
         """llm.json against the compiled package's own shapes: a vocabulary

@@ -94,15 +94,16 @@ class _Step:
 class Scheduler:
     """The step loop of one LLM (a thread, started with the first generation)."""
 
-    def __init__(self, llm: StepModel) -> None:
+    def __init__(self, llm: StepModel, decode_one: bool = True) -> None:
         self._llm = llm
         self._engine = llm.engine
         pool = self._engine.pool
         assert pool is not None
         self.max_rows = int(pool["max_rows"])
         self._cuda = self._engine.device.type == "cuda"
-        # A lone chat's step, where the package compiled one (export's decode_one): its tuned one-row kernels.
-        self._decode_one = "decode_one" if "decode_one" in self._engine.methods else "decode"
+        # A lone chat's step, where the package compiled one (export's decode_one) and the LLM's decode_one
+        # lets it: its one-row kernels.
+        self._decode_one = "decode_one" if decode_one and "decode_one" in self._engine.methods else "decode"
         # Sessions one prefill call feeds (packages made before batched prefill: 1).
         prefill_rows = min(llm.spec.prefill_rows, self.max_rows)
         # Prompt tokens fed per step at most. On CUDA a prefill call costs about the same for a few hundred
