@@ -64,10 +64,9 @@ import transformers  # noqa: E402
 
 from aoti_sessions._package import cache_dir  # noqa: E402
 from aoti_sessions.llm import LLM, export  # noqa: E402
-from aoti_sessions.llm.exporting import (_export, _export_methods, _fused, _linear_attention, _paged, _paged_attention,  # noqa: E402
-                                         _quantize)
+from aoti_sessions.llm.exporting import _export_methods  # noqa: E402
 from aoti_sessions.serve._cli import compute_threads  # noqa: E402
-from llm_models import hf_model_dir  # noqa: E402
+from llm_models import exporter_sources, hf_model_dir  # noqa: E402
 
 # Model sizes: a step of a few ms on the CPU; on the GPU a model whose step is
 # launch-bound at batch 1, as chat models' decode steps are.
@@ -151,20 +150,17 @@ def bench_package(device: str, family: str = "qwen3", build: bool = True, **over
     kind = "cuda" if device.startswith("cuda") else "cpu"
     layers = {} if family == "qwen3" else {"num_hidden_layers": FAMILY_LAYERS[kind]}
     size = {**SIZES[kind], **layers, **overrides}
-    # The exporter's source and attention choices are in the key: a change to what it compiles re-exports.
+    # The exporter's sources and attention choices are in the key: a change to what it compiles re-exports.
     fuse = bool(size.pop("fuse", True))
     quantize = size.pop("quantize", None)
     configs = size.pop("inductor_configs", None)
     one = bool(size.pop("decode_one", False))
     key = (f"{torch.__version__}-{transformers.__version__}-{sorted(size.items())}-{CONTEXT}-{PREFILL}-"
-           f"{inspect.getsource(_export)}-{inspect.getsource(_export_methods)}-{inspect.getsource(_paged)}-"
-           f"{inspect.getsource(_paged_attention)}-{'decode_one-' if one else ''}"
-           f"{inspect.getsource(_fused) if fuse else 'unfused'}-"
-           f"{'' if quantize is None else f'{quantize}-{inspect.getsource(_quantize)}'}-"
-           f"{'' if configs is None else sorted(dict(configs).items())}-"
+           f"{'-'.join(exporter_sources())}-{'decode_one-' if one else ''}{'fused' if fuse else 'unfused'}-"
+           f"{'' if quantize is None else quantize}-{'' if configs is None else sorted(dict(configs).items())}-"
            f"{_export_methods.PREFILL_ATTENTION}-{_export_methods.DECODE_ATTENTION}")
     if family != "qwen3":  # (the dense model's key as before)
-        key += f"-{family}-{inspect.getsource(family_config)}-{inspect.getsource(_linear_attention)}"
+        key += f"-{family}-{inspect.getsource(family_config)}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = cache_dir() / "models" / f"bench-{family}-{device.split(':')[0]}-{digest}.pt2"
     if target.is_file():

@@ -28,10 +28,8 @@ import transformers  # noqa: E402
 
 from aoti_sessions import _compile, _pool, _program  # noqa: E402
 from aoti_sessions._package import cache_dir  # noqa: E402
-from aoti_sessions.llm import _spec  # noqa: E402
-from aoti_sessions.llm.exporting import (  # noqa: E402
-    _export, _export_check, _export_methods, _fused, _latent, _linear_attention, _paged, _paged_attention,
-    _paged_layout, _quantize, _ring, _rotary)
+from aoti_sessions.llm import _spec, exporting  # noqa: E402
+from aoti_sessions.llm.exporting import _export  # noqa: E402
 
 # The families the tests export; qwen3_moe's experts call transformers'
 # grouped_mm_fallback custom op, run through the proxy executor.
@@ -261,13 +259,20 @@ def hf_model_dir(arch: str) -> Path:
     return _atomic_dir(cache_dir() / "hf" / _source_key(arch) / f"tiny-{arch}", build)
 
 
+def exporter_sources() -> list[str]:
+    """What a package compiled by export is made of, as source text: every
+    module of aoti_sessions.llm.exporting (its kernels' included), the spec
+    and the compiler's: a change to any of them compiles cached packages
+    again (the tests' and bench_serve's)."""
+    folder = Path(exporting.__file__).parent
+    return [path.read_text() for path in sorted(folder.glob("*.py"))] + \
+        [inspect.getsource(module) for module in (_spec, _compile, _pool, _program)]
+
+
 def cached_package(name: str, key: Sequence[str], build: Callable[[Path], object]) -> Path:
     """The package ``build(path)`` writes, built once: cached under the models
     folder by ``key``, this file, the exporter's and the compiler's sources."""
-    sources = [inspect.getsource(module) for module in (_export, _export_check, _export_methods, _paged, _paged_layout,
-                                                        _latent, _paged_attention, _linear_attention, _ring, _rotary,
-                                                        _fused, _quantize, _spec, _compile, _pool, _program)]
-    target = cache_dir() / "models" / f"{name}-{_source_key(*sources, *key)}.pt2"
+    target = cache_dir() / "models" / f"{name}-{_source_key(*exporter_sources(), *key)}.pt2"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -74,11 +74,8 @@ class LLM(Prompts, Closable):
     ``prefix_cache_bytes``: their state's bytes at most (default: a quarter
     of ``memory_budget``, or 1 GiB without one). :attr:`prefix_cache`.
 
-    ``decode_one``: a lone chat's decode step runs the package's
-    ``decode_one`` method where it has one (export's ``decode_one=True``:
-    decode compiled for one row on its own kernels); False: the batched
-    ``decode`` at one row, as in a package without it (to compare the two,
-    or to keep to the batched path).
+    ``decode_one=False``: a lone chat steps on the batched ``decode`` at one
+    row, not on the package's ``decode_one`` (export's) where it has one.
 
     ``engine_options`` go to :class:`aoti_sessions.Engine` (``max_sessions``,
     ``memory_budget``, ``host_budget``, ``idle_timeout``, ``lanes``,
@@ -100,8 +97,7 @@ class LLM(Prompts, Closable):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.rewind_checkpoints = rewind_checkpoints
-        # Turns of a recurrent model that rewound to a checkpoint, and
-        # checkpoints not kept for want of room (LLM.stats()).
+        # Turns of a recurrent model that rewound to a checkpoint, and checkpoints not kept for want of room (stats()).
         self._rewinds = self._checkpoints_skipped = 0
         if threads is not None:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -139,9 +135,8 @@ class LLM(Prompts, Closable):
         self._scheduler = Scheduler(self, decode_one=decode_one)
 
     def _check_spec(self) -> None:
-        """llm.json against the compiled package's own shapes: a vocabulary
-        or context larger than the model's would let ids or positions past
-        them reach its kernels."""
+        """llm.json against the compiled package's own shapes: a vocabulary or context larger than
+        the model's would let ids or positions past them reach its kernels."""
         where = f"{self.spec.name}: llm.json"
         for method in ("prefill", "decode"):
             for sizes in (self.engine.output_sizes(method) or [])[:1]:  # the logits [rows, V]
@@ -242,12 +237,10 @@ class ChatSession(Closable):
         self._closed = False
         self._id = session.id  # (its session's, for good: the step loop sorts by it every step)
         self._tokens = tokens
-        # The text its last chat turn fed and the ids (_prompts.py), and
-        # that turn's generation, whose reply joins it once it ended.
+        # The text its last chat turn fed and the ids (_prompts.py), and that turn's generation (its reply joins them).
         self._spelling = spelling
         self._last: Generation | None = None
-        # Held while the model runs for this session and while its token list
-        # changes: a fork or save sees state and tokens that agree.
+        # Held while the model runs for this session and while its token list changes: forks and saves see both agree.
         self._lock = threading.Lock()
         self._active: Generation | None = None
 
