@@ -9,8 +9,8 @@
 # A machine kept warm between calls is not to be counted on (it went back between two calls in stop 55), and a
 # package compiles 2-3x slower on some machines than on others: issue 38's figures in one call, one package a
 # variant (a decode_one package is benched both ways, bench_decode's doc):
-#   PAIRS="0.6b:one 4b-slice:one 4b-slice:int8wo-one" TESTS=0 SHAPES=0.6b,4b-slice VARIANTS=one,int8wo-one \
-#     COMPILE_S=330 BENCH_S=200 JOBS=3 KERNELS=12 bash bench/gpu_decode.sh
+#   PAIRS="0.6b:one 4b-slice:one 4b-slice:int8wo-one 4b-slice:int4wo-one" TESTS=0 SHAPES=0.6b,4b-slice \
+#     VARIANTS=one,int8wo-one,int4wo-one COMPILE_S=330 BENCH_S=200 JOBS=4 KERNELS=12 bash bench/gpu_decode.sh
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
 source "$(dirname "$0")/gpu_setup.sh"
@@ -61,7 +61,7 @@ PY
 grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
 echo "$(date +%T) tests" >> "$OUT/stages.txt"
 [ "${TESTS:-1}" = 0 ] || timeout "${TEST_S:-150}" python3 -m pytest \
-  ${TEST_FILES:-tests/test_quantize.py tests/test_fused.py tests/test_decode_one.py tests/test_one_row.py tests/test_kv_write.py} \
+  ${TEST_FILES:-tests/test_quantize.py tests/test_fused.py tests/test_decode_one.py tests/test_one_row.py tests/test_kv_write.py tests/test_gemv_int4.py} \
   ${TEST_K:+tests/test_llm_export.py} -k "${TEST_K:+($TEST_K) or }cuda or fused or in_place" -v --tb=line -rs \
   -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"

@@ -8,11 +8,13 @@ Each case is timed as a CUDA graph of one launch per copy of the weight
 (copies enough that the weights outrun L2), replayed; one line a
 measurement on stdout (and in --out).
 
-    python bench/probe_gemv.py [--out FILE] [--quick] [--int8]
+    python bench/probe_gemv.py [--out FILE] [--quick] [--int8 | --int4] [--shapes 0.6b.qkv,...]
 
 ``--int8``: the weights int8 with a scale a row (torchao's int8wo, which the
 kernel reads as int8), against torchao's formula in eager PyTorch
 (``(x @ w.t().to(bf16)) * scale``: a conversion kernel, then cuBLAS).
+``--int4``: int4 tiles on ``_gemv_int4``'s kernel against tinygemm (the
+head aside: export leaves it unquantized).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from aoti_sessions.llm.exporting import _gemv as gv
+from aoti_sessions.llm.exporting import _gemv_int4 as g4
 
 DTYPE = torch.bfloat16
 # (N, K, norm, silu_mul) per projection: qkv and gate/up fused as _fused.py fuses them.
@@ -135,18 +138,75 @@ def probe(name: str, quick: bool, int8: bool = False) -> None:
     del ws
 
 
+def probe_int4(name: str, quick: bool) -> None:
+    """--int4: random int4 tiles (tinygemm's layout, groups of 128, K padded to 1024 as torchao pads it)
+    on _gemv_int4's kernel, against tinygemm (torchao's int4 linear: ``_weight_int4pack_mm``) and the
+    reference, over a sweep of (BLOCK_N, BLOCK_G, num_warps)."""
+    n, k, norm, silu = SHAPES[name]
+    kp = -(-k // 1024) * 1024
+    nbytes = n * kp // 2 + kp // 128 * n * 4
+    copies = max(2, min(64, -(-(400 << 20) // nbytes)))
+    qs = [torch.randint(-2 ** 31, 2 ** 31 - 1, (n // 8, kp // 128, 32, 4), dtype=torch.int32, device="cuda")
+          for _ in range(copies)]
+    scale = torch.rand(kp // 128, n, device="cuda") / (4.6 * k ** 0.5) + 1e-4
+    sz = torch.stack([scale, -8 * scale], -1).to(DTYPE).contiguous()
+    x = torch.randn(1, k, dtype=DTYPE, device="cuda")
+    nw = (torch.rand(k, dtype=DTYPE, device="cuda") + 0.5) if norm else None
+    ref = g4.decode_linear_int4_reference(x, qs[0], sz, None, nw, 1e-6, silu)
+    out = g4.decode_linear_int4(x, qs[0], sz, None, nw, 1e-6, silu)
+    err = (out.float() - ref.float()).abs().max().item()
+    emit(f"{name} int4 N={n} K={k} K'={kp} norm={norm} silu={silu} MB={nbytes / 1e6:.1f} copies={copies} "
+         f"op_err={err:.4f} ref_max={ref.abs().max().item():.3f}")
+
+    def tinygemm(q: torch.Tensor) -> Callable[[], object]:
+        def call() -> object:
+            h = gv.rms_norm_reference(x, nw, 1e-6) if nw is not None else x
+            y = torch.ops.aten._weight_int4pack_mm(F.pad(h, (0, kp - k)), q, 128, sz)
+            if silu:
+                g, u = y.chunk(2, dim=-1)
+                y = F.silu(g) * u
+            return y
+        return call
+
+    t_tiny = graph_time([tinygemm(q) for q in qs])
+    emit(f"{name} int4 tinygemm_with_torch_ops_us={t_tiny:.2f} GBps={nbytes / t_tiny / 1e3:.0f}")
+    results = []
+    for cfg in itertools.product((8, 16, 32) if not quick else (8, 16), (1, 2, 4, 8) if not quick else (2, 4),
+                                 (2, 4, 8) if not quick else (4,)):
+        try:
+            t = graph_time([(lambda q=q, cfg=cfg: g4._launch(x, q, sz, None, nw, 1e-6, silu, None, config=cfg))
+                            for q in qs])
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+            emit(f"{name} int4 cfg={cfg} ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            continue
+        results.append((t, cfg))
+    results.sort()
+    for t, cfg in results[:5]:
+        emit(f"{name} int4 cfg={cfg} us={t:.2f} GBps={nbytes / t / 1e3:.0f}")
+    default = g4._config(n // 2 if silu else n, kp // 128)
+    t_def = next((t for t, cfg in results if cfg == default), float("nan"))
+    emit(f"{name} int4 BEST cfg={results[0][1]} us={results[0][0]:.2f} GBps={nbytes / results[0][0] / 1e3:.0f} "
+         f"vs_tinygemm={t_tiny / results[0][0]:.2f}x default cfg={default} us={t_def:.2f}")
+    del qs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--int8", action="store_true", help="int8 weights with a scale a row")
+    parser.add_argument("--int4", action="store_true", help="int4 weights in tinygemm's tiles (_gemv_int4)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     emit(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
     failed = 0
     for name in args.shapes.split(","):
         try:
-            probe(name, args.quick, args.int8)
+            if args.int4:
+                if not name.endswith(".head"):
+                    probe_int4(name, args.quick)
+            else:
+                probe(name, args.quick, args.int8)
         except Exception as e:  # noqa: BLE001 - each shape reports; the rest run
             failed += 1
             emit(f"{name} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")

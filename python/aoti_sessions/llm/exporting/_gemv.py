@@ -47,7 +47,8 @@ from torch.library import wrap_triton
 
 from ._triton import tl, triton
 
-__all__ = ["decode_linear", "decode_linear_reference", "rms_norm_reference", "OP_NAME", "HAS_TRITON_OP"]
+__all__ = ["decode_linear", "decode_linear_reference", "epilogue_reference", "rms_norm_reference", "OP_NAME",
+           "HAS_TRITON_OP"]
 
 OP_NAME = "aoti_sessions::decode_linear"
 
@@ -74,6 +75,12 @@ def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     else:  # as torchao's int8 weight-only linear computes it
         y = torch.mm(x, weight.t().to(x.dtype)) * weight_scale
         y = y if bias is None else y + bias
+    return epilogue_reference(y, silu_mul, residual)
+
+
+def epilogue_reference(y: torch.Tensor, silu_mul: bool, residual: torch.Tensor | None) -> torch.Tensor:
+    """What follows a projection ``y`` in the op (and ``_gemv_int4``'s):
+    SiLU-mul of its halves, then the residual add, as transformers rounds them."""
     if silu_mul:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
@@ -167,21 +174,61 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, no
 
 if TYPE_CHECKING:
     _linear_kernel: Any
+    round_sums: Any
+    rms_rstd: Any
+    load_normed: Any
+    finish: Any
 
 # triton is optional (CPU installs have none): without it decode_linear always takes the reference path.
 HAS_TRITON_OP = False
 if not TYPE_CHECKING:
     if triton is not None:
         @triton.jit
-        def _output(y, B, S, offs_n, n_mask, dtype, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr):
-            """A row's sums with the scale (int8 weights: the product rounded, scaled, rounded) and the bias."""
-            if QUANT:  # as torchao's (x @ w.to(dtype)) * scale + bias rounds: each step in the dtype
-                y = (y.to(dtype).to(tl.float32) * tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32))
+        def round_sums(y, B, S, offs_n, n_mask, dtype, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr,
+                    ROUNDED: tl.constexpr):
+            """A row's sums with the scale (int8 weights) and the bias. ``ROUNDED`` (torchao's quantized
+            linears, ``(x @ w) * scale + bias``): the product rounded to the dtype, then each step."""
+            if ROUNDED:
+                y = y.to(dtype).to(tl.float32)
+                if SCALE:
+                    y = y * tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 if HAS_BIAS:
                     y = y.to(dtype).to(tl.float32) + tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             elif HAS_BIAS:  # (F.linear: the bias inside the product's float32 sum)
                 y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             return y
+
+        @triton.jit
+        def rms_rstd(x_row, eps, K: tl.constexpr, BLOCK_K: tl.constexpr):
+            """The RMSNorm's 1 / rms of the row at ``x_row`` (by every program: x is a few KB, read from L2)."""
+            offs_k = tl.arange(0, BLOCK_K)
+            squares = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+                squares += xs * xs
+            return tl.math.rsqrt(tl.sum(squares, 0) / K + eps)
+
+        @triton.jit
+        def load_normed(x_row, NW, kk, k_mask, rstd, dtype, NORM: tl.constexpr):
+            """The row's values at ``kk`` (any shape) in float32; ``NORM``: normalized by ``rstd`` and
+            the norm's weight at ``NW``, rounded where transformers' RMSNorm rounds."""
+            xk = tl.load(x_row + kk, mask=k_mask, other=0.0)
+            if NORM:
+                xk = (xk.to(tl.float32) * rstd).to(dtype)
+                xk = (tl.load(NW + kk, mask=k_mask, other=0.0).to(tl.float32) * xk.to(tl.float32)).to(dtype)
+            return xk.to(tl.float32)
+
+        @triton.jit
+        def finish(y, up, R, Y, offs_n, n_mask, dtype, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr):
+            """A row's outputs stored at ``Y``: ``y`` (and ``up``, SILU_MUL) after :func:`round_sums`, SiLU-mul
+            and the residual row at ``R`` added, as :func:`epilogue_reference` rounds them."""
+            if SILU_MUL:  # as the MLP rounds: each projection to the dtype, silu in float32 rounded, the product
+                gate = y.to(dtype).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+                y = act * up.to(dtype).to(tl.float32)
+            if RESIDUAL:  # rounded as the layer's residual + hidden_states rounds
+                y = tl.load(R + offs_n, mask=n_mask, other=0.0).to(tl.float32) + y.to(dtype).to(tl.float32)
+            tl.store(Y + offs_n, y.to(dtype), mask=n_mask)
 
         @triton.jit
         def _linear_kernel(X, W, B, NW, R, S, Y, eps, stride_xm, stride_wn, stride_rm, stride_ym, K: tl.constexpr,
@@ -197,40 +244,26 @@ if not TYPE_CHECKING:
             offs_k = tl.arange(0, BLOCK_K)
             x_row = X + row * stride_xm
             rstd = 1.0
-            if NORM:  # the row's sum of squares, by every program (x is a few KB, read from L2)
-                squares = tl.zeros([BLOCK_K], tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    xs = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
-                    squares += xs * xs
-                rstd = tl.math.rsqrt(tl.sum(squares, 0) / K + eps)
+            if NORM:
+                rstd = rms_rstd(x_row, eps, K, BLOCK_K)
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + offs_k
                 k_mask = kk < K  # (K static: triton sees the mask constant over a vector)
-                xk = tl.load(x_row + kk, mask=k_mask, other=0.0)
-                if NORM:  # rounded where transformers' RMSNorm rounds
-                    xk = (xk.to(tl.float32) * rstd).to(dtype)
-                    xk = (tl.load(NW + kk, mask=k_mask, other=0.0).to(tl.float32) * xk.to(tl.float32)).to(dtype)
-                xf = xk.to(tl.float32)[None, :]
+                xf = load_normed(x_row, NW, kk, k_mask, rstd, dtype, NORM)[None, :]
                 tile_mask = n_mask[:, None] & k_mask[None, :]
                 w = tl.load(w_rows + kk[None, :], mask=tile_mask, other=0.0)
                 acc += w.to(tl.float32) * xf
                 if SILU_MUL:  # the up projection's rows, N_OUT further
                     u = tl.load(w_rows + N_OUT * stride_wn + kk[None, :], mask=tile_mask, other=0.0)
                     acc_up += u.to(tl.float32) * xf
-            y = _output(tl.sum(acc, 1), B, S, offs_n, n_mask, dtype, HAS_BIAS, QUANT)
+            y = round_sums(tl.sum(acc, 1), B, S, offs_n, n_mask, dtype, HAS_BIAS, QUANT, QUANT)
+            up = y
             if SILU_MUL:
-                up = _output(tl.sum(acc_up, 1), B + N_OUT, S + N_OUT, offs_n, n_mask, dtype, HAS_BIAS, QUANT)
-                # As the MLP rounds: each projection to the dtype, silu in float32 rounded, then the product.
-                gate = y.to(dtype).to(tl.float32)
-                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-                y = act * up.to(dtype).to(tl.float32)
-            if RESIDUAL:  # rounded as the layer's residual + hidden_states rounds
-                y = tl.load(R + row * stride_rm + offs_n, mask=n_mask, other=0.0).to(tl.float32) \
-                    + y.to(dtype).to(tl.float32)
-            tl.store(Y + row * stride_ym + offs_n, y.to(dtype), mask=n_mask)
+                up = round_sums(tl.sum(acc_up, 1), B + N_OUT, S + N_OUT, offs_n, n_mask, dtype, HAS_BIAS, QUANT, QUANT)
+            finish(y, up, R + row * stride_rm, Y + row * stride_ym, offs_n, n_mask, dtype, SILU_MUL, RESIDUAL)
 
         def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,

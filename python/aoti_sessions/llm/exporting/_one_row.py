@@ -16,9 +16,10 @@ attention's projections or the MLP), where the export fused their siblings
 (``_fused.py``) and the pieces behave as the kernel computes them: each
 norm equals transformers' Llama-style RMSNorm and the MLP equals
 ``down(silu(gate(x)) * up(x))`` on a probe input, and the weights are plain
-tensors or torchao's int8 weight-only ones (int8 rows, a scale a row: the
-kernel reads the int8 bytes; an int4 package's layers keep torch's int4
-kernel). Every other layer runs as it does in ``decode``.
+tensors or torchao's int8 or int4 weight-only ones (int8 rows, a scale a
+row: the kernel reads the int8 bytes; int4 in tinygemm's tiles:
+``_gemv_int4.py`` reads the tiles). Every other layer runs as it does in
+``decode``.
 
 The swap sets ``forward`` on the module instances (and the fused
 projection's product) for the block, never the modules themselves: the
@@ -38,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from ._fused import FusedLinear
-from ._gemv import decode_linear, decode_linear_reference, rms_norm_reference
+from ._gemv import decode_linear, rms_norm_reference
+from ._gemv_int4 import GROUP, decode_linear_int4
 from ._kv_write import rotate_reference, rotary_kv_write
 
 __all__ = ["OneRowPlan", "plan_one_row", "one_row_kernels", "LAYERS"]
@@ -73,23 +75,35 @@ def _int8_rows(weight: Any) -> bool:
         and all(getattr(weight, name, None) is None for name in ("act_quant_kwargs", "act_pre_scale"))
 
 
+def _int4_tiles(weight: Any) -> bool:
+    """torchao's int4 weight-only tensor in tinygemm's tiles (``_quantize.py``'s int4wo), groups of 128, no
+    activation scaling, no padded rows: what ``_gemv_int4`` reads."""
+    qdata, scale_zero = getattr(weight, "qdata", None), getattr(weight, "scale_and_zero", None)
+    return type(weight).__name__ == "Int4TilePackedTo4dTensor" and isinstance(qdata, torch.Tensor) \
+        and isinstance(scale_zero, torch.Tensor) and qdata.dtype == torch.int32 and qdata.dim() == 4 \
+        and tuple(qdata.shape[2:]) == (32, 4) and weight.dim() == 2 and qdata.shape[0] * 8 == weight.shape[0] \
+        and tuple(scale_zero.shape) == (qdata.shape[1], weight.shape[0], 2) and scale_zero.dtype == weight.dtype \
+        and list(getattr(weight, "block_size", ())) == [1, GROUP] and getattr(weight, "act_pre_scale", None) is None
+
+
 def _usable(module: Any) -> bool:
-    """A projection whose weight the kernel reads: plain floats or int8 rows; its bias plain."""
+    """A projection whose weight the kernels read: plain floats, int8 rows or int4 tiles; its bias plain."""
     weight = getattr(module, "weight", None)
-    return (_plain(weight) or _int8_rows(weight)) and _plain(getattr(module, "bias", None))
+    return (_plain(weight) or _int8_rows(weight) or _int4_tiles(weight)) and _plain(getattr(module, "bias", None))
 
 
-def _project(module: torch.nn.Module, x: torch.Tensor, reference: bool = False, **options: Any) -> torch.Tensor:
-    """``module``'s projection of ``x`` [M, K] on :func:`decode_linear` (or
-    its reference) with ``options``; the weight read now (under export: the
-    traced parameters), an int8 one as its rows and their scales (in the
-    weight's dtype, as torchao converts them)."""
+def _project(module: torch.nn.Module, x: torch.Tensor, **options: Any) -> torch.Tensor:
+    """``module``'s projection of ``x`` [M, K] on :func:`decode_linear` with
+    ``options``; the weight read now (under export: the traced parameters),
+    an int8 one as its rows and their scales (in the weight's dtype, as
+    torchao converts them), an int4 one on :func:`decode_linear_int4`."""
     weight: Any = module.weight
-    scale = weight.scale.reshape(-1).to(weight.dtype) if _int8_rows(weight) else None
     bias = module.bias
     assert bias is None or isinstance(bias, torch.Tensor)
-    linear = decode_linear_reference if reference else decode_linear
-    return linear(x, weight.qdata if scale is not None else weight, bias, weight_scale=scale, **options)
+    if _int4_tiles(weight):
+        return decode_linear_int4(x, weight.qdata, weight.scale_and_zero, bias, **options)
+    scale = weight.scale.reshape(-1).to(weight.dtype) if _int8_rows(weight) else None
+    return decode_linear(x, weight.qdata if scale is not None else weight, bias, weight_scale=scale, **options)
 
 
 def _eps(norm: torch.nn.Module) -> float | None:
@@ -147,9 +161,10 @@ def _layer(layer: torch.nn.Module, probe: torch.Tensor) -> list[tuple[Any, str, 
     if in_eps is None or post_eps is None:
         return None
     assert isinstance(in_norm, torch.nn.Module) and isinstance(post_norm, torch.nn.Module)
-    # The MLP must be down(silu(gate(x)) * up(x)): its own forward against that formula on the probe.
-    expected = _project(down, _project(gate_up, probe, reference=True, silu_mul=True), reference=True)
-    if not torch.equal(mlp(probe), expected):  # (the same ops, so the same bits: another activation differs)
+    # The MLP must be down(silu(gate(x)) * up(x)): its own forward against that formula on the probe, the
+    # projections through their own linear (torchao's for its weights).
+    gate, up = torch.nn.functional.linear(probe, _weight(gate_up), gate_up.bias).chunk(2, dim=-1)
+    if not torch.equal(mlp(probe), down(torch.nn.functional.silu(gate) * up)):  # (the same ops, the same bits)
         return None
     residual: list[torch.Tensor] = []  # the layer's input, for the output projection's epilogue
 
