@@ -19,7 +19,8 @@ from conftest import requires_cuda, run_in_triton_interpreter
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # (N, K, norm, silu_mul, bias, residual): every prologue and epilogue; K a multiple of 1024 or padded to one.
 CASES = [(32, 1024, False, False, False, False), (48, 200, True, False, True, True),
-         (64, 1100, True, True, False, True), (16, 2048, False, True, True, False), (40, 3000, True, False, False, False)]
+         (64, 1100, True, True, False, True), (16, 2048, False, True, True, False),
+         (40, 3000, True, False, False, False)]
 
 
 def pack_like_torch(q: torch.Tensor) -> torch.Tensor:
@@ -178,5 +179,6 @@ def test_op_on_cuda(dtype: torch.dtype) -> None:
 if __name__ == "__main__":  # the interpreter case, in a process of its own
     _check_cases(torch.float32, "cpu", (8, 1, 4), 0.0)
     _check_cases(torch.float32, "cpu", (16, 4, 4), 0.0)
+    _check_cases(torch.float32, "cpu", (4, 8, 4), 0.0)
     _check_cases(torch.bfloat16, "cpu", (8, 2, 4), 0.25)
     print("checked")

@@ -21,9 +21,10 @@ one ``(t8, ko)`` are 8 rows x 16 words, and a row's 16 words over 8 nibbles
 hold its 128 inputs of that group (:func:`unpack_int4_tiles`).
 
 Rounding: torchao's int4 linear rounds tinygemm's product to the dtype, then
-adds the bias; the kernel sums ``scale * sum(q x) + (zero - 8 scale) *
-sum(x)`` a group in float32 (the reference dequantizes in float32), so it
+adds the bias; the kernel sums ``scale * sum((q - 8) x) + zero * sum(x)`` a
+group in float32 (the reference dequantizes in float32), so it
 agrees with tinygemm within the dtype's rounding of the sums, not bit for bit.
+A program's rows need not be a tile's; the groups of K's padding are not read.
 
 On CUDA tensors (triton installed): the custom op
 ``torch.ops.aoti_sessions.decode_linear_int4`` (``torch.library.triton_op``,
@@ -109,18 +110,16 @@ def _check(x: torch.Tensor, qdata: torch.Tensor, scale_zero: torch.Tensor, bias:
         raise ValueError(f"residual must be [M, {n_out}] in {x.dtype}, got {residual.dtype} {tuple(residual.shape)}")
 
 
-def _config(n_out: int, outer: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_G, num_warps): rows a program (whole tiles of 8) and
-    groups of 128 inputs a step. Not tuned yet (bench/probe_gemv.py --int4):
-    16 rows where that leaves 512 programs or more, else 8; 4 groups a step
-    (2 KB of words a row-tile), 2 where K' is 1024."""
-    return (16 if n_out >= 16 * 512 else 8), (4 if outer >= 16 else 2), 4
+# (BLOCK_N, BLOCK_G, num_warps): weight rows a program (any number: the addressing is a row's own) and
+# groups of 128 inputs a step. Not tuned yet (bench/probe_gemv.py --int4): 4 rows, so even 1,024 rows make
+# 256 programs, and 8 groups a step (2 KB of words in flight a program).
+CONFIG = (4, 8, 4)
 
 
 def _launch(x: torch.Tensor, qdata: torch.Tensor, scale_zero: torch.Tensor, bias: torch.Tensor | None,
             norm_weight: torch.Tensor | None, eps: float, silu_mul: bool, residual: torch.Tensor | None = None,
             *, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The kernel through ``wrap_triton``; ``config`` overrides :func:`_config` (the probe, tests)."""
+    """The kernel through ``wrap_triton``; ``config`` overrides ``CONFIG`` (the probe, tests)."""
     _check(x, qdata, scale_zero, bias, norm_weight, silu_mul, residual)
     if not qdata.is_contiguous() or not scale_zero.is_contiguous() or x.stride(1) != 1 \
             or (residual is not None and residual.stride(1) != 1):
@@ -130,14 +129,14 @@ def _launch(x: torch.Tensor, qdata: torch.Tensor, scale_zero: torch.Tensor, bias
     n_out = n // 2 if silu_mul else n
     rows = x.shape[0]
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
-    block_n, block_g, warps = config or _config(n_out, outer)
+    block_n, block_g, warps = config or CONFIG
     wrap_triton(_int4_kernel)[(triton.cdiv(n_out, block_n), rows)](
         x, qdata, scale_zero, x if bias is None else bias, x if norm_weight is None else norm_weight,
         out if residual is None else residual, out, float(eps), x.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0),
-        K=k, OUTER=outer, N=n, N_OUT=n_out, NORM=norm_weight is not None, SILU_MUL=silu_mul,
-        HAS_BIAS=bias is not None, RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_G=block_g,
-        num_warps=warps)
+        K=k, GROUPS=triton.cdiv(k, GROUP), OUTER=outer, N=n, N_OUT=n_out, NORM=norm_weight is not None,
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, BLOCK_N=block_n,
+        BLOCK_G=block_g, num_warps=warps)
     return out
 
 
@@ -149,9 +148,9 @@ if not TYPE_CHECKING:
     if triton is not None:
         @triton.jit
         def _int4_kernel(X, Q, SZ, B, NW, R, Y, eps, stride_xm, stride_rm, stride_ym, K: tl.constexpr,
-                         OUTER: tl.constexpr, N: tl.constexpr, N_OUT: tl.constexpr, NORM: tl.constexpr,
-                         SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+                         GROUPS: tl.constexpr, OUTER: tl.constexpr, N: tl.constexpr, N_OUT: tl.constexpr,
+                         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
             pid = tl.program_id(0)
             row = tl.program_id(1)
             dtype = Y.dtype.element_ty
@@ -162,31 +161,37 @@ if not TYPE_CHECKING:
                 rstd = rms_rstd(x_row, eps, K, 1024)
             offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < N_OUT
-            # A row's 16 words of a group: m = 4 (t % 4) + j; its nibble p is input 32 j + 2 (t % 4) + 8 (p % 4) + p // 4.
+            # A row's 16 words of a group: m = 4 (t % 4) + j; nibble p is input 32 j + 2 (t % 4) + 8 (p % 4) + p // 4.
             m = tl.arange(0, 16)
-            p = tl.arange(0, 8)
-            k_in_group = (m % 4)[:, None] * 32 + (m // 4)[:, None] * 2 + (p % 4)[None, :] * 8 + (p // 4)[None, :]
+            k_of_m = (m % 4) * 32 + (m // 4) * 2
             g = tl.arange(0, BLOCK_G)
-            shifts = (p * 4)[None, None, None, :]
             # Word (row n, group ko, m): ((n // 8) * OUTER + ko) * 128 + (n % 8) * 16 + m.
-            words_n = ((offs_n // 8).to(tl.int64) * OUTER * 128 + (offs_n % 8) * 16)[:, None, None]
+            words_n = ((offs_n // 8) * OUTER * 128 + (offs_n % 8) * 16)[:, None, None]
             acc = tl.zeros([BLOCK_N], tl.float32)
             acc_up = tl.zeros([BLOCK_N], tl.float32)
-            for ko in range(0, OUTER, BLOCK_G):
+            for ko in range(0, GROUPS, BLOCK_G):  # (the groups of K's padding hold zeros' weights: skipped)
                 groups = ko + g
-                g_mask = groups < OUTER
-                kk = groups[:, None, None] * 128 + k_in_group[None, :, :]  # [BLOCK_G, 16, 8]
-                k_mask = (kk < K) & g_mask[:, None, None]
-                xf = load_normed(x_row, NW, kk, k_mask, rstd, dtype, NORM)
-                x_sum = tl.sum(tl.sum(xf, 2), 1)  # [BLOCK_G]
+                g_mask = groups < GROUPS
                 at = words_n + (groups[None, :, None] * 128 + m[None, None, :])  # [BLOCK_N, BLOCK_G, 16]
                 mask = n_mask[:, None, None] & g_mask[None, :, None]
+                words = tl.load(Q + at, mask=mask, other=0)
+                if SILU_MUL:  # the up projection's rows, N_OUT further (whole tiles: N_OUT % 8 == 0)
+                    words_up = tl.load(Q + at + (N_OUT // 8) * OUTER * 128, mask=mask, other=0)
+                qx = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+                qx_up = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+                x_sum = tl.zeros([BLOCK_G], tl.float32)
+                for p in tl.static_range(8):  # a nibble of every word at a time
+                    kk = groups[:, None] * 128 + k_of_m[None, :] + ((p % 4) * 8 + p // 4)  # [BLOCK_G, 16]
+                    xf = load_normed(x_row, NW, kk, (kk < K) & g_mask[:, None], rstd, dtype, NORM)
+                    x_sum += tl.sum(xf, 1)
+                    qx += tl.sum(_nibble(words, p) * xf[None, :, :], 2)
+                    if SILU_MUL:
+                        qx_up += tl.sum(_nibble(words_up, p) * xf[None, :, :], 2)
                 sz = (groups[None, :] * N + offs_n[:, None]) * 2  # [BLOCK_N, BLOCK_G]
                 sz_mask = n_mask[:, None] & g_mask[None, :]
-                acc += _group_sums(Q + at, SZ + sz, mask, sz_mask, shifts, xf, x_sum)
-                if SILU_MUL:  # the up projection's rows, N_OUT further (whole tiles: N_OUT % 8 == 0)
-                    acc_up += _group_sums(Q + at + (N_OUT // 8) * OUTER * 128, SZ + sz + N_OUT * 2, mask, sz_mask,
-                                          shifts, xf, x_sum)
+                acc += _group_sums(SZ + sz, sz_mask, qx, x_sum)
+                if SILU_MUL:
+                    acc_up += _group_sums(SZ + sz + N_OUT * 2, sz_mask, qx_up, x_sum)
             y = round_sums(acc, B, B, offs_n, n_mask, dtype, HAS_BIAS, False, True)
             up = y
             if SILU_MUL:
@@ -194,14 +199,18 @@ if not TYPE_CHECKING:
             finish(y, up, R + row * stride_rm, Y + row * stride_ym, offs_n, n_mask, dtype, SILU_MUL, RESIDUAL)
 
         @triton.jit
-        def _group_sums(words_at, sz_at, mask, sz_mask, shifts, xf, x_sum):
-            """Rows' sums over a step's groups: scale * sum(q x) + (zero - 8 scale) * sum(x), a group."""
-            words = tl.load(words_at, mask=mask, other=0)  # [BLOCK_N, BLOCK_G, 16]
-            q = ((words[:, :, :, None] >> shifts) & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_G, 16, 8]
-            qx = tl.sum(tl.sum(q * xf[None, :, :, :], 3), 2)  # [BLOCK_N, BLOCK_G]
+        def _nibble(words, p: tl.constexpr):
+            """Nibble ``p`` of each word as the float q - 8, exactly: its 4 bits under a float32's exponent
+            of 2^23 (0x4B000000 | q is 2^23 + q), less 2^23 + 8; no int-to-float conversion."""
+            bits = ((words >> (4 * p)) & 0xF) | 0x4B000000
+            return bits.to(tl.float32, bitcast=True) - 8388616.0
+
+        @triton.jit
+        def _group_sums(sz_at, sz_mask, qx, x_sum):
+            """Rows' sums over a step's groups: scale * sum((q - 8) x) + zero * sum(x), a group."""
             scale = tl.load(sz_at, mask=sz_mask, other=0.0).to(tl.float32)
             zero = tl.load(sz_at + 1, mask=sz_mask, other=0.0).to(tl.float32)
-            return tl.sum(scale * qx + (zero - 8.0 * scale) * x_sum[None, :], 1)
+            return tl.sum(scale * qx + zero * x_sum[None, :], 1)
 
         def _decode_linear_int4_op(x: torch.Tensor, qdata: torch.Tensor, scale_zero: torch.Tensor,
                                    bias: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
