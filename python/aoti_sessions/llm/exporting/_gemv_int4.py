@@ -40,7 +40,7 @@ import torch
 # By this name: triton_op finds an op's kernels by reading its source for calls to ``wrap_triton(kernel)``.
 from torch.library import wrap_triton
 
-from ._gemv import epilogue_reference, finish, load_normed, rms_norm_reference, rms_rstd, round_sums
+from ._gemv import epilogue_reference, rms_norm_reference
 from ._triton import tl, triton
 
 __all__ = ["decode_linear_int4", "decode_linear_int4_reference", "unpack_int4_tiles", "GROUP", "HAS_TRITON_OP"]
@@ -146,6 +146,9 @@ if TYPE_CHECKING:
 HAS_TRITON_OP = False
 if not TYPE_CHECKING:
     if triton is not None:
+        # _gemv's jit helpers (defined where triton is), by these names: the kernel finds them among its globals.
+        from ._gemv import finish, load_normed, rms_rstd, round_sums
+
         @triton.jit
         def _int4_kernel(X, Q, SZ, B, NW, R, Y, eps, stride_xm, stride_rm, stride_ym, K: tl.constexpr,
                          GROUPS: tl.constexpr, OUTER: tl.constexpr, N: tl.constexpr, N_OUT: tl.constexpr,
