@@ -75,6 +75,15 @@ def graph_time(calls: list[Callable[[], object]], replays: int = 20) -> float:
     return best
 
 
+def torch_ops(x: torch.Tensor, nw: torch.Tensor | None, silu: bool,
+              project: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+    """The op's work in torch's separate ops (the baseline): the norm, ``project``, SiLU-mul."""
+    def call() -> object:
+        h = gv.rms_norm_reference(x, nw, 1e-6) if nw is not None else x
+        return gv.epilogue_reference(project(h), silu, None)
+    return call
+
+
 def probe(name: str, quick: bool, int8: bool = False) -> None:
     n, k, norm, silu = SHAPES[name]
     nbytes = n * k * (1 if int8 else 2)
@@ -93,14 +102,8 @@ def probe(name: str, quick: bool, int8: bool = False) -> None:
          f"op_err={err:.4f} ref_max={ref.abs().max().item():.3f}")
 
     def torch_calls(w: torch.Tensor) -> Callable[[], object]:
-        def call() -> object:
-            h = gv.rms_norm_reference(x, nw, 1e-6) if nw is not None else x
-            y = F.linear(h, w) if scale is None else torch.mm(h, w.t().to(DTYPE)) * scale
-            if silu:
-                g, u = y.chunk(2, dim=-1)
-                y = F.silu(g) * u
-            return y
-        return call
+        return torch_ops(x, nw, silu, lambda h: F.linear(h, w) if scale is None
+                         else torch.mm(h, w.t().to(DTYPE)) * scale)
 
     t_lin = graph_time([(lambda w=w: F.linear(x, w) if scale is None else torch.mm(x, w.t().to(DTYPE)) * scale)
                         for w in ws])
@@ -159,14 +162,7 @@ def probe_int4(name: str, quick: bool) -> None:
          f"op_err={err:.4f} ref_max={ref.abs().max().item():.3f}")
 
     def tinygemm(q: torch.Tensor) -> Callable[[], object]:
-        def call() -> object:
-            h = gv.rms_norm_reference(x, nw, 1e-6) if nw is not None else x
-            y = torch.ops.aten._weight_int4pack_mm(F.pad(h, (0, kp - k)), q, 128, sz)
-            if silu:
-                g, u = y.chunk(2, dim=-1)
-                y = F.silu(g) * u
-            return y
-        return call
+        return torch_ops(x, nw, silu, lambda h: torch.ops.aten._weight_int4pack_mm(F.pad(h, (0, kp - k)), q, 128, sz))
 
     t_tiny = graph_time([tinygemm(q) for q in qs])
     emit(f"{name} int4 tinygemm_with_torch_ops_us={t_tiny:.2f} GBps={nbytes / t_tiny / 1e3:.0f}")

@@ -47,8 +47,8 @@ from torch.library import wrap_triton
 
 from ._triton import tl, triton
 
-__all__ = ["decode_linear", "decode_linear_reference", "epilogue_reference", "rms_norm_reference", "OP_NAME",
-           "HAS_TRITON_OP"]
+__all__ = ["decode_linear", "decode_linear_reference", "epilogue_reference", "check_around", "rms_norm_reference",
+           "OP_NAME", "HAS_TRITON_OP"]
 
 OP_NAME = "aoti_sessions::decode_linear"
 
@@ -105,24 +105,31 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nor
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"decode_linear takes x [M, K] and weight [N, K], got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
-    n, k = weight.shape
+    n = int(weight.shape[0])
     if silu_mul and n % 2:
         raise ValueError(f"silu_mul needs a weight of two halves (gate; up), got {n} rows")
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    if norm_weight is not None and tuple(norm_weight.shape) != (k,):
-        raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
-    n_out = n // 2 if silu_mul else n
-    if residual is not None and (residual.dim() != 2 or residual.shape[1] != n_out or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be [M, {n_out}] in {x.dtype}, got {residual.dtype} {tuple(residual.shape)}")
+    check_around(x, n, bias, norm_weight, silu_mul, residual)
     if weight_scale is not None and (weight.dtype != torch.int8 or tuple(weight_scale.shape) != (n,)
                                      or weight_scale.dtype != x.dtype):
         raise ValueError(f"weight_scale (an int8 weight's scale a row) must be [{n}] in {x.dtype} beside an int8 "
                          f"weight, got {weight_scale.dtype} {tuple(weight_scale.shape)} beside {weight.dtype}")
-    if (weight.dtype != x.dtype and weight_scale is None) or (bias is not None and bias.dtype != x.dtype) \
-            or (norm_weight is not None and norm_weight.dtype != x.dtype):
-        raise ValueError(f"x, weight, bias and norm_weight must share a dtype, got {x.dtype}, {weight.dtype}, "
-                         f"{None if bias is None else bias.dtype}, {None if norm_weight is None else norm_weight.dtype}")
+    if weight.dtype != x.dtype and weight_scale is None:
+        raise ValueError(f"x and weight must share a dtype, got {x.dtype}, {weight.dtype}")
+
+
+def check_around(x: torch.Tensor, n: int, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                 silu_mul: bool, residual: torch.Tensor | None) -> None:
+    """The checks of what goes around a projection of ``x`` [M, K] to ``n``
+    outputs (this op's and ``_gemv_int4``'s): the bias, the norm's weight and
+    the residual, each of its shape and in ``x``'s dtype."""
+    k = int(x.shape[1])
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{n}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"norm_weight must be [{k}] in {x.dtype}, got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+    n_out = n // 2 if silu_mul else n
+    if residual is not None and (residual.dim() != 2 or residual.shape[1] != n_out or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [M, {n_out}] in {x.dtype}, got {residual.dtype} {tuple(residual.shape)}")
 
 
 def _config(n_out: int, k: int, silu_mul: bool, int8: bool = False) -> tuple[int, int, int, int]:

@@ -40,7 +40,7 @@ import torch
 # By this name: triton_op finds an op's kernels by reading its source for calls to ``wrap_triton(kernel)``.
 from torch.library import wrap_triton
 
-from ._gemv import epilogue_reference, rms_norm_reference
+from ._gemv import check_around, epilogue_reference, rms_norm_reference
 from ._triton import tl, triton
 
 __all__ = ["decode_linear_int4", "decode_linear_int4_reference", "unpack_int4_tiles", "GROUP", "HAS_TRITON_OP"]
@@ -101,13 +101,7 @@ def _check(x: torch.Tensor, qdata: torch.Tensor, scale_zero: torch.Tensor, bias:
                          f"got {scale_zero.dtype} {tuple(scale_zero.shape)}")
     if silu_mul and n % 16:
         raise ValueError(f"silu_mul needs a weight of two halves (gate; up) of whole tiles, got {n} rows")
-    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be [{n}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
-    if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype):
-        raise ValueError(f"norm_weight must be [{k}] in {x.dtype}, got {norm_weight.dtype} {tuple(norm_weight.shape)}")
-    n_out = n // 2 if silu_mul else n
-    if residual is not None and (residual.dim() != 2 or residual.shape[1] != n_out or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be [M, {n_out}] in {x.dtype}, got {residual.dtype} {tuple(residual.shape)}")
+    check_around(x, n, bias, norm_weight, silu_mul, residual)
 
 
 # (BLOCK_N, BLOCK_G, num_warps): weight rows a program (any number: the addressing is a row's own) and
