@@ -10,7 +10,7 @@
 # package compiles 2-3x slower on some machines than on others: issue 38's figures in one call, one package a
 # variant (a decode_one package is benched both ways, bench_decode's doc):
 #   PAIRS="0.6b:one 4b-slice:one 4b-slice:int8wo-one 4b-slice:int4wo-one" TESTS=0 SHAPES=0.6b,4b-slice \
-#     VARIANTS=one,int8wo-one,int4wo-one COMPILE_S=330 BENCH_S=200 JOBS=4 KERNELS=12 bash bench/gpu_decode.sh
+#     VARIANTS=one,int8wo-one,int4wo-one COMPILE_S=330 DEADLINE_S=520 JOBS=4 KERNELS=12 bash bench/gpu_decode.sh
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
 source "$(dirname "$0")/gpu_setup.sh"
@@ -20,6 +20,13 @@ VARIANTS=${VARIANTS:-fused,unfused,int8wo,int4wo}
 # ("none": no bench package, the tests' alone).
 export PAIRS=${PAIRS:-}
 status=0
+# DEADLINE_S: the bench stage ends that many seconds after this line at the latest, whatever the stages
+# before it took (a compile stage done early leaves the bench the rest); BENCH_S where not given.
+start=$SECONDS
+# EARLY: a pytest selection run beside the compile stage, on the GPU the compilers leave idle (e.g. a kernel's
+# CUDA cases, which need no package): $OUT/early.log.
+[ -z "${EARLY:-}" ] || { timeout "${COMPILE_S:-300}" python3 -m pytest $EARLY -v --tb=short -rs -p no:cacheprovider \
+  > "$OUT/early.log" 2>&1 & }
 echo "$(date +%T) compile" > "$OUT/stages.txt"
 timeout "${COMPILE_S:-300}" python3 - "$SHAPES" "$VARIANTS" > "$OUT/compile.log" 2>&1 <<'PY' || status=$?
 import os, sys, traceback
@@ -65,7 +72,11 @@ echo "$(date +%T) tests" >> "$OUT/stages.txt"
   ${TEST_K:+tests/test_llm_export.py} -k "${TEST_K:+($TEST_K) or }cuda or fused or in_place" -v --tb=line -rs \
   -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"
+wait
+[ -z "${EARLY:-}" ] || grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/early.log" | cut -c1-400 >> "$OUT/results.txt"
 echo "$(date +%T) bench" >> "$OUT/stages.txt"
+BENCH_S=${BENCH_S:-$(( ${DEADLINE_S:-100000} - (SECONDS - start) ))}
+[ "$BENCH_S" -gt 0 ] || BENCH_S=0
 [ "${BENCH_S:-240}" = 0 ] || timeout "${BENCH_S:-240}" python3 bench/bench_decode.py --shapes "$SHAPES" --variants "$VARIANTS" \
   --rounds "${ROUNDS:-3}" ${ANCHOR:+--anchor} ${KERNELS:+--kernels "$KERNELS"} --only-built 2>&1 | tee "$OUT/decode.md" \
   | grep -E '^[|#-]' || status=$?
