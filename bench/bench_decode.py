@@ -63,8 +63,12 @@ SHAPES: dict[str, dict[str, object]] = {
 VARIANTS: dict[str, dict[str, object]] = {
     "fused": {}, "unfused": {"fuse": False}, "int8wo": {"quantize": "int8wo"}, "int4wo": {"quantize": "int4wo"},
     # With export's decode_one: a lone chat's step on its own one-row method (the one-row kernels, _one_row.py).
-    "one": {"decode_one": True}, "int8wo-one": {"quantize": "int8wo", "decode_one": True},
-    "int4wo-one": {"quantize": "int4wo", "decode_one": True},
+    # The quantized ones' batched decode without torchao's tuning (_quantize.inductor_configs), which took minutes a
+    # package on the GPU machine: their rows "decode at B = 1" and of --rows sessions are an untuned decode's (the
+    # int8wo and int4wo variants' are tuned); their decode_one is not tuned by Inductor either way.
+    "one": {"decode_one": True},
+    "int8wo-one": {"quantize": "int8wo", "decode_one": True, "inductor_configs": {"coordinate_descent_tuning": False}},
+    "int4wo-one": {"quantize": "int4wo", "decode_one": True, "inductor_configs": {"coordinate_descent_tuning": False}},
     # Inductor autotuning its matmul and pointwise kernels for the traced shapes (slow to compile: opt-in).
     "autotune": {"inductor_configs": {"max_autotune": True, "coordinate_descent_tuning": True}},
 }
