@@ -19,7 +19,10 @@ the entry point: ``x [M, K]`` (M a handful of rows; decode_one's is 1), ``weight
 
 ``weight_scale`` given (``[N]``, ``x``'s dtype): ``weight`` is int8 with a
 scale a row (torchao's int8 weight-only tensors, ``_quantize.py``), read as
-int8 and converted in registers, so a step reads half of bf16's bytes; the
+int32 words of four bytes where the rows allow (K, the row stride and the
+offset multiples of 4) and made float by integer operations (an int8 to float
+conversion bound the kernel at 2 TB/s on an H200: bench/results/decode_cuda.md,
+stop 56), so a step reads half of bf16's bytes; the
 product is rounded, then scaled, then the bias added, each rounded, as
 torchao's ``(x @ w.to(dtype)) * scale + bias`` rounds.
 
@@ -168,13 +171,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, no
     rows = x.shape[0]
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or _config(n_out, k, silu_mul, weight_scale is not None)
+    # int8 rows read as int32 words of four where every row starts on a word (see _linear_kernel).
+    words = weight_scale is not None and k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.storage_offset() % 4 == 0
     wrap_triton(_linear_kernel)[(triton.cdiv(n_out, block_n), rows)](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         out if residual is None else residual, x if weight_scale is None else weight_scale, out, float(eps),
         x.stride(0), weight.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0),
         K=k, N_OUT=n_out, NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
-        RESIDUAL=residual is not None, QUANT=weight_scale is not None,
+        RESIDUAL=residual is not None, QUANT=weight_scale is not None, WORDS=words,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
@@ -241,7 +246,7 @@ if not TYPE_CHECKING:
         def _linear_kernel(X, W, B, NW, R, S, Y, eps, stride_xm, stride_wn, stride_rm, stride_ym, K: tl.constexpr,
                            N_OUT: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
                            HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
             pid = tl.program_id(0)
             row = tl.program_id(1)
             dtype = Y.dtype.element_ty
@@ -253,24 +258,61 @@ if not TYPE_CHECKING:
             rstd = 1.0
             if NORM:
                 rstd = rms_rstd(x_row, eps, K, BLOCK_K)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + offs_k
-                k_mask = kk < K  # (K static: triton sees the mask constant over a vector)
-                xf = load_normed(x_row, NW, kk, k_mask, rstd, dtype, NORM)[None, :]
-                tile_mask = n_mask[:, None] & k_mask[None, :]
-                w = tl.load(w_rows + kk[None, :], mask=tile_mask, other=0.0)
-                acc += w.to(tl.float32) * xf
-                if SILU_MUL:  # the up projection's rows, N_OUT further
-                    u = tl.load(w_rows + N_OUT * stride_wn + kk[None, :], mask=tile_mask, other=0.0)
-                    acc_up += u.to(tl.float32) * xf
-            y = round_sums(tl.sum(acc, 1), B, S, offs_n, n_mask, dtype, HAS_BIAS, QUANT, QUANT)
+            if WORDS:  # int8 rows as int32 words, each of 4 inputs (byte b: input 4 w + b)
+                sums, sums_up = _int8_word_sums(x_row, W, NW, rstd, offs_n, n_mask, stride_wn, dtype, K, N_OUT,
+                                                NORM, SILU_MUL, BLOCK_N, BLOCK_K)
+            else:
+                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+                acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+                w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + offs_k
+                    k_mask = kk < K  # (K static: triton sees the mask constant over a vector)
+                    xf = load_normed(x_row, NW, kk, k_mask, rstd, dtype, NORM)[None, :]
+                    tile_mask = n_mask[:, None] & k_mask[None, :]
+                    w = tl.load(w_rows + kk[None, :], mask=tile_mask, other=0.0)
+                    acc += w.to(tl.float32) * xf
+                    if SILU_MUL:  # the up projection's rows, N_OUT further
+                        u = tl.load(w_rows + N_OUT * stride_wn + kk[None, :], mask=tile_mask, other=0.0)
+                        acc_up += u.to(tl.float32) * xf
+                sums, sums_up = tl.sum(acc, 1), tl.sum(acc_up, 1)
+            y = round_sums(sums, B, S, offs_n, n_mask, dtype, HAS_BIAS, QUANT, QUANT)
             up = y
             if SILU_MUL:
-                up = round_sums(tl.sum(acc_up, 1), B + N_OUT, S + N_OUT, offs_n, n_mask, dtype, HAS_BIAS, QUANT, QUANT)
+                up = round_sums(sums_up, B + N_OUT, S + N_OUT, offs_n, n_mask, dtype, HAS_BIAS, QUANT, QUANT)
             finish(y, up, R + row * stride_rm, Y + row * stride_ym, offs_n, n_mask, dtype, SILU_MUL, RESIDUAL)
+
+        @triton.jit
+        def _int8_word_sums(x_row, W, NW, rstd, offs_n, n_mask, stride_wn, dtype, K: tl.constexpr,
+                            N_OUT: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+            """The rows' sums of int8 weights times x, the rows read as int32 words (K, the row stride and the
+            offset multiples of 4): a byte at a time, each made float by the exponent trick (_gemv_int4's
+            ``_nibble``), integer and float32 additions where a conversion from int8 would take the slow
+            conversion unit; the sums of each word's 4 inputs kept apart until the end."""
+            offs_w = tl.arange(0, BLOCK_K // 4)
+            b = tl.arange(0, 4)
+            w_rows = W.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_wn // 4)
+            acc = tl.zeros([BLOCK_N, BLOCK_K // 4, 4], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K // 4, 4], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kw = k0 // 4 + offs_w
+                kk = kw[:, None] * 4 + b[None, :]  # [BLOCK_K // 4, 4]
+                xf = load_normed(x_row, NW, kk, kk < K, rstd, dtype, NORM)[None, :, :]
+                w_mask = n_mask[:, None] & (kw < K // 4)[None, :]
+                acc += _int8_bytes(tl.load(w_rows + kw[None, :], mask=w_mask, other=0), b) * xf
+                if SILU_MUL:  # the up projection's rows, N_OUT further
+                    u = tl.load(w_rows + N_OUT * (stride_wn // 4) + kw[None, :], mask=w_mask, other=0)
+                    acc_up += _int8_bytes(u, b) * xf
+            return tl.sum(tl.sum(acc, 2), 1), tl.sum(tl.sum(acc_up, 2), 1)
+
+        @triton.jit
+        def _int8_bytes(words, b):
+            """The int8 values of ``words`` [R, W] (little-endian: byte ``b`` of a word) as floats [R, W, 4],
+            exactly: each byte with its sign bit flipped (q + 128, 0..255) under a float32 exponent of 2^23,
+            less 2^23 + 128."""
+            bits = (((words[:, :, None] >> (b * 8)[None, None, :]) & 0xFF) ^ 0x80) | 0x4B000000
+            return bits.to(tl.float32, bitcast=True) - 8388736.0
 
         def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
