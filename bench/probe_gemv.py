@@ -179,7 +179,7 @@ def probe_int4(name: str, quick: bool) -> None:
     results.sort()
     for t, cfg in results[:5]:
         emit(f"{name} int4 cfg={cfg} us={t:.2f} GBps={nbytes / t / 1e3:.0f}")
-    default = g4.CONFIG
+    default = g4._config(silu)
     t_def = next((t for t, cfg in results if cfg == default), float("nan"))
     emit(f"{name} int4 BEST cfg={results[0][1]} us={results[0][0]:.2f} GBps={nbytes / results[0][0] / 1e3:.0f} "
          f"vs_tinygemm={t_tiny / results[0][0]:.2f}x default cfg={default} us={t_def:.2f}")

@@ -104,16 +104,20 @@ def _check(x: torch.Tensor, qdata: torch.Tensor, scale_zero: torch.Tensor, bias:
     check_around(x, n, bias, norm_weight, silu_mul, residual)
 
 
-# (BLOCK_N, BLOCK_G, num_warps): weight rows a program (any number: the addressing is a row's own) and
-# groups of 128 inputs a step. Not tuned yet (bench/probe_gemv.py --int4): 4 rows, so even 1,024 rows make
-# 256 programs, and 8 groups a step (2 KB of words in flight a program).
-CONFIG = (4, 8, 4)
+def _config(silu_mul: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_G, num_warps): weight rows a program (any number: the addressing is a row's own) and
+    groups of 128 inputs a step. ``bench/probe_gemv.py --int4 --quick`` at the Qwen3-4B projections on an
+    H200 (bench/results/decode_cuda.md, stop 56; the kernel then reduced each nibble's products apart): 16
+    rows for gate/up with SiLU-mul, 8 for the others, 4 groups a step on 4 warps, fastest of the 8-16 rows x
+    2-4 groups it tried (4 rows, 8 groups, the first guess, averaged 37.5 us a launch in the model: 1.5-2x
+    slower)."""
+    return (16, 4, 4) if silu_mul else (8, 4, 4)
 
 
 def _launch(x: torch.Tensor, qdata: torch.Tensor, scale_zero: torch.Tensor, bias: torch.Tensor | None,
             norm_weight: torch.Tensor | None, eps: float, silu_mul: bool, residual: torch.Tensor | None = None,
             *, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The kernel through ``wrap_triton``; ``config`` overrides ``CONFIG`` (the probe, tests)."""
+    """The kernel through ``wrap_triton``; ``config`` overrides :func:`_config` (the probe, tests)."""
     _check(x, qdata, scale_zero, bias, norm_weight, silu_mul, residual)
     if not qdata.is_contiguous() or not scale_zero.is_contiguous() or x.stride(1) != 1 \
             or (residual is not None and residual.stride(1) != 1):
@@ -123,7 +127,7 @@ def _launch(x: torch.Tensor, qdata: torch.Tensor, scale_zero: torch.Tensor, bias
     n_out = n // 2 if silu_mul else n
     rows = x.shape[0]
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
-    block_n, block_g, warps = config or CONFIG
+    block_n, block_g, warps = config or _config(silu_mul)
     wrap_triton(_int4_kernel)[(triton.cdiv(n_out, block_n), rows)](
         x, qdata, scale_zero, x if bias is None else bias, x if norm_weight is None else norm_weight,
         out if residual is None else residual, out, float(eps), x.stride(0),
@@ -174,21 +178,23 @@ if not TYPE_CHECKING:
                 words = tl.load(Q + at, mask=mask, other=0)
                 if SILU_MUL:  # the up projection's rows, N_OUT further (whole tiles: N_OUT % 8 == 0)
                     words_up = tl.load(Q + at + (N_OUT // 8) * OUTER * 128, mask=mask, other=0)
-                qx = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-                qx_up = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-                x_sum = tl.zeros([BLOCK_G], tl.float32)
+                # Products summed over the 8 nibbles elementwise, then once over a group's 16 words.
+                qx = tl.zeros([BLOCK_N, BLOCK_G, 16], tl.float32)
+                qx_up = tl.zeros([BLOCK_N, BLOCK_G, 16], tl.float32)
+                xs = tl.zeros([BLOCK_G, 16], tl.float32)
                 for p in tl.static_range(8):  # a nibble of every word at a time
                     kk = groups[:, None] * 128 + k_of_m[None, :] + ((p % 4) * 8 + p // 4)  # [BLOCK_G, 16]
                     xf = load_normed(x_row, NW, kk, (kk < K) & g_mask[:, None], rstd, dtype, NORM)
-                    x_sum += tl.sum(xf, 1)
-                    qx += tl.sum(_nibble(words, p) * xf[None, :, :], 2)
+                    xs += xf
+                    qx += _nibble(words, p) * xf[None, :, :]
                     if SILU_MUL:
-                        qx_up += tl.sum(_nibble(words_up, p) * xf[None, :, :], 2)
+                        qx_up += _nibble(words_up, p) * xf[None, :, :]
+                x_sum = tl.sum(xs, 1)
                 sz = (groups[None, :] * N + offs_n[:, None]) * 2  # [BLOCK_N, BLOCK_G]
                 sz_mask = n_mask[:, None] & g_mask[None, :]
-                acc += _group_sums(SZ + sz, sz_mask, qx, x_sum)
+                acc += _group_sums(SZ + sz, sz_mask, tl.sum(qx, 2), x_sum)
                 if SILU_MUL:
-                    acc_up += _group_sums(SZ + sz + N_OUT * 2, sz_mask, qx_up, x_sum)
+                    acc_up += _group_sums(SZ + sz + N_OUT * 2, sz_mask, tl.sum(qx_up, 2), x_sum)
             y = round_sums(acc, B, B, offs_n, n_mask, dtype, HAS_BIAS, False, True)
             up = y
             if SILU_MUL:
