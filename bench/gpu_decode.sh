@@ -7,10 +7,13 @@
 # B = 1; KERNELS=N lists each variant's N costliest kernels a step) within BENCH_S seconds, on the packages the compile stage built (a variant it did not finish is named, not
 # compiled then; BENCH_S=0: no bench). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
 # A machine kept warm between calls is not to be counted on (it went back between two calls in stop 55), and a
-# package compiles 2-3x slower on some machines than on others: issue 38's figures in one call, one package a
-# variant (a decode_one package is benched both ways, bench_decode's doc):
+# package compiles 2-3x slower on some machines than on others. Issue 38's four packages (a decode_one package is
+# benched both ways, bench_decode's doc) took 250-300 s (4b-slice) and ~430 s (0.6b) compiling together in stop 56,
+# more than one call leaves a bench after them: compile in one call, bench in the next while the machine is warm
+# (call it at once: it goes back after ~30 s idle, and a fresh machine compiles again):
 #   PAIRS="0.6b:one 4b-slice:one 4b-slice:int8wo-one 4b-slice:int4wo-one" TESTS=0 SHAPES=0.6b,4b-slice \
-#     VARIANTS=one,int8wo-one,int4wo-one COMPILE_S=330 DEADLINE_S=520 JOBS=4 KERNELS=12 bash bench/gpu_decode.sh
+#     VARIANTS=one,int8wo-one,int4wo-one COMPILE_S=540 BENCH_S=0 JOBS=4 bash bench/gpu_decode.sh
+#   (the same with COMPILE_S=60 DEADLINE_S=420 KERNELS=12: the packages found built, the bench in the rest)
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
 source "$(dirname "$0")/gpu_setup.sh"
