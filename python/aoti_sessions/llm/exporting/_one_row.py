@@ -41,6 +41,7 @@ import torch
 from ._fused import FusedLinear
 from ._gemv import decode_linear, rms_norm_reference
 from ._gemv_int4 import GROUP, decode_linear_int4
+from ._int8_mm import int8_rows
 from ._kv_write import rotate_reference, rotary_kv_write
 
 __all__ = ["OneRowPlan", "plan_one_row", "one_row_kernels", "LAYERS"]
@@ -65,16 +66,6 @@ def _plain(*weights: torch.Tensor | None) -> bool:
     return all(w is None or (type(w.data) is torch.Tensor and w.dtype.is_floating_point) for w in weights)
 
 
-def _int8_rows(weight: Any) -> bool:
-    """torchao's int8 weight-only tensor with a scale a row (``_quantize.py``'s int8wo), no activation
-    scaling on it (its linear then computes ``(x @ qdata.t().to(dtype)) * scale``, its zero point unread)."""
-    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
-    return type(weight).__name__ == "Int8Tensor" and isinstance(qdata, torch.Tensor) \
-        and isinstance(scale, torch.Tensor) and qdata.dtype == torch.int8 and qdata.dim() == 2 \
-        and scale.numel() == qdata.shape[0] and list(getattr(weight, "block_size", ())) == [1, qdata.shape[1]] \
-        and all(getattr(weight, name, None) is None for name in ("act_quant_kwargs", "act_pre_scale"))
-
-
 def _int4_tiles(weight: Any) -> bool:
     """torchao's int4 weight-only tensor in tinygemm's tiles (``_quantize.py``'s int4wo), groups of 128, no
     activation scaling, no padded rows: what ``_gemv_int4`` reads."""
@@ -89,7 +80,7 @@ def _int4_tiles(weight: Any) -> bool:
 def _usable(module: Any) -> bool:
     """A projection whose weight the kernels read: plain floats, int8 rows or int4 tiles; its bias plain."""
     weight = getattr(module, "weight", None)
-    return (_plain(weight) or _int8_rows(weight) or _int4_tiles(weight)) and _plain(getattr(module, "bias", None))
+    return (_plain(weight) or int8_rows(weight) or _int4_tiles(weight)) and _plain(getattr(module, "bias", None))
 
 
 def _project(module: torch.nn.Module, x: torch.Tensor, **options: Any) -> torch.Tensor:
@@ -102,7 +93,7 @@ def _project(module: torch.nn.Module, x: torch.Tensor, **options: Any) -> torch.
     assert bias is None or isinstance(bias, torch.Tensor)
     if _int4_tiles(weight):
         return decode_linear_int4(x, weight.qdata, weight.scale_and_zero, bias, **options)
-    scale = weight.scale.reshape(-1).to(weight.dtype) if _int8_rows(weight) else None
+    scale = weight.scale.reshape(-1).to(weight.dtype) if int8_rows(weight) else None
     return decode_linear(x, weight.qdata if scale is not None else weight, bias, weight_scale=scale, **options)
 
 

@@ -3,9 +3,10 @@ a scale per output row) and ``int4wo`` (int4 weights in groups of 128 along
 the input, a scale and zero point a group). A decode step of one chat reads
 every weight once, so its time follows the weights' bytes: int8 halves
 bf16's, int4 quarters them (scales aside). Activations stay in the model's
-dtype; the weights are dequantized inside the matrix multiply (Inductor's
-fused dequantizing matmul for int8, torch's int4 packed kernels for int4:
-tinygemm's tiles; CUDA and bfloat16 alone).
+dtype; the weights are dequantized inside the matrix multiply (int8 on CUDA:
+a Triton matmul of ours, ``_int8_mm.py``, and Inductor's dequantizing matmul
+elsewhere; int4: torch's int4 packed kernels, tinygemm's tiles, CUDA and
+bfloat16 alone).
 
 Quantized: every linear layer's weight (fused projections included,
 llm/exporting/_fused.py) but the output head, which stays in the model's dtype (its
@@ -17,12 +18,13 @@ after the block.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 from ._fused import FusedLinear
+from ._int8_mm import int8_linears_on_kernel
 from .._spec import QUANTIZATIONS
 
 __all__ = ["SCHEMES", "check_scheme", "check_target", "inductor_configs", "quantized_weights"]
@@ -108,7 +110,9 @@ def quantized_weights(model: torch.nn.Module, scheme: str | None) -> Iterator[in
             # (torchao's unwrap_tensor_subclass does this for nn.Linear alone, not fused projections.)
             for module in targets.values():
                 parametrize.register_parametrization(module, "weight", UnwrapTensorSubclass())
-        yield len(targets)
+        # On CUDA, int8 linears on our matmul: Inductor would rewrite torchao's into torch's fp32 loop (_int8_mm.py).
+        with int8_linears_on_kernel() if scheme == "int8wo" and device.type == "cuda" else nullcontext():
+            yield len(targets)
     finally:
         for module, weight in saved:
             if parametrize.is_parametrized(module, "weight"):
