@@ -2,7 +2,7 @@
 # Issue 38's GPU part in one call: fused projections and quantized weights. Builds with CUDA
 # (bench/gpu_setup.sh), compiles bench_decode's packages (SHAPES x VARIANTS, bf16) and the tests' quantized
 # CUDA packages (TEST_JOBS) in parallel (JOBS processes, within COMPILE_S seconds), runs the CUDA cases of TEST_FILES
-# (tests/test_quantize.py, test_fused.py, test_decode_one.py, test_one_row.py, test_kv_write.py) and, where TEST_K is given, of test_llm_export (pytest's
+# (tests/test_quantize.py, test_fused.py, test_decode_one.py, test_one_row.py, test_kv_write.py, test_gemv_int4.py, test_int8_mm.py) and, where TEST_K is given, of test_llm_export (pytest's
 # -k), within TEST_S seconds (TESTS=0: neither the tests nor their packages); then bench/bench_decode.py (ROUNDS, ANCHOR=1 for transformers compiled at
 # B = 1; KERNELS=N lists each variant's N costliest kernels a step) within BENCH_S seconds, on the packages the compile stage built (a variant it did not finish is named, not
 # compiled then; BENCH_S=0: no bench). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
@@ -12,8 +12,9 @@
 # more than one call leaves a bench after them: compile in one call, bench in the next while the machine is warm
 # (call it at once: it goes back after ~30 s idle, and a fresh machine compiles again):
 #   PAIRS="0.6b:one 4b-slice:one 4b-slice:int8wo-one 4b-slice:int4wo-one" TESTS=0 SHAPES=0.6b,4b-slice \
-#     VARIANTS=one,int8wo-one,int4wo-one COMPILE_S=540 BENCH_S=0 JOBS=4 bash bench/gpu_decode.sh
-#   (the same with COMPILE_S=60 DEADLINE_S=420 KERNELS=12: the packages found built, the bench in the rest)
+#     VARIANTS=one,int8wo-one,int4wo-one COMPILE_S=540 BENCH_S=0 JOBS=4 WRAPPERS=1 \
+#     EARLY="tests/test_gemv_int4.py tests/test_int8_mm.py tests/test_one_row.py -k cuda" bash bench/gpu_decode.sh
+#   (the same with COMPILE_S=60 DEADLINE_S=420 KERNELS=12 and no EARLY: the packages found built, the bench in the rest)
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
 source "$(dirname "$0")/gpu_setup.sh"
@@ -69,9 +70,24 @@ if __name__ == "__main__":
             print("RESULT", line, flush=True)
 PY
 grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
+# WRAPPERS=1: each built package's decode_one host code (AOTInductor's wrapper .cpp: the kernels a step, in
+# order, with what feeds each) in $OUT/wrappers.tar.gz, to see which kernels a layer runs and why.
+if [ -n "${WRAPPERS:-}" ]; then
+  mkdir -p /tmp/wrappers
+  grep '^RESULT' "$OUT/compile.log" | grep -v FAILED | while read -r _ what path; do
+    python3 - "$path" "/tmp/wrappers/${what%:}" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in z.namelist():
+        if "/decode_one/" in name and name.endswith(".wrapper.cpp"):
+            open(sys.argv[2] + ".decode_one.cpp", "wb").write(z.read(name))
+PY
+  done
+  tar -C /tmp/wrappers -czf "$OUT/wrappers.tar.gz" . 2>/dev/null
+fi
 echo "$(date +%T) tests" >> "$OUT/stages.txt"
 [ "${TESTS:-1}" = 0 ] || timeout "${TEST_S:-150}" python3 -m pytest \
-  ${TEST_FILES:-tests/test_quantize.py tests/test_fused.py tests/test_decode_one.py tests/test_one_row.py tests/test_kv_write.py tests/test_gemv_int4.py} \
+  ${TEST_FILES:-tests/test_quantize.py tests/test_fused.py tests/test_decode_one.py tests/test_one_row.py tests/test_kv_write.py tests/test_gemv_int4.py tests/test_int8_mm.py} \
   ${TEST_K:+tests/test_llm_export.py} -k "${TEST_K:+($TEST_K) or }cuda or fused or in_place" -v --tb=line -rs \
   -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^/|^E " "$OUT/pytest.log" | cut -c1-400 >> "$OUT/results.txt"
