@@ -167,11 +167,12 @@ def rewritten(model: PreTrainedModel, max_prefill: int, fuse: bool, quantize: st
               grouped_mm: bool) -> Iterator[None]:
     """``model`` as export traces it, for the block: its linear-attention and
     state-space layers traceable, its rotary in real arithmetic, its sibling
-    projections fused (``fuse``), its weights quantized (``quantize``), its
+    projections fused (``fuse``), its weights quantized (``quantize``; on
+    CUDA, int8 linears on our matmul, ``_int8_mm.py``), its
     MoE experts off torch's grouped mm where AOTInductor cannot compile it.
     (bench/diag_family.py runs the model so, eagerly.)"""
     with layers_traceable(model, max_prefill), real_rotary(model), \
-            fused_projections(model) if fuse else nullcontext(), quantized_weights(model, quantize), \
+            fused_projections(model) if fuse else nullcontext(), quantized_weights(model, quantize, int8_kernel=True), \
             _grouped_mm_fallback(not grouped_mm):
         yield
 

@@ -86,10 +86,12 @@ def _quantizable(module: torch.nn.Module, head: torch.nn.Module | None, scheme: 
 
 
 @contextmanager
-def quantized_weights(model: torch.nn.Module, scheme: str | None) -> Iterator[int]:
+def quantized_weights(model: torch.nn.Module, scheme: str | None, int8_kernel: bool = False) -> Iterator[int]:
     """``model``'s linear weights quantized by ``scheme`` for the block (see
     the module's doc; None: nothing changes); yields how many layers were.
-    The original weights are put back afterwards."""
+    The original weights are put back afterwards. ``int8_kernel`` (export's):
+    on CUDA, int8wo's linears on ``_int8_mm``'s matmul for the block; off,
+    they compute as torchao's own linear does (the tests' eager reference)."""
     if scheme is None:
         yield 0
         return
@@ -111,7 +113,8 @@ def quantized_weights(model: torch.nn.Module, scheme: str | None) -> Iterator[in
             for module in targets.values():
                 parametrize.register_parametrization(module, "weight", UnwrapTensorSubclass())
         # On CUDA, int8 linears on our matmul: Inductor would rewrite torchao's into torch's fp32 loop (_int8_mm.py).
-        with int8_linears_on_kernel() if scheme == "int8wo" and device.type == "cuda" else nullcontext():
+        with int8_linears_on_kernel() if int8_kernel and scheme == "int8wo" and device.type == "cuda" \
+                else nullcontext():
             yield len(targets)
     finally:
         for module, weight in saved:
