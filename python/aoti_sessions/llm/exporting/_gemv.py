@@ -287,32 +287,41 @@ if not TYPE_CHECKING:
                             N_OUT: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
             """The rows' sums of int8 weights times x, the rows read as int32 words (K, the row stride and the
-            offset multiples of 4): a byte at a time, each made float by the exponent trick (_gemv_int4's
-            ``_nibble``), integer and float32 additions where a conversion from int8 would take the slow
-            conversion unit; the sums of each word's 4 inputs kept apart until the end."""
+            offset multiples of 4): each word's sign bits flipped at once, then a byte plane at a time made
+            float by the exponent trick (_gemv_int4's ``_nibble``), against the inputs of that byte (x split
+            into its 4 planes in registers: no layout change through shared memory); integer and float32
+            additions where a conversion from int8 would take the slow conversion unit."""
             offs_w = tl.arange(0, BLOCK_K // 4)
             b = tl.arange(0, 4)
             w_rows = W.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_wn // 4)
-            acc = tl.zeros([BLOCK_N, BLOCK_K // 4, 4], tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_K // 4, 4], tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_K // 4], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K // 4], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 kw = k0 // 4 + offs_w
-                kk = kw[:, None] * 4 + b[None, :]  # [BLOCK_K // 4, 4]
-                xf = load_normed(x_row, NW, kk, kk < K, rstd, dtype, NORM)[None, :, :]
+                kk = kw[:, None] * 4 + b[None, :]  # [BLOCK_K // 4, 4]: byte b of word kw is input 4 kw + b
+                x4 = tl.reshape(load_normed(x_row, NW, kk, kk < K, rstd, dtype, NORM), [BLOCK_K // 4, 2, 2])
+                xa, xb = tl.split(x4)  # bytes 0, 2 and 1, 3
+                x0, x2 = tl.split(xa)
+                x1, x3 = tl.split(xb)
                 w_mask = n_mask[:, None] & (kw < K // 4)[None, :]
-                acc += _int8_bytes(tl.load(w_rows + kw[None, :], mask=w_mask, other=0), b) * xf
+                w = tl.load(w_rows + kw[None, :], mask=w_mask, other=0) ^ -2139062144  # (0x80808080)
+                acc += _int8_plane(w, 0) * x0[None, :]
+                acc += _int8_plane(w, 1) * x1[None, :]
+                acc += _int8_plane(w, 2) * x2[None, :]
+                acc += _int8_plane(w, 3) * x3[None, :]
                 if SILU_MUL:  # the up projection's rows, N_OUT further
-                    u = tl.load(w_rows + N_OUT * (stride_wn // 4) + kw[None, :], mask=w_mask, other=0)
-                    acc_up += _int8_bytes(u, b) * xf
-            return tl.sum(tl.sum(acc, 2), 1), tl.sum(tl.sum(acc_up, 2), 1)
+                    u = tl.load(w_rows + N_OUT * (stride_wn // 4) + kw[None, :], mask=w_mask, other=0) ^ -2139062144
+                    acc_up += _int8_plane(u, 0) * x0[None, :]
+                    acc_up += _int8_plane(u, 1) * x1[None, :]
+                    acc_up += _int8_plane(u, 2) * x2[None, :]
+                    acc_up += _int8_plane(u, 3) * x3[None, :]
+            return tl.sum(acc, 1), tl.sum(acc_up, 1)
 
         @triton.jit
-        def _int8_bytes(words, b):
-            """The int8 values of ``words`` [R, W] (little-endian: byte ``b`` of a word) as floats [R, W, 4],
-            exactly: each byte with its sign bit flipped (q + 128, 0..255) under a float32 exponent of 2^23,
-            less 2^23 + 128."""
-            bits = (((words[:, :, None] >> (b * 8)[None, None, :]) & 0xFF) ^ 0x80) | 0x4B000000
-            return bits.to(tl.float32, bitcast=True) - 8388736.0
+        def _int8_plane(flipped, b: tl.constexpr):
+            """Byte ``b`` (little-endian) of each word whose bytes' sign bits are flipped (q + 128, 0..255) as
+            the float q, exactly: under a float32 exponent of 2^23, less 2^23 + 128."""
+            return (((flipped >> (8 * b)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
 
         def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
