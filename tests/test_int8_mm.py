@@ -80,6 +80,21 @@ def test_the_mode_routes_the_int8_linears_of_its_devices(monkeypatch: pytest.Mon
     with im.int8_linears_on_kernel():  # (CUDA's alone by default: a CPU input keeps torchao's linear)
         assert torch.equal(quantized(x), expected)
     assert calls == [torch.int8]
+    wide = torch.randn(3, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with im.int8_linears_on_kernel(devices=("cpu",)):  # an input strided in its last dimension: routed, copied
+        assert torch.equal(quantized(wide[:, ::2]), quantized.weight.__class__.__torch_function__(
+            F.linear, (), (wide[:, ::2].contiguous(), quantized.weight, quantized.bias)))
+        # a bias of another dtype than the input's: torchao's linear, which promotes it
+        assert torch.equal(F.linear(x, quantized.weight, quantized.bias.float()),
+                           quantized.weight.__class__.__torch_function__(F.linear, (), (x, quantized.weight,
+                                                                                        quantized.bias.float())))
+    assert calls == [torch.int8] * 2
+
+
+def test_the_tiles_follow_the_most_rows_a_call_can_have() -> None:
+    """A decode step's rows (up to 64) on small tiles; more (prefill) on large ones."""
+    assert im._config(1)[:2] == im._config(64)[:2] == (16, 16)
+    assert im._config(65)[:2] == (128, 128)
 
 
 def test_export_traces_through_the_mode() -> None:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 # By this name: triton_op finds an op's kernels by reading its source for calls to ``wrap_triton(kernel)``.
 from torch.library import wrap_triton
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.overrides import TorchFunctionMode
 
 from ._triton import tl, triton
@@ -93,8 +94,10 @@ class _Int8Linears(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if isinstance(x, torch.Tensor) and x.device.type in self.devices and int8_rows(weight) \
-                    and x.stride(-1) == 1:
-                rows = x.reshape(-1, x.shape[-1])
+                    and (bias is None or bias.dtype == x.dtype):
+                # (A copy in the contiguous layout where x is not: not .contiguous(), whose check guards the rows.)
+                rows = (x if x.stride(-1) == 1 else x.clone(memory_format=torch.contiguous_format)).reshape(
+                    -1, x.shape[-1])
                 out = linear_int8(rows, weight.qdata, weight.scale.reshape(-1).to(x.dtype), bias)
                 return out.reshape(*x.shape[:-1], out.shape[-1])
         return func(*args, **kwargs)
@@ -108,12 +111,16 @@ def int8_linears_on_kernel(devices: tuple[str, ...] = ("cuda",)) -> Iterator[Non
         yield
 
 
-def _config(n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Untuned: 32 rows a tile (a decode step's 1-64 rows
-    in one or two; prefill's many rows read each weight tile once a 32 rows, from L2 mostly), 64 outputs a tile
-    where N is wide and 32 where it is not (a 2,560-wide down projection then makes 80 programs, not 40),
-    128 int8 inputs a step."""
-    return 32, (64 if n > 4096 else 32), 128, 4, 3
+def _config(rows: int | torch.SymInt) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), by the most rows a call can have (under export,
+    the bound of the method's rows: a decode step's ``max_batch``, a prefill's rows times tokens). Up to 64
+    rows, a decode step, memory-bound: 16 rows a tile (one to four tiles) and 16 outputs, so even a
+    2,560-wide projection makes 160 programs, each streaming 512 int8 inputs a step. More (prefill):
+    128 x 128 tiles, 64 inputs a step, on 8 warps (Hopper's warp-group MMA). Compiled for sm_90 by a
+    helper's review (78 and 116 registers, no spills); not yet timed on a GPU."""
+    if statically_known_true(rows <= 64):
+        return 16, 16, 512, 4, 4
+    return 128, 128, 64, 8, 4
 
 
 def _launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -125,12 +132,11 @@ def _launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: tor
     n, k = int(qdata.shape[0]), int(qdata.shape[1])
     rows = x.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, warps, stages = config or _config(n)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32 exact; the 16-bit dtypes take neither)
+    block_m, block_n, block_k, warps, stages = config or _config(rows)
     wrap_triton(_int8_mm_kernel)[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
         x, qdata, scale, x if bias is None else bias, out, rows, x.stride(0), qdata.stride(0), out.stride(0),
-        N=n, K=k, HAS_BIAS=bias is not None, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        N=n, K=k, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
     return out
 
 
@@ -142,8 +148,8 @@ if not TYPE_CHECKING:
     if triton is not None:
         @triton.jit
         def _int8_mm_kernel(X, Q, S, B, Y, M, stride_xm, stride_qn, stride_ym, N: tl.constexpr, K: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
             dtype = Y.dtype.element_ty
             offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -157,7 +163,10 @@ if not TYPE_CHECKING:
                 k_mask = kk < K
                 x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 q = tl.load(q_cols + kk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)  # [K, N]
-                acc = tl.dot(x, q.to(dtype), acc, input_precision=PRECISION)
+                if dtype == tl.float32:  # (exact float32 products; the 16-bit dtypes' are exact on the MMA)
+                    acc = tl.dot(x, q.to(dtype), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, q.to(dtype), acc)
             # As torchao rounds: the product to the dtype, times the scale, plus the bias, each rounded.
             y = acc.to(dtype).to(tl.float32) * tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_BIAS:
