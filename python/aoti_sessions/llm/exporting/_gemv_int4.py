@@ -164,7 +164,6 @@ if not TYPE_CHECKING:
             n_mask = offs_n < N_OUT
             # A row's 16 words of a group: m = 4 (t % 4) + j; nibble p is input 32 j + 2 (t % 4) + 8 (p % 4) + p // 4.
             m = tl.arange(0, 16)
-            k_of_m = (m % 4) * 32 + (m // 4) * 2
             g = tl.arange(0, BLOCK_G)
             # Word (row n, group ko, m): ((n // 8) * OUTER + ko) * 128 + (n % 8) * 16 + m.
             words_n = ((offs_n // 8) * OUTER * 128 + (offs_n % 8) * 16)[:, None, None]
@@ -178,23 +177,28 @@ if not TYPE_CHECKING:
                 words = tl.load(Q + at, mask=mask, other=0)
                 if SILU_MUL:  # the up projection's rows, N_OUT further (whole tiles: N_OUT % 8 == 0)
                     words_up = tl.load(Q + at + (N_OUT // 8) * OUTER * 128, mask=mask, other=0)
-                # Products summed over the 8 nibbles elementwise, then once over a group's 16 words.
-                qx = tl.zeros([BLOCK_N, BLOCK_G, 16], tl.float32)
-                qx_up = tl.zeros([BLOCK_N, BLOCK_G, 16], tl.float32)
-                xs = tl.zeros([BLOCK_G, 16], tl.float32)
-                for p in tl.static_range(8):  # a nibble of every word at a time
-                    kk = groups[:, None] * 128 + k_of_m[None, :] + ((p % 4) * 8 + p // 4)  # [BLOCK_G, 16]
-                    xf = load_normed(x_row, NW, kk, (kk < K) & g_mask[:, None], rstd, dtype, NORM)
-                    xs += xf
-                    qx += _nibble(words, p) * xf[None, :, :]
-                    if SILU_MUL:
-                        qx_up += _nibble(words_up, p) * xf[None, :, :]
-                x_sum = tl.sum(xs, 1)
+                # The step's inputs in one contiguous load, split in registers into the 8 nibbles' planes:
+                # k = 32 j + 8 (p % 4) + 2 (t % 4) + p // 4 -> [group, m = 4 (t % 4) + j, p % 4, p // 4].
+                kg = groups[:, None] * 128 + tl.arange(0, 128)[None, :]  # [BLOCK_G, 128]
+                xg = load_normed(x_row, NW, kg, (kg < K) & g_mask[:, None], rstd, dtype, NORM)
+                x_sum = tl.sum(xg, 1)
+                xp = tl.reshape(tl.permute(tl.reshape(xg, [BLOCK_G, 4, 4, 4, 2]), (0, 3, 1, 2, 4)),
+                                [BLOCK_G, 16, 2, 2, 2])  # (last: (p % 4) // 2, (p % 4) % 2, p // 4; split: the last)
+                xh0, xh1 = tl.split(xp)  # p // 4
+                xh0l0, xh0l1 = tl.split(xh0)  # (p % 4) % 2
+                xh1l0, xh1l1 = tl.split(xh1)
+                x0, x2 = tl.split(xh0l0)  # (p % 4) // 2: nibble p's inputs [BLOCK_G, 16]
+                x1, x3 = tl.split(xh0l1)
+                x4, x6 = tl.split(xh1l0)
+                x5, x7 = tl.split(xh1l1)
+                qx = _nibble_sums(words, x0, x1, x2, x3, x4, x5, x6, x7)
+                if SILU_MUL:
+                    qx_up = _nibble_sums(words_up, x0, x1, x2, x3, x4, x5, x6, x7)
                 sz = (groups[None, :] * N + offs_n[:, None]) * 2  # [BLOCK_N, BLOCK_G]
                 sz_mask = n_mask[:, None] & g_mask[None, :]
-                acc += _group_sums(SZ + sz, sz_mask, tl.sum(qx, 2), x_sum)
+                acc += _group_sums(SZ + sz, sz_mask, qx, x_sum)
                 if SILU_MUL:
-                    acc_up += _group_sums(SZ + sz + N_OUT * 2, sz_mask, tl.sum(qx_up, 2), x_sum)
+                    acc_up += _group_sums(SZ + sz + N_OUT * 2, sz_mask, qx_up, x_sum)
             y = round_sums(acc, B, B, offs_n, n_mask, dtype, HAS_BIAS, False, True)
             up = y
             if SILU_MUL:
@@ -207,6 +211,20 @@ if not TYPE_CHECKING:
             of 2^23 (0x4B000000 | q is 2^23 + q), less 2^23 + 8; no int-to-float conversion."""
             bits = ((words >> (4 * p)) & 0xF) | 0x4B000000
             return bits.to(tl.float32, bitcast=True) - 8388616.0
+
+        @triton.jit
+        def _nibble_sums(words, x0, x1, x2, x3, x4, x5, x6, x7):
+            """Each row's sums a group of sum((q - 8) x) over its 16 words' 8 nibbles ([BLOCK_N, BLOCK_G]):
+            the products added elementwise (a fused multiply-add each), then reduced once over the words."""
+            qx = _nibble(words, 0) * x0[None, :, :]
+            qx += _nibble(words, 1) * x1[None, :, :]
+            qx += _nibble(words, 2) * x2[None, :, :]
+            qx += _nibble(words, 3) * x3[None, :, :]
+            qx += _nibble(words, 4) * x4[None, :, :]
+            qx += _nibble(words, 5) * x5[None, :, :]
+            qx += _nibble(words, 6) * x6[None, :, :]
+            qx += _nibble(words, 7) * x7[None, :, :]
+            return tl.sum(qx, 2)
 
         @triton.jit
         def _group_sums(sz_at, sz_mask, qx, x_sum):
