@@ -167,7 +167,7 @@ def probe_int4(name: str, quick: bool) -> None:
     t_tiny = graph_time([tinygemm(q) for q in qs])
     emit(f"{name} int4 tinygemm_with_torch_ops_us={t_tiny:.2f} GBps={nbytes / t_tiny / 1e3:.0f}")
     results = []
-    for cfg in itertools.product((8, 16, 32) if not quick else (8, 16), (1, 2, 4, 8) if not quick else (2, 4),
+    for cfg in itertools.product((2, 4, 8, 16, 32) if not quick else (2, 4, 8, 16), (1, 2, 4, 8) if not quick else (2, 4),
                                  (2, 4, 8) if not quick else (4,)):
         try:
             t = graph_time([(lambda q=q, cfg=cfg: g4._launch(x, q, sz, None, nw, 1e-6, silu, None, config=cfg))
