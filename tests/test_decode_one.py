@@ -8,13 +8,18 @@ slots, or a flag that is not a bool, is refused before anything compiles."""
 from __future__ import annotations
 
 import random
+import re
+import zipfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers
 from aoti_sessions._package import open_model
 from aoti_sessions.errors import ExportError
 from aoti_sessions.llm import LLM, export
+from aoti_sessions.llm.exporting._export_methods import STEP_VALUES_ONCE
 from conftest import requires_cuda
 from llm_models import hf_model_dir, llm_package
 from test_llm_export import PROMPTS, _bfloat16_chat, _chat, _eager, _reference, _tokenizer
@@ -124,6 +129,23 @@ def test_bfloat16_chat_on_cuda_with_decode_one() -> None:
     _bfloat16_chat("qwen3", "cuda", decode_one=True)
 
 
+@requires_cuda
+def test_a_decode_one_step_on_cuda_computes_what_its_layers_share_once() -> None:
+    """The CUDA package's decode_one as AOTInductor wrote it (its host code, the kernels a step in order):
+    each layer runs its four projections, its rotary write and its attention, and nothing of Inductor's own
+    runs once a layer (no kernel called twice a step: the rotary angles, the new position's page and the
+    rows' lengths are computed once and read by every layer)."""
+    with zipfile.ZipFile(llm_package("qwen3", "cuda", dtype="bfloat16", decode_one=True)) as z:
+        [name] = [n for n in z.namelist() if "/decode_one/" in n and n.endswith(".wrapper.cpp")]
+        source = z.read(name).decode()
+    calls = re.findall(r"^\s*call_(\w+?)(?:_\d+)?\(", source[source.index("::run_impl("):], re.M)
+    layers = transformers.AutoConfig.from_pretrained(hf_model_dir("qwen3")).num_hidden_layers
+    ours = Counter(c for c in calls if not c.startswith("triton_"))
+    assert ours == {"_linear_kernel": 4 * layers + 1, "_rotary_kv_kernel": layers, "_split_kernel": layers}, calls
+    inductors = Counter(c for c in calls if c.startswith("triton_"))
+    assert inductors and max(inductors.values()) == 1 and len(inductors) <= 6, calls
+
+
 def test_the_callers_inductor_settings_go_over_each_methods_own(monkeypatch: pytest.MonkeyPatch,
                                                                 tmp_path: Path) -> None:
     """A quantized package's settings are decode's own (decode_one's layers
@@ -151,5 +173,5 @@ def test_the_callers_inductor_settings_go_over_each_methods_own(monkeypatch: pyt
     assert own["decode"]["coordinate_descent_tuning"] is False and own["decode"]["max_autotune"] is False, own
     assert own["decode"]["force_fuse_int_mm_with_mul"] is True, own  # (the quantized settings' other parts)
     # decode_one's layers run on the one-row kernels, int8 rows and all (_one_row.py): neither the tuning
-    # nor torchao's settings, the caller's alone.
-    assert own["decode_one"] == {"coordinate_descent_tuning": False, "max_autotune": False}, own
+    # nor torchao's settings; the step's values computed once (STEP_VALUES_ONCE), then the caller's.
+    assert own["decode_one"] == {**STEP_VALUES_ONCE, "coordinate_descent_tuning": False, "max_autotune": False}, own

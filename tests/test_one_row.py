@@ -269,3 +269,53 @@ if __name__ == "__main__":  # the interpreter case, in a process of its own
         # row's errors add up across its sum: a few more units in the last place than a GPU's rounding.)
         _check_cases(gv._launch, dt, "cpu", (4, 32, 4, 1), bf16_tol=0.25)
     print("checked")
+
+
+# A Qwen3 of a 4B layer's kinds of widths, small: several groups of 128 inputs a row and K not a multiple of
+# int4's padding (1,024) anywhere, head_dim 128, grouped kv heads.
+_WIDE_ONE = dict(hidden_size=1280, intermediate_size=2560, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=128, num_hidden_layers=2)
+
+
+@requires_cuda
+@pytest.mark.skipif(not gv.HAS_TRITON_OP, reason="needs triton")
+@pytest.mark.parametrize("scheme", [None, "int8wo", "int4wo"])
+def test_decode_one_on_cuda_follows_decode(scheme: str | None) -> None:
+    """Eagerly on CUDA, bfloat16: decode_one on the real kernels (the one-row projections, int8 rows or
+    int4 tiles where quantized; the fused rotary write; the paged attention) against decode on the model's
+    own linears (cuBLAS, torchao's) over a pool prefilled once: each quantized projection's output alone,
+    then the step's logits and the keys and values it wrote, within bfloat16's rounding of a sum's order."""
+    if scheme is not None:
+        pytest.importorskip("torchao")
+    config = transformers.AutoConfig.from_pretrained(hf_model_dir("qwen3"))
+    for key, value in _WIDE_ONE.items():
+        setattr(config, key, value)
+    config.layer_types = ["full_attention"] * _WIDE_ONE["num_hidden_layers"]
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    cuda = torch.device("cuda")
+    with torch.no_grad(), fused_projections(model), quantized_weights(model, scheme), \
+            _paged.paged_attention_on(model):
+        # Each projection on its kernel against the module's own forward, at one row.
+        for name, module in model.model.layers.named_modules():
+            if _one_row._linear(module) is not None or type(module).__name__ == "FusedLinear":
+                x = torch.randn(1, module.weight.shape[1], device=cuda, dtype=torch.bfloat16)
+                want = torch.nn.functional.linear(x, module.weight, module.bias).float()
+                got = _one_row._project(module, x).float()
+                assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item(), (name, scheme)
+        module = _paged.PagedLM(model, page_size=16, max_pages=4, kernel=True)
+        module.one_row = plan_one_row(model)
+        assert module.one_row.complete
+        kv = module.pool_example(5, torch.bfloat16, cuda)
+        table = torch.tensor([[3, 1, 4, 0]], dtype=torch.int32, device=cuda)
+        prompt = torch.randint(0, config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(2)).to(cuda)
+        module.prefill(prompt, kv, table, torch.tensor([0], device=cuda))
+        pool = kv.clone()
+        token, at = torch.tensor([[7]], device=cuda), torch.tensor([21], device=cuda)
+        expected = module.decode(token, kv, table, at).float()
+        got = module.decode_one(token, pool, table, at).float()
+    assert (got - expected).abs().max().item() <= 0.03 * expected.abs().max().item(), scheme
+    # Position 21: page 1 (the table's second), offset 5; every layer's keys and values.
+    new, want_kv = pool[1, :, :, 5].float(), kv[1, :, :, 5].float()
+    assert (new - want_kv).abs().max().item() <= 0.03 * want_kv.abs().max().item(), scheme
+    assert torch.equal(pool[3], kv[3])  # (the prompt's first page: written by prefill alone)

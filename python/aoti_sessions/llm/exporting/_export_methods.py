@@ -29,11 +29,17 @@ from ._one_row import plan_one_row
 from ._paged import PagedLM
 from ._quantize import inductor_configs as quantize_configs
 
-__all__ = ["methods", "DECODE_ONE", "DECODE_ONE_CONFIGS", "PREFILL_ATTENTION", "DECODE_ATTENTION"]
+__all__ = ["methods", "DECODE_ONE", "DECODE_ONE_CONFIGS", "STEP_VALUES_ONCE", "PREFILL_ATTENTION", "DECODE_ATTENTION"]
 
 DECODE_ONE = "decode_one"
 # What decode_one's compile adds: the mm decomposition for one row and the tuning of its kernels.
 DECODE_ONE_CONFIGS: dict[str, Any] = {"coordinate_descent_tuning": True}
+# decode_one's compile, always: a step's values that every layer's kernels read (the rotary angles' cos and sin,
+# the new position's page and offset, the rows' lengths) computed once a step. Inductor inlines a pointwise value
+# into each consumer unless it reads more than this many buffers, and a Triton op's input must be a buffer: so
+# each layer's kernels got copies of their own, a kernel or two a layer (2 of 8.9 a layer on the Qwen3-0.6B
+# shape, ~70 us of a 0.78 ms step on an H200: bench/results/decode_cuda.md, stop 57).
+STEP_VALUES_ONCE: dict[str, Any] = {"realize_reads_threshold": 0}
 _EXAMPLE_PREFILL = 8  # tokens of the example prefill call (any size in [2, max_prefill] serves)
 _EXAMPLE_ROWS = 2  # sessions of the example calls (any count in [1, max_batch] serves)
 
@@ -124,7 +130,8 @@ def methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtyp
         # Layers on the one-row kernels (_one_row.py) need no tuning of Inductor's reductions (nor torchao's
         # settings for them); any other layer does.
         module.one_row = plan_one_row(module.model)
-        tuning = {} if module.one_row.complete else {**DECODE_ONE_CONFIGS, **quantize_configs(quantize)}
+        tuning = {**STEP_VALUES_ONCE, **({} if module.one_row.complete
+                                         else {**DECODE_ONE_CONFIGS, **quantize_configs(quantize)})}
         found[DECODE_ONE] = Method((torch.zeros(1, 1, dtype=torch.long, device=device), kv, table(1),
                                     torch.full((1,), example, dtype=torch.long, device=device)),
                                    dynamic_shapes={"input_ids": {}, "kv": {0: pages}, "page_table": decode_width or {},
