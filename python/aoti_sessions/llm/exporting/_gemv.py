@@ -145,16 +145,20 @@ def _config(n_out: int, k: int, silu_mul: bool, int8: bool = False) -> tuple[int
     - a long K (o_proj, down_proj: 2048 and more): 1024-wide tiles on 8 warps, 2-4 outputs a program;
     - q/k/v and the output head: 512-wide tiles on 4 warps, 2 outputs a program (8 at K >= 2048).
 
-    ``int8`` weights: tiles twice as wide, so a thread's load is as many
-    bytes (16) as with bf16's (not measured yet: bench/probe_gemv.py --int8).
+    ``int8`` weights (``probe_gemv --int8 --quick`` at the 4B projections on an
+    H200, stop 57, the rows read as words): gate/up 8 outputs a program on
+    512-wide tiles, one stage (21.2 us, where the bf16 choice with tiles twice
+    as wide took 26.6); q/k/v 512-wide tiles, 4 stages (8.3 us against 9.1);
+    the long-K projections the bf16 choice with tiles twice as wide (2048: o
+    5.4 us, down 14.3, faster than any tile the sweep tried).
     """
     if silu_mul:
-        config = (4, 256 if k <= 1024 else 512, 4, 4)
+        config = (8, 512, 4, 1) if int8 else (4, 256 if k <= 1024 else 512, 4, 4)
     elif k >= 2048 and n_out <= 4096:
-        config = (4 if n_out >= 2048 else 2, 1024, 8, 4 if k > 4096 else 1)
+        config = (4 if n_out >= 2048 else 2, 2048 if int8 else 1024, 8, 4 if k > 4096 else 1)
     else:
-        config = (8 if k >= 2048 else 2, 512, 4, 2)
-    return config[0], min(config[1] * (2 if int8 else 1), 1 << (k - 1).bit_length()), config[2], config[3]
+        config = (8, 512, 4, 4) if int8 else (8 if k >= 2048 else 2, 512, 4, 2)
+    return config[0], min(config[1], 1 << (k - 1).bit_length()), config[2], config[3]
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
