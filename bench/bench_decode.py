@@ -31,7 +31,10 @@ Rounds: each variant measured ``--rounds`` times, interleaved; min / median / ma
 Quantized variants' accuracy against ``fused`` (bf16): over 8 fixed prompts,
 ``fused``'s greedy continuation of 32 tokens fed to both, position by
 position: the share of positions where their greedy tokens agree, and the
-largest logit error relative to the largest logit.
+largest logit error relative to the largest logit. A decode_one package's
+steps are also compared with its own batched ``decode`` on the same tokens
+(row ``<variant>: decode_one against its decode``): where the two part, the
+one-row path is at fault, not the quantization.
 """
 
 from __future__ import annotations
@@ -153,13 +156,14 @@ def step_bytes(llm: LLM, size: dict[str, object], position: int) -> int:
 
 
 def _teacher_forced(package: Path, prompts: list[list[int]], continuations: list[list[int]] | None,
-                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
+                    batched: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Each prompt prefilled, then its continuation fed a token at a time
     (None: the package's own greedy tokens): the tokens fed and every
-    position's logits (float32, on the host)."""
+    position's logits (float32, on the host). Decoded as a lone chat is
+    (``decode_one`` where the package has it), or on ``decode`` (``batched``)."""
     fed, logits = [], []
     with LLM(package, device="cuda") as llm:
-        decode = "decode_one" if "decode_one" in llm.engine.methods else "decode"  # (what a lone chat runs)
+        decode = "decode_one" if "decode_one" in llm.engine.methods and not batched else "decode"
         for i, prompt in enumerate(prompts):
             with llm.engine.new_session() as session:
                 rows = [session.run("prefill", torch.tensor([prompt], device="cuda"))[0].float().cpu()]
@@ -172,12 +176,16 @@ def _teacher_forced(package: Path, prompts: list[list[int]], continuations: list
     return fed, logits
 
 
-def accuracy(reference: Path, quantized: Path) -> tuple[float, float]:
+def accuracy(reference: Path, quantized: Path, own_decode: bool = False) -> tuple[float, float]:
     """(greedy agreement, largest logit error / largest logit) of
-    ``quantized`` against ``reference`` (see the module's doc)."""
+    ``quantized`` against ``reference`` (see the module's doc);
+    ``own_decode``: ``quantized``'s decode_one against its own decode, on
+    ``reference``'s tokens."""
     with LLM(reference, device="cuda") as llm:
         prompts = [llm.encode(user_message(i, 0)) for i in range(ACCURACY_PROMPTS)]
     tokens, want = _teacher_forced(reference, prompts, None)
+    if own_decode:
+        _, want = _teacher_forced(quantized, prompts, tokens, batched=True)
     _, got = _teacher_forced(quantized, prompts, tokens)
     agree = sum(int((w.argmax(-1) == g.argmax(-1)).sum()) for w, g in zip(want, got)) / sum(len(w) for w in want)
     error = max(float((w - g).abs().max() / w.abs().max()) for w, g in zip(want, got))
@@ -261,15 +269,17 @@ def main() -> None:
         reference = next((v for v in ("fused", "one") if v in packages), None)  # bf16's
         if reference is not None:
             for variant in (v for v in packages if v.startswith("int")):
-                try:
-                    agree, error = accuracy(packages[reference], packages[variant])
-                except Exception as e:  # noqa: BLE001 - named in the table
-                    print(f"| {shape} | {variant} against {reference} bf16 | failed: {str(e).splitlines()[0][:300]} |",
+                cases = [(f"{variant} against {reference} bf16", False)]
+                cases += [(f"{variant}: decode_one against its decode", True)] * variant.endswith("-one")
+                for label, own in cases:
+                    try:
+                        agree, error = accuracy(packages[reference], packages[variant], own)
+                    except Exception as e:  # noqa: BLE001 - named in the table
+                        print(f"| {shape} | {label} | failed: {str(e).splitlines()[0][:300]} |", flush=True)
+                        continue
+                    print(f"| {shape} | {label} | greedy agreement {agree:.1%}, largest logit error {error:.1%} of "
+                          f"the largest logit ({ACCURACY_PROMPTS} prompts x {ACCURACY_TOKENS} positions) |",
                           flush=True)
-                    continue
-                print(f"| {shape} | {variant} against {reference} bf16 | greedy agreement {agree:.1%}, largest logit "
-                      f"error {error:.1%} of the largest logit ({ACCURACY_PROMPTS} prompts x {ACCURACY_TOKENS} "
-                      "positions) |", flush=True)
         if args.anchor:
             anchor = run_anchor(model_folder(next(iter(packages.values()))), "cuda", 1, args.rounds)
             if anchor.error:
