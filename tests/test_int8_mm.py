@@ -36,7 +36,9 @@ def _inputs(m: int, n: int, k: int, bias: bool, dtype: torch.dtype, device: str)
     # (rows of about a float weight's size: uniform int8 has a standard deviation of ~73)
     scale = (torch.rand(n, generator=gen) * 0.5 + 0.75) / (73 * k ** 0.5)
     x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-    return (x.to(device, dtype), q.to(device), scale.to(device, dtype), b.to(device, dtype) if bias else None)
+    # The scale in float32, as torchao keeps it, or already in the dtype (every other case).
+    scale = scale.to(device, torch.float32 if m % 2 else dtype)
+    return (x.to(device, dtype), q.to(device), scale, b.to(device, dtype) if bias else None)
 
 
 def _check_cases(dtype: torch.dtype, device: str, config: tuple[int, int, int, int, int] | None) -> None:
@@ -57,8 +59,11 @@ def test_reference_is_torchaos_linear(bias: bool) -> None:
     weight = linear.weight
     assert im.int8_rows(weight)
     x = torch.randn(3, 48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    got = im.linear_int8_reference(x, weight.qdata, weight.scale.reshape(-1).to(x.dtype), linear.bias)
-    assert torch.equal(got, linear(x))
+    for scale in (weight.scale.reshape(-1), weight.scale.reshape(-1).to(x.dtype)):  # (torchao's float32, ours)
+        assert scale.dtype in (torch.float32, x.dtype)
+        got = im.linear_int8_reference(x, weight.qdata, scale, linear.bias)
+        assert torch.equal(got, linear(x))
+    assert weight.scale.dtype == torch.float32  # (what the mode passes on: no conversion a call)
 
 
 def test_the_mode_routes_the_int8_linears_of_its_devices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,6 +123,8 @@ def test_export_traces_through_the_mode() -> None:
     ((torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.zeros(3)), "scale must be \\[4\\]"),
     ((torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.zeros(4, dtype=torch.bfloat16)),
      "scale must be \\[4\\] in torch.float32"),
+    ((torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.int8), torch.zeros(4, dtype=torch.float16)),
+     "scale must be \\[4\\] in torch.bfloat16 or float32, got torch.float16"),
     ((torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.zeros(4), torch.zeros(5)), "bias must be"),
 ])
 def test_bad_input_is_refused_by_name(args: tuple[torch.Tensor, ...], message: str) -> None:

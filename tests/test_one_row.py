@@ -44,7 +44,9 @@ def _inputs(n: int, k: int, norm: bool, silu: bool, bias: bool, residual: bool, 
     if quant:  # int8 with a scale a row, as torchao's int8 weight-only tensors hold them
         weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(device)
         # (rows of about the float cases' size: uniform int8 has a standard deviation of ~73)
-        scale = ((torch.rand(n, generator=gen) * 0.5 + 0.75) / (73 * k ** 0.5)).to(device=device, dtype=dtype)
+        # (in float32, as torchao keeps it, or already in the dtype: every other width)
+        scale = ((torch.rand(n, generator=gen) * 0.5 + 0.75) / (73 * k ** 0.5)).to(
+            device=device, dtype=torch.float32 if n % 3 else dtype)
     return {"x": x, "weight": weight, "bias": rand(n) if bias else None,
             "norm_weight": rand(k).abs() + 0.5 if norm else None, "residual": rand(rows, out) if residual else None,
             "weight_scale": scale}
@@ -87,7 +89,7 @@ def test_int8_reference_is_torchaos_linear() -> None:
     quantize_(linear, Int8WeightOnlyConfig(set_inductor_config=False))
     weight = linear.weight
     x = torch.randn(3, 48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    got = gv.decode_linear_reference(x, weight.qdata, linear.bias, weight_scale=weight.scale.reshape(-1).to(x.dtype))
+    got = gv.decode_linear_reference(x, weight.qdata, linear.bias, weight_scale=weight.scale.reshape(-1))  # (float32)
     assert weight.qdata.dtype == torch.int8 and torch.equal(got, linear(x))
 
 
@@ -100,6 +102,8 @@ def test_int8_reference_is_torchaos_linear() -> None:
     ({"weight": torch.zeros(8, 16, dtype=torch.float64)}, "share a dtype"),
     ({"weight": torch.zeros(8, 16, dtype=torch.int8), "weight_scale": torch.zeros(4)}, "weight_scale .* must be \\[8\\]"),
     ({"weight_scale": torch.zeros(8)}, "beside an int8 weight"),
+    ({"x": torch.zeros(1, 16, dtype=torch.bfloat16), "weight": torch.zeros(8, 16, dtype=torch.int8),
+      "weight_scale": torch.zeros(8, dtype=torch.float16)}, "in torch.bfloat16 or float32 .*got torch.float16"),
 ])
 def test_bad_input_is_refused_by_name(bad: dict[str, object], message: str) -> None:
     args: dict[str, object] = {"x": torch.zeros(1, 16), "weight": torch.zeros(8, 16), **bad}

@@ -17,7 +17,10 @@ the entry point: ``x [M, K]`` (M a handful of rows; decode_one's is 1), ``weight
 - ``residual`` given (``[M, N]``): added to the result, rounded as the
   decoder layer's ``residual + hidden_states`` rounds it.
 
-``weight_scale`` given (``[N]``, ``x``'s dtype): ``weight`` is int8 with a
+``weight_scale`` given (``[N]``, ``x``'s dtype or float32, as torchao keeps
+it: rounded to ``x``'s dtype as the kernel loads it, as torchao's linear
+rounds it, where a conversion of its own was a kernel a projection a step:
+48 a step, ~60 us of the 4B slice's 0.88 ms, stop 57): ``weight`` is int8 with a
 scale a row (torchao's int8 weight-only tensors, ``_quantize.py``), read as
 int32 words of four bytes where the rows allow (K, the row stride and the
 offset multiples of 4) and made float by integer operations (an int8 to float
@@ -76,7 +79,7 @@ def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if weight_scale is None:
         y = F.linear(x, weight, bias)
     else:  # as torchao's int8 weight-only linear computes it
-        y = torch.mm(x, weight.t().to(x.dtype)) * weight_scale
+        y = torch.mm(x, weight.t().to(x.dtype)) * weight_scale.to(x.dtype)
         y = y if bias is None else y + bias
     return epilogue_reference(y, silu_mul, residual)
 
@@ -113,9 +116,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nor
         raise ValueError(f"silu_mul needs a weight of two halves (gate; up), got {n} rows")
     check_around(x, n, bias, norm_weight, silu_mul, residual)
     if weight_scale is not None and (weight.dtype != torch.int8 or tuple(weight_scale.shape) != (n,)
-                                     or weight_scale.dtype != x.dtype):
-        raise ValueError(f"weight_scale (an int8 weight's scale a row) must be [{n}] in {x.dtype} beside an int8 "
-                         f"weight, got {weight_scale.dtype} {tuple(weight_scale.shape)} beside {weight.dtype}")
+                                     or weight_scale.dtype not in (x.dtype, torch.float32)):
+        raise ValueError(f"weight_scale (an int8 weight's scale a row) must be [{n}] in {x.dtype} or float32 beside "
+                         f"an int8 weight, got {weight_scale.dtype} {tuple(weight_scale.shape)} beside {weight.dtype}")
     if weight.dtype != x.dtype and weight_scale is None:
         raise ValueError(f"x and weight must share a dtype, got {x.dtype}, {weight.dtype}")
 
@@ -206,8 +209,8 @@ if not TYPE_CHECKING:
             linears, ``(x @ w) * scale + bias``): the product rounded to the dtype, then each step."""
             if ROUNDED:
                 y = y.to(dtype).to(tl.float32)
-                if SCALE:
-                    y = y * tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                if SCALE:  # (the scale in the dtype: a float32 one rounded first)
+                    y = y * tl.load(S + offs_n, mask=n_mask, other=0.0).to(dtype).to(tl.float32)
                 if HAS_BIAS:
                     y = y.to(dtype).to(tl.float32) + tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             elif HAS_BIAS:  # (F.linear: the bias inside the product's float32 sum)

@@ -13,7 +13,10 @@ the tensor cores (``tl.dot``, float32 sums), the product rounded to the
 dtype, then scaled, then the bias added, each rounded, as torchao rounds.
 
 ``linear_int8(x, qdata, scale, bias)``: ``x [M, K]``, ``qdata`` int8 ``[N,
-K]``, ``scale [N]`` and ``bias [N]`` in ``x``'s dtype. On CUDA tensors
+K]``, ``scale [N]`` in ``x``'s dtype or float32 (torchao keeps it so: the
+kernel rounds it to ``x``'s dtype as it loads it, as torchao's linear does
+before it multiplies, where a conversion of its own would be a kernel a
+linear a step), ``bias [N]`` in ``x``'s dtype. On CUDA tensors
 (triton installed) the custom op ``torch.ops.aoti_sessions.linear_int8``
 (``torch.library.triton_op``, compiled into the package by AOTInductor);
 elsewhere :func:`linear_int8_reference`, torchao's formula.
@@ -56,7 +59,7 @@ def linear_int8_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Ten
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """The op in plain PyTorch: torchao's int8 weight-only linear, as it rounds."""
     _check(x, qdata, scale, bias)
-    y = torch.mm(x, qdata.t().to(x.dtype)) * scale
+    y = torch.mm(x, qdata.t().to(x.dtype)) * scale.to(x.dtype)
     return y if bias is None else y + bias
 
 
@@ -76,9 +79,10 @@ def _check(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torc
         raise ValueError(f"linear_int8 takes x [M, K] and int8 qdata [N, K], got x {tuple(x.shape)}, qdata "
                          f"{qdata.dtype} {tuple(qdata.shape)}")
     n = int(qdata.shape[0])
-    for name, t in (("scale", scale), ("bias", bias)):
-        if t is not None and (tuple(t.shape) != (n,) or t.dtype != x.dtype):
-            raise ValueError(f"{name} must be [{n}] in {x.dtype}, got {t.dtype} {tuple(t.shape)}")
+    if tuple(scale.shape) != (n,) or scale.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"scale must be [{n}] in {x.dtype} or float32, got {scale.dtype} {tuple(scale.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{n}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
 
 
 class _Int8Linears(TorchFunctionMode):
@@ -98,7 +102,7 @@ class _Int8Linears(TorchFunctionMode):
                 # (A copy in the contiguous layout where x is not: not .contiguous(), whose check guards the rows.)
                 rows = (x if x.stride(-1) == 1 else x.clone(memory_format=torch.contiguous_format)).reshape(
                     -1, x.shape[-1])
-                out = linear_int8(rows, weight.qdata, weight.scale.reshape(-1).to(x.dtype), bias)
+                out = linear_int8(rows, weight.qdata, weight.scale.reshape(-1), bias)
                 return out.reshape(*x.shape[:-1], out.shape[-1])
         return func(*args, **kwargs)
 
@@ -167,8 +171,9 @@ if not TYPE_CHECKING:
                     acc = tl.dot(x, q.to(dtype), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(x, q.to(dtype), acc)
-            # As torchao rounds: the product to the dtype, times the scale, plus the bias, each rounded.
-            y = acc.to(dtype).to(tl.float32) * tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            # As torchao rounds: the product to the dtype, times the scale (in the dtype), plus the bias, each rounded.
+            scale = tl.load(S + offs_n, mask=n_mask, other=0.0).to(dtype).to(tl.float32)
+            y = acc.to(dtype).to(tl.float32) * scale[None, :]
             if HAS_BIAS:
                 y = y.to(dtype).to(tl.float32) + tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], y.to(dtype),

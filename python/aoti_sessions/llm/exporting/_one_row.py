@@ -86,14 +86,15 @@ def _usable(module: Any) -> bool:
 def _project(module: torch.nn.Module, x: torch.Tensor, **options: Any) -> torch.Tensor:
     """``module``'s projection of ``x`` [M, K] on :func:`decode_linear` with
     ``options``; the weight read now (under export: the traced parameters),
-    an int8 one as its rows and their scales (in the weight's dtype, as
-    torchao converts them), an int4 one on :func:`decode_linear_int4`."""
+    an int8 one as its rows and their scales (float32, as torchao keeps them:
+    the kernel rounds them to the weight's dtype, as torchao's linear does),
+    an int4 one on :func:`decode_linear_int4`."""
     weight: Any = module.weight
     bias = module.bias
     assert bias is None or isinstance(bias, torch.Tensor)
     if _int4_tiles(weight):
         return decode_linear_int4(x, weight.qdata, weight.scale_and_zero, bias, **options)
-    scale = weight.scale.reshape(-1).to(weight.dtype) if int8_rows(weight) else None
+    scale = weight.scale.reshape(-1) if int8_rows(weight) else None  # (float32: the kernel rounds it)
     return decode_linear(x, weight.qdata if scale is not None else weight, bias, weight_scale=scale, **options)
 
 
