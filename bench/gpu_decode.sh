@@ -8,13 +8,12 @@
 # compiled then; BENCH_S=0: no bench). Results under $OUT: results.txt, compile.log, pytest.log, decode.md.
 # A machine kept warm between calls is not to be counted on (it went back between two calls in stop 55), and a
 # package compiles 2-3x slower on some machines than on others. Issue 38's four packages (a decode_one package is
-# benched both ways, bench_decode's doc) took 250-300 s (4b-slice) and ~430 s (0.6b) compiling together in stop 56,
-# more than one call leaves a bench after them: compile in one call, bench in the next while the machine is warm
-# (call it at once: it goes back after ~30 s idle, and a fresh machine compiles again):
+# benched both ways, bench_decode's doc) compiled together in 352 s with 4 jobs on a fresh machine in stop 57,
+# leaving the bench (2 rounds, the kernels, the accuracy rows) the rest of one call:
 #   PAIRS="0.6b:one 4b-slice:one 4b-slice:int8wo-one 4b-slice:int4wo-one" TESTS=0 SHAPES=0.6b,4b-slice \
-#     VARIANTS=one,int8wo-one,int4wo-one COMPILE_S=540 BENCH_S=0 JOBS=4 WRAPPERS=1 \
+#     VARIANTS=one,int8wo-one,int4wo-one COMPILE_S=450 DEADLINE_S=500 ROUNDS=2 KERNELS=12 JOBS=4 \
 #     EARLY="tests/test_gemv_int4.py tests/test_int8_mm.py tests/test_one_row.py -k cuda" bash bench/gpu_decode.sh
-#   (the same with COMPILE_S=60 DEADLINE_S=420 KERNELS=12 and no EARLY: the packages found built, the bench in the rest)
+#   (where the compile does not finish: the same at once on the warm machine with COMPILE_S=60, no EARLY)
 set -uo pipefail
 # shellcheck source=bench/gpu_setup.sh
 source "$(dirname "$0")/gpu_setup.sh"
@@ -71,19 +70,18 @@ if __name__ == "__main__":
 PY
 grep '^RESULT' "$OUT/compile.log" | tee "$OUT/results.txt"
 # WRAPPERS=1: each built package's decode_one host code (AOTInductor's wrapper .cpp: the kernels a step, in
-# order, with what feeds each) in $OUT/wrappers.tar.gz, to see which kernels a layer runs and why.
+# order, with what feeds each) as $OUT/wrapper-<shape>-<variant>.cpp.txt, to see which kernels a layer runs and why
+# (plain files of plain names: a tar of them did not come back in stop 57).
 if [ -n "${WRAPPERS:-}" ]; then
-  mkdir -p /tmp/wrappers
   grep '^RESULT' "$OUT/compile.log" | grep -v FAILED | while read -r _ what path; do
-    python3 - "$path" "/tmp/wrappers/${what%:}" <<'PY'
+    python3 - "$path" "$OUT/wrapper-$(echo "${what%:}" | tr -c 'A-Za-z0-9.\n' '-').cpp.txt" <<'PY'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
     for name in z.namelist():
         if "/decode_one/" in name and name.endswith(".wrapper.cpp"):
-            open(sys.argv[2] + ".decode_one.cpp", "wb").write(z.read(name))
+            open(sys.argv[2], "wb").write(z.read(name))
 PY
   done
-  tar -C /tmp/wrappers -czf "$OUT/wrappers.tar.gz" . 2>/dev/null
 fi
 echo "$(date +%T) tests" >> "$OUT/stages.txt"
 [ "${TESTS:-1}" = 0 ] || timeout "${TEST_S:-150}" python3 -m pytest \
