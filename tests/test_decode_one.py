@@ -130,18 +130,28 @@ def test_bfloat16_chat_on_cuda_with_decode_one() -> None:
 
 
 @requires_cuda
-def test_a_decode_one_step_on_cuda_computes_what_its_layers_share_once() -> None:
+@pytest.mark.parametrize("scheme", [None, "int8wo", "int4wo"])
+def test_a_decode_one_step_on_cuda_computes_what_its_layers_share_once(scheme: str | None) -> None:
     """The CUDA package's decode_one as AOTInductor wrote it (its host code, the kernels a step in order):
-    each layer runs its four projections, its rotary write and its attention, and nothing of Inductor's own
-    runs once a layer (no kernel called twice a step: the rotary angles, the new position's page and the
-    rows' lengths are computed once and read by every layer)."""
-    with zipfile.ZipFile(llm_package("qwen3", "cuda", dtype="bfloat16", decode_one=True)) as z:
+    each layer runs its four projections (int8 rows on the same kernel, int4 tiles on their own), its rotary
+    write and its attention, and nothing of Inductor's own runs once a layer (no kernel called twice a step:
+    the rotary angles, the new position's page and the rows' lengths are computed once and read by every
+    layer; an int8 weight's float32 scales are read as they are, not converted a projection at a time)."""
+    if scheme is None:
+        package = llm_package("qwen3", "cuda", dtype="bfloat16", decode_one=True)
+        layers = transformers.AutoConfig.from_pretrained(hf_model_dir("qwen3")).num_hidden_layers
+    else:
+        pytest.importorskip("torchao")
+        from test_quantize import WIDE, _package
+        package, layers = _package("cuda", "bfloat16", scheme, True), WIDE["num_hidden_layers"]
+    with zipfile.ZipFile(package) as z:
         [name] = [n for n in z.namelist() if "/decode_one/" in n and n.endswith(".wrapper.cpp")]
         source = z.read(name).decode()
     calls = re.findall(r"^\s*call_(\w+?)(?:_\d+)?\(", source[source.index("::run_impl("):], re.M)
-    layers = transformers.AutoConfig.from_pretrained(hf_model_dir("qwen3")).num_hidden_layers
+    projections = {"_int4_kernel": 4 * layers, "_linear_kernel": 1} if scheme == "int4wo" else \
+        {"_linear_kernel": 4 * layers + 1}  # (the head: never quantized)
     ours = Counter(c for c in calls if not c.startswith("triton_"))
-    assert ours == {"_linear_kernel": 4 * layers + 1, "_rotary_kv_kernel": layers, "_split_kernel": layers}, calls
+    assert ours == {**projections, "_rotary_kv_kernel": layers, "_split_kernel": layers}, calls
     inductors = Counter(c for c in calls if c.startswith("triton_"))
     assert inductors and max(inductors.values()) == 1 and len(inductors) <= 6, calls
 
