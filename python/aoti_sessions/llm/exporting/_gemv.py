@@ -51,6 +51,7 @@ import torch.nn.functional as F
 # By this name: triton_op finds an op's kernels by reading its source for calls to ``wrap_triton(kernel)``.
 from torch.library import wrap_triton
 
+from ._int8_mm import check_scale, linear_int8_reference
 from ._triton import tl, triton
 
 __all__ = ["decode_linear", "decode_linear_reference", "epilogue_reference", "check_around", "rms_norm_reference",
@@ -76,11 +77,8 @@ def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     _check(x, weight, bias, norm_weight, silu_mul, residual, weight_scale)
     if norm_weight is not None:
         x = rms_norm_reference(x, norm_weight, eps)
-    if weight_scale is None:
-        y = F.linear(x, weight, bias)
-    else:  # as torchao's int8 weight-only linear computes it
-        y = torch.mm(x, weight.t().to(x.dtype)) * weight_scale.to(x.dtype)
-        y = y if bias is None else y + bias
+    # int8: as torchao's weight-only linear computes it
+    y = F.linear(x, weight, bias) if weight_scale is None else linear_int8_reference(x, weight, weight_scale, bias)
     return epilogue_reference(y, silu_mul, residual)
 
 
@@ -115,10 +113,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nor
     if silu_mul and n % 2:
         raise ValueError(f"silu_mul needs a weight of two halves (gate; up), got {n} rows")
     check_around(x, n, bias, norm_weight, silu_mul, residual)
-    if weight_scale is not None and (weight.dtype != torch.int8 or tuple(weight_scale.shape) != (n,)
-                                     or weight_scale.dtype not in (x.dtype, torch.float32)):
-        raise ValueError(f"weight_scale (an int8 weight's scale a row) must be [{n}] in {x.dtype} or float32 beside "
-                         f"an int8 weight, got {weight_scale.dtype} {tuple(weight_scale.shape)} beside {weight.dtype}")
+    if weight_scale is not None:
+        if weight.dtype != torch.int8:
+            raise ValueError(f"weight_scale (an int8 weight's scale a row) goes beside an int8 weight, got a "
+                             f"{weight.dtype} weight")
+        check_scale(x, n, weight_scale, "weight_scale (an int8 weight's scale a row)", " beside an int8 weight")
     if weight.dtype != x.dtype and weight_scale is None:
         raise ValueError(f"x and weight must share a dtype, got {x.dtype}, {weight.dtype}")
 

@@ -42,7 +42,8 @@ from torch.overrides import TorchFunctionMode
 
 from ._triton import tl, triton
 
-__all__ = ["linear_int8", "linear_int8_reference", "int8_rows", "int8_linears_on_kernel", "HAS_TRITON_OP"]
+__all__ = ["check_scale", "linear_int8", "linear_int8_reference", "int8_rows", "int8_linears_on_kernel",
+           "HAS_TRITON_OP"]
 
 
 def int8_rows(weight: Any) -> bool:
@@ -79,10 +80,18 @@ def _check(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torc
         raise ValueError(f"linear_int8 takes x [M, K] and int8 qdata [N, K], got x {tuple(x.shape)}, qdata "
                          f"{qdata.dtype} {tuple(qdata.shape)}")
     n = int(qdata.shape[0])
-    if tuple(scale.shape) != (n,) or scale.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"scale must be [{n}] in {x.dtype} or float32, got {scale.dtype} {tuple(scale.shape)}")
+    check_scale(x, n, scale, "scale")
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{n}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+
+
+def check_scale(x: torch.Tensor, n: int, scale: torch.Tensor, name: str, where: str = "") -> None:
+    """An int8 weight's scale a row for ``n`` rows: ``[n]``, in ``x``'s dtype or float32 (as torchao keeps it;
+    the kernels round it to ``x``'s dtype as they load it). This op's check and ``_gemv``'s (``name`` and
+    ``where`` say which argument, and of what, in the message)."""
+    if tuple(scale.shape) != (n,) or scale.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"{name} must be [{n}] in {x.dtype} or float32{where}, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
 
 
 class _Int8Linears(TorchFunctionMode):
