@@ -130,8 +130,8 @@ def methods(module: PagedLM, max_prefill: int, max_batch: int, dtype: torch.dtyp
         # Layers on the one-row kernels (_one_row.py) need no tuning of Inductor's reductions (nor torchao's
         # settings for them); any other layer does.
         module.one_row = plan_one_row(module.model)
-        tuning = {**STEP_VALUES_ONCE, **({} if module.one_row.complete
-                                         else {**DECODE_ONE_CONFIGS, **quantize_configs(quantize)})}
+        tuning = dict(STEP_VALUES_ONCE) if module.one_row.complete else \
+            {**STEP_VALUES_ONCE, **DECODE_ONE_CONFIGS, **quantize_configs(quantize)}
         found[DECODE_ONE] = Method((torch.zeros(1, 1, dtype=torch.long, device=device), kv, table(1),
                                     torch.full((1,), example, dtype=torch.long, device=device)),
                                    dynamic_shapes={"input_ids": {}, "kv": {0: pages}, "page_table": decode_width or {},
