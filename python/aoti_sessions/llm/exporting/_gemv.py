@@ -153,9 +153,18 @@ def _config(n_out: int, k: int, silu_mul: bool, int8: bool = False) -> tuple[int
     as wide took 26.6); q/k/v 512-wide tiles, 4 stages (8.3 us against 9.1);
     the long-K projections the bf16 choice with tiles twice as wide (2048: o
     5.4 us, down 14.3, faster than any tile the sweep tried).
+
+    A bf16 K over 4096 (the 4B down projection, K 9,728): 2 outputs on
+    2048-wide tiles, 2 stages. Timed in the chain a step runs
+    (``bench/probe_chain.py --configs``, stop 58: twelve layers' down
+    projections back to back) it took 191.8 us against 207-208 for the
+    choice above; every other projection's choice was within 3% of the best
+    tile that probe tried.
     """
     if silu_mul:
         config = (8, 512, 4, 1) if int8 else (4, 256 if k <= 1024 else 512, 4, 4)
+    elif k > 4096 and n_out <= 4096 and not int8:  # (the 4B down projection: stop 58's chain probe)
+        config = (2, 2048, 8, 2)
     elif k >= 2048 and n_out <= 4096:
         config = (4 if n_out >= 2048 else 2, 2048 if int8 else 1024, 8, 4 if k > 4096 else 1)
     else:
