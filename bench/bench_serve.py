@@ -143,6 +143,19 @@ def family_config(family: str, size: dict[str, Any], base: dict[str, Any]) -> tr
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 
+def bench_model(family: str, size: dict[str, Any]) -> tuple[Any, Any]:
+    """``family``'s model at ``size`` (config fields, no dtype) with the random weights every
+    bench package of it has (seed 0, float32), and the test tokenizer."""
+    tiny = hf_model_dir("qwen3")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny, local_files_only=True)
+    base = transformers.AutoConfig.from_pretrained(tiny, local_files_only=True).to_dict()
+    base.pop("layer_types", None)  # derived from the layer count
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(family_config(family, size, base)).eval()
+    model.generation_config = transformers.GenerationConfig.from_pretrained(tiny, local_files_only=True)
+    return model, tokenizer
+
+
 def bench_package(device: str, family: str = "qwen3", build: bool = True, **overrides: object) -> Path:
     """The bench model of ``family`` (``overrides``: config fields, or ``dtype``, ``fuse``, ``quantize``,
     ``decode_one`` or ``inductor_configs``: export's), exported once per device and size (``build`` False: FileNotFoundError
@@ -167,15 +180,8 @@ def bench_package(device: str, family: str = "qwen3", build: bool = True, **over
         return target
     if not build:
         raise FileNotFoundError(f"no {family} bench package for {sorted(size.items())} yet ({target.name})")
-    tiny = hf_model_dir("qwen3")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny, local_files_only=True)
-    base = transformers.AutoConfig.from_pretrained(tiny, local_files_only=True).to_dict()
-    base.pop("layer_types", None)  # derived from the layer count
     dtype = str(size["dtype"])
-    config = family_config(family, {k: v for k, v in size.items() if k != "dtype"}, base)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config = transformers.GenerationConfig.from_pretrained(tiny, local_files_only=True)
+    model, tokenizer = bench_model(family, {k: v for k, v in size.items() if k != "dtype"})
     folder = model_folder(target)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

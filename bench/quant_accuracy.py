@@ -20,12 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent / "tests")]
 from bench_decode import ACCURACY_PROMPTS, ACCURACY_TOKENS, SHAPES, agreement  # noqa: E402
-from bench_serve import family_config, user_message  # noqa: E402
-from llm_models import hf_model_dir  # noqa: E402
+from bench_serve import bench_model, user_message  # noqa: E402
 
 from aoti_sessions.llm.exporting._quantize import INT4_GROUP  # noqa: E402
 
@@ -59,14 +57,8 @@ def main() -> None:
     parser.add_argument("--shape", default="4b-slice", choices=sorted(SHAPES))
     parser.add_argument("--schemes", default="int8wo,int4wo")
     args = parser.parse_args()
-    tiny = hf_model_dir("qwen3")
-    base = transformers.AutoConfig.from_pretrained(tiny, local_files_only=True).to_dict()
-    base.pop("layer_types", None)
-    config = family_config("qwen3", {k: v for k, v in SHAPES[args.shape].items() if k != "dtype"}, base)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny, local_files_only=True)
-    torch.manual_seed(0)  # bench_package's weights
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    projections = [m for name, m in model.named_modules()
+    model, tokenizer = bench_model("qwen3", {k: v for k, v in SHAPES[args.shape].items() if k != "dtype"})
+    projections = [m for m in model.modules()
                    if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
     bf16 = [m.weight.data.to(torch.bfloat16) for m in projections]  # the package's weights
     for p in model.parameters():
@@ -76,14 +68,24 @@ def main() -> None:
     def logits(ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
+    @torch.no_grad()
+    def greedy(prompt: list[int]) -> list[int]:
+        """``prompt`` and the unquantized model's argmax continuation (as bench_decode's reference
+        continues: every id may come, the end of text too)."""
+        out = model(torch.tensor([prompt]), use_cache=True)
+        ids = [*prompt, int(out.logits[0, -1].argmax())]
+        for _ in range(ACCURACY_TOKENS - 1):
+            out = model(torch.tensor([ids[-1:]]), cache=out.cache, use_cache=True)
+            ids.append(int(out.logits[0, -1].argmax()))
+        return ids
+
     start = time.perf_counter()
     prompts = [tokenizer.encode(user_message(i, 0)) for i in range(ACCURACY_PROMPTS)]
-    with torch.no_grad():  # the unquantized model's greedy continuations, then every position's logits
-        seqs = [model.generate(torch.tensor([p]), max_new_tokens=ACCURACY_TOKENS, do_sample=False,
-                               min_new_tokens=ACCURACY_TOKENS)[0].tolist() for p in prompts]
+    seqs = [greedy(p) for p in prompts]
     want = [logits(s)[len(p) - 1:-1] for p, s in zip(prompts, seqs)]
-    print(f"# quant_accuracy: {args.shape}, torch {torch.__version__}, float32 forward on the CPU; the reference "
-          f"in {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"# quant_accuracy: {args.shape}, torch {torch.__version__}, float32 forward on the CPU (bench_decode's "
+          f"reference is the bf16 package on the GPU: its continuations may differ); the reference in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
     for scheme in args.schemes.split(","):
         for m, w in zip(projections, bf16):
             m.weight.data = SCHEMES[scheme](w).float()
