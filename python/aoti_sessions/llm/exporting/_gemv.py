@@ -144,7 +144,8 @@ def _config(n_out: int, k: int, silu_mul: bool, int8: bool = False) -> tuple[int
     within 1% of it at every shape:
 
     - gate/up with SiLU-mul: 4 outputs (8 weight rows) a program, 256-512 wide tiles, 4 warps;
-    - a long K (o_proj, down_proj: 2048 and more): 1024-wide tiles on 8 warps, 2-4 outputs a program;
+    - a long K (o_proj, down_proj: 2048 and more): 1024-wide tiles on 8 warps, 2-4 outputs a program
+      (over 4096: 2048-wide, 2 outputs; below);
     - q/k/v and the output head: 512-wide tiles on 4 warps, 2 outputs a program (8 at K >= 2048).
 
     ``int8`` weights (``probe_gemv --int8 --quick`` at the 4B projections on an
@@ -154,18 +155,19 @@ def _config(n_out: int, k: int, silu_mul: bool, int8: bool = False) -> tuple[int
     the long-K projections the bf16 choice with tiles twice as wide (2048: o
     5.4 us, down 14.3, faster than any tile the sweep tried).
 
-    A bf16 K over 4096 (the 4B down projection, K 9,728): 2 outputs on
-    2048-wide tiles, 2 stages. Timed in the chain a step runs
-    (``bench/probe_chain.py --configs``, stop 58: twelve layers' down
-    projections back to back) it took 191.8 us against 207-208 for the
-    choice above; every other projection's choice was within 3% of the best
-    tile that probe tried.
+    A K over 4096 in a float dtype (the down projections from Qwen3-1.7B's
+    and Llama-3.2-1B's up: K 6,144 to 14,336, n_out 2,048 to 4,096): 2 outputs
+    on 2048-wide tiles, 2 stages. Timed at the 4B down projection (K 9,728) in
+    the chain a step runs (``bench/probe_chain.py --configs``, stop 58: twelve
+    layers' down projections back to back): 191.8 us against 207-208 for the
+    long-K choice; the other shapes it reaches are not timed. Every other
+    projection's choice was within 3% of the best tile that probe tried.
     """
     if silu_mul:
         config = (8, 512, 4, 1) if int8 else (4, 256 if k <= 1024 else 512, 4, 4)
-    elif k > 4096 and n_out <= 4096 and not int8:  # (the 4B down projection: stop 58's chain probe)
+    elif k > 4096 and n_out <= 4096 and not int8:
         config = (2, 2048, 8, 2)
-    elif k >= 2048 and n_out <= 4096:
+    elif k >= 2048 and n_out <= 4096:  # (int8's K over 4096 too: 4 stages there)
         config = (4 if n_out >= 2048 else 2, 2048 if int8 else 1024, 8, 4 if k > 4096 else 1)
     else:
         config = (8, 512, 4, 4) if int8 else (8 if k >= 2048 else 2, 512, 4, 2)
