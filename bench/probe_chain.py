@@ -8,7 +8,10 @@ of the 4B slice's four projections (q/k/v, o, gate/up, down; 2.42 GB bf16):
 
 - ``ops``: the package's own kernels (``_gemv.decode_linear``, with the norm,
   SiLU-mul and residual as decode_one calls them);
-- ``plain``: a bare one-row kernel of the same tiles (no norm, no epilogue);
+- ``plain``: a bare one-row kernel (no norm, no epilogue) on ``_config``'s tiles for
+  its shape: the same as the op's for q/k/v, o and down, but gate/up bare is one
+  matrix of 8 contiguous rows a program on 2 stages, where the op reads 4 gate and
+  4 up rows on 4 stages;
 - ``pdl``: the same launched with PDL, each program releasing its dependents
   at once and waiting for its predecessor before it reads x;
 - ``pdl_prefetch``: ``pdl`` with each program's first weight tile loaded
@@ -21,7 +24,8 @@ of the 4B slice's four projections (q/k/v, o, gate/up, down; 2.42 GB bf16):
   computed each way (``_norm_kernel``'s doc);
 - ``--configs``: each projection's chain on each of ``CONFIGS``' tiles.
 
-Results: bench/results/decode_cuda.md, stop 58.
+Results: bench/results/decode_cuda.md, stop 58 (tree 26f0c98: since, ``_config`` gives
+the down projection another tile, which ``plain`` and ``pdl`` follow).
 
     python bench/probe_chain.py [--out FILE] [--rounds N] [--only SUBSTRING] [--configs]
 """
@@ -49,7 +53,8 @@ rms_rstd, load_normed = gv.rms_rstd, gv.load_normed  # (called from the kernel b
 
 DTYPE = torch.bfloat16
 LAYERS = 12
-# (N, K, norm, silu_mul, residual) a layer, as decode_one calls them on the 4B slice.
+# (N, K, norm, silu_mul, residual) a layer, as decode_one calls them on the 4B slice, and their names.
+NAMES = ("qkv", "o", "gate_up", "down")
 PROJECTIONS = [(6144, 2560, True, False, False), (2560, 4096, False, False, True),
                (19456, 2560, True, True, False), (2560, 9728, False, False, True)]
 
@@ -66,11 +71,11 @@ def _gemv_kernel(X, W, Y, K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexp
         gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if PREFETCH:
-        w0 = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        w0 = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
     if PDL:
         gdc_wait()
     if PREFETCH:
-        acc += w0.to(tl.float32) * tl.load(X + offs_k).to(tl.float32)[None, :]
+        acc += w0.to(tl.float32) * tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K if PREFETCH else 0, K, BLOCK_K):
         kk = k0 + offs_k
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0)
@@ -94,10 +99,11 @@ def _norm_kernel(X, W, NW, RSTD, Y, eps, K: tl.constexpr, N_OUT: tl.constexpr, S
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if MODE == 3:
-        w0 = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        first = n_mask[:, None] & (offs_k < K)[None, :]
+        w0 = tl.load(w_rows + offs_k[None, :], mask=first, other=0.0)
         u0 = w0
         if SILU_MUL:
-            u0 = tl.load(w_rows + N_OUT * K + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            u0 = tl.load(w_rows + N_OUT * K + offs_k[None, :], mask=first, other=0.0)
     rstd = 1.0
     if MODE == 1 or MODE == 3:
         rstd = rms_rstd(X, eps, K, BLOCK_K)
@@ -150,7 +156,8 @@ def bare(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, pdl: bool, prefetch:
     return call
 
 
-# Tiles tried for each projection in its chain (--configs; the first is _config's).
+# Tiles tried for each projection in its chain (--configs; the first was _config's when stop 58 ran it: down's
+# is the last since).
 CONFIGS = {
     "qkv": [(8, 512, 4, 2), (8, 512, 4, 1), (8, 512, 4, 3), (4, 512, 4, 2), (16, 512, 4, 2), (8, 256, 4, 2),
             (8, 1024, 8, 2), (16, 256, 4, 2), (4, 1024, 4, 2), (16, 512, 8, 2)],
@@ -203,7 +210,7 @@ def main() -> None:
         return calls
 
     for mode in range(5):  # the norm kernel's modes against the op (x normalized for mode 0)
-        w, _, silu, _ = layers[0][2]
+        w = layers[0][2][0]
         x = xs[2560] if mode else gv.rms_norm_reference(xs[2560], nws[2560], 1e-6)
         y = torch.empty(1, w.shape[0] // 2, dtype=DTYPE, device="cuda")
         normed(x, w, nws[2560], rstd, y, True, mode)()
@@ -224,7 +231,7 @@ def main() -> None:
         kind: (lambda kind=kind: chain(kind)) for kind in ("ops", "plain", "pdl", "pdl_prefetch", "cublas")}
     kinds["one_kernel"] = lambda: [bare(xs[2560], big, y_big, False, False)]
     kinds["torch_sum"] = lambda: [lambda: everything.sum()]
-    for i, name in enumerate(("qkv", "o", "gate_up", "down")):  # each projection's 12 alone
+    for i, name in enumerate(NAMES):  # each projection's 12 alone
         for kind in ("ops", "plain", "pdl") + (("norm0", "norm1", "norm2", "norm3", "norm4") if i in (0, 2) else ()):
             kinds[f"{kind}.{name}"] = lambda kind=kind, i=i: chain(kind, i)
         if args.configs:
@@ -238,7 +245,7 @@ def main() -> None:
             times[kind].append(graph_time(calls, replays=10) * len(calls))
     for kind, ts in times.items():
         med = statistics.median(ts)
-        part = nbytes if "." not in kind else sum(layer[("qkv", "o", "gate_up", "down").index(
+        part = nbytes if "." not in kind else sum(layer[NAMES.index(
             kind.split(".")[1].split(" ")[0])][0].numel() * 2 for layer in layers)
         emit(f"{kind}: us a chain min/median/max {min(ts):.1f} / {med:.1f} / {max(ts):.1f}, "
              f"{part / med / 1e6:.2f} TB/s, {100 * part / med / 1e6 / 4.8:.0f}% of 4.8 TB/s")
