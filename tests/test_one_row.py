@@ -9,7 +9,7 @@ tests/test_decode_one.py's."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -52,15 +52,15 @@ def _inputs(n: int, k: int, norm: bool, silu: bool, bias: bool, residual: bool, 
             "weight_scale": scale}
 
 
-def _check_cases(launch: object, dtype: torch.dtype, device: str, config: tuple[int, int, int, int] | None,
+def _check_cases(launch: Callable[..., torch.Tensor], dtype: torch.dtype, device: str, config: tuple[int, int, int, int] | None,
                  bf16_tol: float = 0.15, cases: Sequence[tuple[int, int, bool, bool, bool, bool, bool]] = CASES,
                  rows: int = 2, f32_tol: float = 1e-5) -> None:
     for n, k, norm, silu, bias, residual, quant in cases:
         a = _inputs(n, k, norm, silu, bias, residual, dtype, device, rows=rows, quant=quant)
         ref = gv.decode_linear_reference(a["x"], a["weight"], a["bias"], a["norm_weight"], 1e-6, silu, a["residual"],
                                          a["weight_scale"])
-        got = gv._launch(a["x"], a["weight"], a["bias"], a["norm_weight"], 1e-6, silu, a["residual"],
-                         a["weight_scale"], config=config)
+        got = launch(a["x"], a["weight"], a["bias"], a["norm_weight"], 1e-6, silu, a["residual"],
+                     a["weight_scale"], **({} if config is None else {"config": config}))
         assert got.shape == ref.shape and got.dtype == ref.dtype
         # bfloat16: a few units in the last place of outputs up to ~8 (the sum's order differs from torch's).
         tol = f32_tol if dtype == torch.float32 else bf16_tol
@@ -262,8 +262,9 @@ def test_kernel_on_cuda(dtype: torch.dtype) -> None:
     """The op's own launch parameters and small ones (many programs and iterations a row)."""
     _check_cases(gv._launch, dtype, "cuda", None)
     _check_cases(gv._launch, dtype, "cuda", (4, 32, 2, 2))
-    # One row at q/k/v's shape with the norm and at the 4B down projection's (K over 4096: a tile of its own).
-    _check_cases(gv._launch, dtype, "cuda", None, cases=((4096, 1024, True, False, False, True, False),
+    # Through the op, one row at q/k/v's shape with the norm and at the 4B down projection's (K over 4096: a
+    # tile of its own).
+    _check_cases(gv.decode_linear, dtype, "cuda", None, cases=((4096, 1024, True, False, False, True, False),
                                                          (2560, 9728, False, False, False, True, False)),
                  rows=1, f32_tol=1e-4)
 
