@@ -25,15 +25,15 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent / "
 from bench_decode import ACCURACY_PROMPTS, ACCURACY_TOKENS, SHAPES, agreement  # noqa: E402
 from bench_serve import bench_model, user_message  # noqa: E402
 
-from aoti_sessions.llm.exporting._quantize import INT4_GROUP  # noqa: E402
+from aoti_sessions.llm.exporting import _quantize  # noqa: E402
 
 
 def int8wo(w: torch.Tensor) -> torch.Tensor:
     """``w`` through torchao's int8 weight-only quantization and back."""
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_  # type: ignore[import-untyped]
+    from torchao.quantization import quantize_  # type: ignore[import-untyped]
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
     linear.weight.data = w.clone()
-    quantize_(linear, Int8WeightOnlyConfig(set_inductor_config=False))
+    quantize_(linear, _quantize._config("int8wo", w.device))  # (export's own settings)
     return linear.weight.dequantize().to(w.dtype)
 
 
@@ -42,7 +42,7 @@ def int4wo(w: torch.Tensor) -> torch.Tensor:
     format's: tinygemm's asymmetric groups) and back."""
     from torchao.quantization.quant_primitives import (  # type: ignore[import-untyped]
         MappingType, _choose_qparams_affine_tinygemm, _dequantize_affine_tinygemm, _quantize_affine_tinygemm)
-    block = (1, INT4_GROUP)
+    block = (1, _quantize.INT4_GROUP)
     scale, zero = _choose_qparams_affine_tinygemm(w, MappingType.ASYMMETRIC, block, torch.int32, 0, 15,
                                                   scale_dtype=w.dtype, zero_point_dtype=w.dtype)
     q = _quantize_affine_tinygemm(w, block, scale, zero, torch.int32, 0, 15)
